@@ -1,0 +1,29 @@
+# `make demo` and `make test` create .venv on first use and install the project into it.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $(STAMP)
+
+.PHONY: install demo test bench clean
+install: $(STAMP)
+
+# SAC on Pendulum-v1 until it swings up (a few minutes on a 2-core CPU), then its learning curve.
+demo: $(STAMP)
+	$(BIN)/python scripts/train.py sac --env Pendulum-v1 --total-steps 12000 --learning-starts 1000 \
+	    --eval-every 1000 --eval-episodes 5 --run-dir runs/demo-sac-pendulum
+	$(BIN)/python scripts/plot.py runs/demo-sac-pendulum --out runs/demo-sac-pendulum/curve.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python scripts/benchmark.py
+
+clean:
+	rm -rf $(VENV) runs/demo-sac-pendulum

@@ -1,0 +1,183 @@
+"""SAC with automatic temperature, SAC-N (N critics) and EDAC (gradient diversity).
+
+Haarnoja et al. 2018 (arXiv 1812.05905) with the SAC-N / EDAC extensions of An et al. 2021
+(arXiv 2110.01548), as described in shared/specs/offline.md section 4.  One gradient step:
+
+  1. temperature:  J(alpha) = E[-log alpha * (log pi(a|s) + target_entropy)],  a ~ pi(.|s)
+  2. actor:        J(pi)    = E[alpha log pi(a|s) - min_i Q_i(s, a)]
+  3. critics:      y = r + gamma (1 - terminated) (min_i Q'_i(s', a') - alpha log pi(a'|s'))
+                   J(Q)     = sum_i E[(Q_i(s, a) - y)^2]  +  eta * ESS
+                   ESS      = E_s[ sum_{i != j} cos(grad_a Q_i, grad_a Q_j) ] / (N - 1)
+  4. Polyak:       theta' <- tau theta + (1 - tau) theta'
+
+``truncated`` never enters the target: a transition cut by a time limit bootstraps from its
+true final observation, which the replay buffer stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
+from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
+from training.config import NetworkConfig, OffPolicyConfig
+from training.replay import Transition
+
+
+@dataclass(frozen=True)
+class SACConfig(OffPolicyConfig):
+    """SAC hyperparameters (defaults: Haarnoja et al. 2018 / CleanRL)."""
+
+    critics: int = 2
+    """number of Q networks N (2 = SAC's clipped double Q; >2 = SAC-N)"""
+    eta: float = 0.0
+    """EDAC gradient-diversity coefficient (0 = SAC-N)"""
+    actor_lr: float = 3e-4
+    critic_lr: float = 3e-4
+    alpha_lr: float = 3e-4
+    gamma: float = 0.99
+    tau: float = 5e-3
+    init_alpha: float = 1.0
+    target_entropy: Optional[float] = None
+    """None: -|A|"""
+    edac_init: bool = False
+    """EDAC initialisation: hidden biases 0.1, output layers U(+-1e-3) actor / U(+-3e-3) critic"""
+
+
+# Paper default: 2 x 256 ReLU for actor and critics (EDAC uses --network.depth 3).
+@struct.dataclass
+class SACState:
+    actor_params: object
+    critic_params: object
+    target_critic_params: object
+    log_alpha: jax.Array
+    actor_opt: object
+    critic_opt: object
+    alpha_opt: object
+    updates: jax.Array
+    cfg: SACConfig = struct.field(pytree_node=False)
+    actor: Net = struct.field(pytree_node=False)
+    critic: Net = struct.field(pytree_node=False)
+    act_dim: int = struct.field(pytree_node=False)
+
+
+# Plastic networks: name -> (params field, optimizer-state field).  Plasticity code acts on these.
+PLASTIC = {"actor": ("actor_params", "actor_opt"), "critic": ("critic_params", "critic_opt")}
+
+
+def _optimizers(cfg: SACConfig):
+    return optax.adam(cfg.actor_lr), optax.adam(cfg.critic_lr), optax.adam(cfg.alpha_lr)
+
+
+def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig = NetworkConfig()) -> SACState:
+    if cfg.critics < 1:
+        raise ValueError(f"--critics must be >= 1, got {cfg.critics}")
+    if cfg.eta > 0 and cfg.critics < 2:
+        raise ValueError("EDAC's diversity term (--eta > 0) needs at least 2 critics")
+    spec = network.trunk(TrunkSpec(256, 2, hidden_bias_init=0.1 if cfg.edac_init else 0.0))
+    k_actor, k_critic = jax.random.split(key)
+    actor, actor_params = build("actor", lambda r: GaussianPolicyHead(
+        obs_dim, act_dim, spec, rngs=r, out_init_scale=1e-3 if cfg.edac_init else None), k_actor)
+    critic, critic_params = build("critic", lambda r: MLPHead(
+        obs_dim + act_dim, 1, spec, rngs=r, out_init_scale=3e-3 if cfg.edac_init else None),
+        k_critic, ensemble=cfg.critics)
+    log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
+    tx_a, tx_c, tx_t = _optimizers(cfg)
+    target_params = jax.tree.map(jnp.copy, critic_params)  # distinct buffers (the loop donates state)
+    return SACState(actor_params, critic_params, target_params, log_alpha,
+                    tx_a.init(actor_params), tx_c.init(critic_params), tx_t.init(log_alpha),
+                    jnp.zeros((), jnp.int32), cfg, actor, critic, act_dim)
+
+
+def act(state: SACState, obs, key, explore: bool):
+    """A sampled action when exploring, tanh(mean) otherwise."""
+    mean, log_std = state.actor(state.actor_params, obs)
+    if explore:
+        return tanh_gaussian_sample(key, mean, log_std)[0]
+    return tanh_gaussian_mode(mean)
+
+
+def target_entropy(state: SACState) -> float:
+    t = state.cfg.target_entropy
+    return -float(state.act_dim) if t is None else t
+
+
+def td_target(reward, terminated, next_q_min, next_log_prob, alpha, gamma):
+    """y = r + gamma (1 - terminated) (min_i Q'_i(s', a') - alpha log pi(a'|s'))."""
+    return reward + gamma * (1.0 - terminated.astype(reward.dtype)) * (next_q_min - alpha * next_log_prob)
+
+
+def diversity_loss(critic: Net, critic_params, obs, action):
+    """EDAC's ensemble similarity: mean over states of sum_{i!=j} cos(grad_a Q_i, grad_a Q_j) / (N-1)."""
+    n = critic.ensemble
+    grads = jax.jacrev(lambda a: critic.apply(critic_params, obs, a)[0].sum(axis=1))(action)  # (N, B, A)
+    unit = grads / (jnp.linalg.norm(grads, axis=-1, keepdims=True) + 1e-10)
+    cos = jnp.einsum("nba,mba->bnm", unit, unit)
+    off_diagonal = cos.sum(axis=(1, 2)) - jnp.trace(cos, axis1=1, axis2=2)
+    return off_diagonal.mean() / (n - 1)
+
+
+def alpha_loss(log_alpha, log_prob, entropy_target):
+    return -(log_alpha * jax.lax.stop_gradient(log_prob + entropy_target)).mean()
+
+
+def actor_loss(actor_params, state: SACState, obs, alpha, key):
+    mean, log_std = state.actor(actor_params, obs)
+    action, log_prob = tanh_gaussian_sample(key, mean, log_std)
+    q = state.critic(state.critic_params, obs, action).min(axis=0)
+    return (alpha * log_prob - q).mean(), log_prob
+
+
+def critic_loss(critic_params, state: SACState, actor_params, batch: Transition, alpha, key):
+    """Squared TD error summed over critics (+ eta * diversity).  The online call comes first."""
+    cfg = state.cfg
+    q = state.critic(critic_params, batch.obs, batch.action)  # (N, B)
+    mean, log_std = state.actor(actor_params, batch.next_obs)
+    next_action, next_log_prob = tanh_gaussian_sample(key, mean, log_std)
+    next_q = state.critic(state.target_critic_params, batch.next_obs, next_action).min(axis=0)
+    y = jax.lax.stop_gradient(td_target(batch.reward, batch.terminated, next_q, next_log_prob, alpha, cfg.gamma))
+    td = ((q - y[None]) ** 2).mean(axis=1).sum()
+    div = diversity_loss(state.critic, critic_params, batch.obs, batch.action) if cfg.eta > 0 else jnp.zeros(())
+    return td + cfg.eta * div, (q, td, div)
+
+
+def update(state: SACState, batch: Transition, key):
+    """One gradient step in the spec's order: temperature, actor, critics, Polyak."""
+    cfg = state.cfg
+    tx_a, tx_c, tx_t = _optimizers(cfg)
+    k_alpha, k_actor, k_critic = jax.random.split(key, 3)
+
+    mean, log_std = state.actor(state.actor_params, batch.obs)
+    _, log_prob = tanh_gaussian_sample(k_alpha, mean, log_std)
+    a_loss, a_grad = jax.value_and_grad(alpha_loss)(state.log_alpha, log_prob, target_entropy(state))
+    upd, alpha_opt = tx_t.update(a_grad, state.alpha_opt, state.log_alpha)
+    log_alpha = optax.apply_updates(state.log_alpha, upd)
+    alpha = jnp.exp(log_alpha)
+
+    (pi_loss, log_prob), pi_grad = jax.value_and_grad(actor_loss, has_aux=True)(
+        state.actor_params, state, batch.obs, alpha, k_actor)
+    upd, actor_opt = tx_a.update(pi_grad, state.actor_opt, state.actor_params)
+    actor_params = optax.apply_updates(state.actor_params, upd)
+
+    (q_loss, (q, td, div)), q_grad = jax.value_and_grad(critic_loss, has_aux=True)(
+        state.critic_params, state, actor_params, batch, alpha, k_critic)
+    upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
+    critic_params = optax.apply_updates(state.critic_params, upd)
+    target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)
+
+    new = state.replace(actor_params=actor_params, critic_params=critic_params, target_critic_params=target,
+                        log_alpha=log_alpha, actor_opt=actor_opt, critic_opt=critic_opt, alpha_opt=alpha_opt,
+                        updates=state.updates + 1)
+    metrics = {"losses/critic": td, "losses/actor": pi_loss, "losses/alpha": a_loss,
+               "losses/diversity": div, "charts/alpha": alpha, "charts/entropy": -log_prob.mean(),
+               "values/q_mean": q.mean(), "values/q_std_ensemble": q.std(axis=0).mean()}
+    return new, metrics
+
+
+CONFIG = SACConfig
+KIND = "offpolicy"

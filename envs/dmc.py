@@ -1,0 +1,52 @@
+"""DeepMind Control Suite as a Gymnasium env: flattened float32 observations, actions in [-1, 1].
+
+Control Suite episodes end by the time limit (1000 physics-control steps), which is a
+truncation; a last time step with discount 0 is a termination.
+"""
+from __future__ import annotations
+
+import numpy as np
+import gymnasium as gym
+
+
+def _flat_size(spec) -> int:
+    return int(sum(np.prod(s.shape) if s.shape else 1 for s in spec.values()))
+
+
+class DMCEnv(gym.Env):
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, domain: str, task: str, seed: int = 0, render_mode=None):
+        from dm_control import suite  # imported lazily: dm_control is slow to import
+
+        if (domain, task) not in suite.ALL_TASKS:
+            valid = ", ".join(f"dmc:{d}-{t}" for d, t in suite.ALL_TASKS)
+            raise ValueError(f"unknown Control Suite task dmc:{domain}-{task}; valid tasks: {valid}")
+        self._env = suite.load(domain, task, task_kwargs={"random": seed})
+        self.domain, self.task = domain, task
+        self.render_mode = render_mode
+        spec = self._env.action_spec()
+        self._low, self._high = spec.minimum.astype(np.float64), spec.maximum.astype(np.float64)
+        dim = _flat_size(self._env.observation_spec())
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (dim,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, spec.shape, np.float32)
+
+    def _obs(self, ts) -> np.ndarray:
+        return np.concatenate([np.asarray(v, np.float32).ravel() for v in ts.observation.values()])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self._env.task._random = np.random.RandomState(seed)
+        return self._obs(self._env.reset()), {}
+
+    def step(self, action):
+        a = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
+        a = self._low + (a + 1.0) * 0.5 * (self._high - self._low)
+        ts = self._env.step(a)
+        terminated = bool(ts.last() and ts.discount == 0.0)
+        truncated = bool(ts.last() and not terminated)
+        return self._obs(ts), float(ts.reward or 0.0), terminated, truncated, {}
+
+    def render(self):
+        return self._env.physics.render(height=480, width=480, camera_id=0)

@@ -1,0 +1,6 @@
+"""Instrumented network blocks shared by every agent."""
+from networks.blocks import Trunk, TrunkSpec
+from networks.core import Net, build
+from networks.heads import DeterministicPolicyHead, GaussianPolicyHead, MLPHead
+
+__all__ = ["Trunk", "TrunkSpec", "Net", "build", "MLPHead", "GaussianPolicyHead", "DeterministicPolicyHead"]

@@ -1,0 +1,36 @@
+"""Hand-written distributions: diagonal Gaussian and tanh-squashed Gaussian."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LOG_2PI = jnp.log(2.0 * jnp.pi)
+
+
+def gaussian_log_prob(x, mean, log_std):
+    """log N(x; mean, exp(log_std)^2), summed over the last axis."""
+    z = (x - mean) * jnp.exp(-log_std)
+    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * LOG_2PI, axis=-1)
+
+
+def tanh_log_det_jacobian(u):
+    """log |d tanh(u) / du| = log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), summed."""
+    return jnp.sum(2.0 * (jnp.log(2.0) - u - jax.nn.softplus(-2.0 * u)), axis=-1)
+
+
+def tanh_gaussian_sample(key, mean, log_std):
+    """a = tanh(u), u ~ N(mean, std^2); returns (a, log pi(a)) with the change of variables."""
+    u = mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape, mean.dtype)
+    log_prob = gaussian_log_prob(u, mean, log_std) - tanh_log_det_jacobian(u)
+    return jnp.tanh(u), log_prob
+
+
+def tanh_gaussian_log_prob(action, mean, log_std, eps: float = 1e-6):
+    """log pi(a) for a given squashed action a in (-1, 1) (clipped to stay finite)."""
+    u = jnp.arctanh(jnp.clip(action, -1.0 + eps, 1.0 - eps))
+    return gaussian_log_prob(u, mean, log_std) - tanh_log_det_jacobian(u)
+
+
+def tanh_gaussian_mode(mean):
+    """The deterministic (evaluation) action tanh(mean)."""
+    return jnp.tanh(mean)

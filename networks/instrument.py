@@ -1,0 +1,86 @@
+"""Reading hidden activations and their gradients from any network, without agent code.
+
+Every instrumented network (``networks.core.Net``) reports the post-activation output of
+each hidden layer ("taps") and accepts an additive zero "probe" per tap: the gradient of a
+loss with respect to a probe equals the gradient with respect to that activation.
+
+The agent's loss functions are written as usual.  Plasticity code wraps a call to them in
+``record(...)``; every call of a named network inside the wrapped code is recorded in call
+order.  Only the first call is probed, which is the online forward pass in every agent's
+loss (target networks are called after it and under ``stop_gradient``).
+
+The context lives in Python and is read at trace time, so it works under ``jit``, ``grad``
+and ``vmap`` as long as the ``record`` block is opened inside the same transformation as the
+network calls (calling a network inside an inner ``vmap``/``scan`` of the loss would leak
+tracers and raises JAX's UnexpectedTracerError, never a silent wrong value).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+_ACTIVE: contextvars.ContextVar["Recorder | None"] = contextvars.ContextVar("taps", default=None)
+
+
+class Recorder:
+    """Collects activations of the named networks; adds probes to their first call."""
+
+    def __init__(self, names, probes=None):
+        self.names = set(names)
+        self.probes = probes or {}
+        self.activations: dict[str, dict[str, jax.Array]] = {}
+
+    def wants(self, name: str) -> bool:
+        return name in self.names and name not in self.activations
+
+    def probe_for(self, name: str):
+        return self.probes.get(name)
+
+    def store(self, name: str, acts):
+        self.activations[name] = acts
+
+
+@contextlib.contextmanager
+def record(names, probes=None):
+    """Record the hidden activations of the networks named in ``names`` (first call each)."""
+    rec = Recorder(names, probes)
+    token = _ACTIVE.set(rec)
+    try:
+        yield rec
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Recorder | None:
+    return _ACTIVE.get()
+
+
+def activations(fn: Callable[[], Any], names) -> dict[str, dict[str, jax.Array]]:
+    """Hidden activations of the named networks during ``fn()`` (call inside jit)."""
+    with record(names) as rec:
+        fn()
+    missing = set(names) - set(rec.activations)
+    if missing:
+        raise ValueError(f"networks {sorted(missing)} were not called by the function")
+    return rec.activations
+
+
+def activation_grads(loss_fn: Callable[[], jax.Array], names):
+    """(activations, d loss / d activation) for each hidden layer of the named networks.
+
+    ``loss_fn()`` returns a scalar.  Works for any agent loss built from ``Net`` calls.
+    """
+    shapes = jax.eval_shape(lambda: activations(loss_fn, names))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def probed(probes):
+        with record(names, probes) as rec:
+            loss = loss_fn()
+        return loss, rec.activations
+
+    grads, acts = jax.grad(probed, has_aux=True)(zeros)
+    return acts, grads

@@ -1,0 +1,304 @@
+"""Plot evaluation curves (and optional training metrics) of one or more runs.
+
+Usage (from the repository root)::
+
+    python scripts/plot.py RUN_DIR [RUN_DIR ...] --out FIG.png [--y return_mean]
+        [--metrics NAME [NAME ...]] [--smooth K] [--title T]
+
+Each run directory holds ``config.json`` (keys ``agent``, ``env`` and optional
+``label``), ``eval.csv`` and, for ``--metrics``, ``metrics.csv``; both CSVs
+have one row per (step, seed). Curves are grouped by environment (one subplot
+column each) and by label (``config["label"]`` or ``config["agent"]``); seeds
+of run directories sharing (env, label) are pooled. Every curve is the mean
+over seeds with a shaded 95% percentile-bootstrap confidence interval.
+Metric names may be glob patterns (``plasticity/critic/dormant*``); each
+matching column gets its own line. A text table of final values (unsmoothed)
+is printed and the figure is saved (format from the file extension).
+"""
+
+import argparse
+import csv
+import fnmatch
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+try:
+    from training import stats
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from training import stats
+
+N_BOOT = 2000
+CI = 0.95
+BOOT_SEED = 0
+INDEX_COLUMNS = ("step", "seed")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One loaded run directory: its grouping keys and raw CSV tables."""
+
+    path: Path
+    env: str
+    label: str
+    eval: dict
+    metrics: dict | None
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """Mean and bootstrap CI across seeds at each step."""
+
+    steps: np.ndarray
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    n_seeds: np.ndarray
+
+
+def fail(path, message):
+    """Abort with a message that names the offending path."""
+    raise SystemExit(f"error: {path}: {message}")
+
+
+def read_config(path):
+    """Read ``config.json`` and check it names an agent and an env."""
+    if not path.is_file():
+        fail(path, "missing config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        fail(path, f"malformed JSON ({err})")
+    if not isinstance(config, dict):
+        fail(path, "expected a JSON object")
+    for key in ("agent", "env"):
+        if not isinstance(config.get(key), str):
+            fail(path, f"missing string key {key!r}")
+    return config
+
+
+def read_csv(path):
+    """Read a run CSV into ``{column: [cell, ...]}`` (cells kept as strings)."""
+    if not path.is_file():
+        fail(path, f"missing {path.name}")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames
+        rows = list(reader)
+    if not header:
+        fail(path, "empty file (no header)")
+    missing = [c for c in INDEX_COLUMNS if c not in header]
+    if missing:
+        fail(path, f"header lacks column(s) {missing}")
+    if not rows:
+        fail(path, "has no rows")
+    for line, row in enumerate(rows, start=2):
+        if None in row or None in row.values():
+            fail(path, f"line {line}: expected {len(header)} fields")
+    return {name: [row[name] for row in rows] for name in header}
+
+
+def numeric_column(table, name, path):
+    """Return column ``name`` as floats, empty cells as NaN."""
+    if name not in table:
+        fail(path, f"no column {name!r}")
+    try:
+        return np.array([float(cell) if cell.strip() else np.nan for cell in table[name]])
+    except ValueError as err:
+        fail(path, f"column {name!r}: {err}")
+
+
+def load_run(run_dir, with_metrics=False):
+    """Load config, eval.csv and (optionally) metrics.csv of one run dir."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        fail(run_dir, "not a directory")
+    config = read_config(run_dir / "config.json")
+    label = config.get("label") or config["agent"]
+    eval_table = read_csv(run_dir / "eval.csv")
+    metrics = read_csv(run_dir / "metrics.csv") if with_metrics else None
+    return Run(run_dir, config["env"], str(label), eval_table, metrics)
+
+
+def seed_curves(table, column, path):
+    """Split ``column`` of a run table into one ``{step: value}`` per seed.
+
+    Missing (NaN) values are dropped; a repeated step keeps its last value.
+    """
+    steps = numeric_column(table, "step", path)
+    seeds = numeric_column(table, "seed", path)
+    values = numeric_column(table, column, path)
+    if np.isnan(steps).any() or np.isnan(seeds).any():
+        fail(path, "empty 'step' or 'seed' cell")
+    curves = {}
+    for step, seed, value in zip(steps, seeds, values):
+        curve = curves.setdefault(seed, {})
+        if np.isfinite(value):
+            curve[int(step)] = float(value)
+    return list(curves.values())
+
+
+def smooth(curve, k):
+    """Trailing moving average over the last ``k`` points of a curve."""
+    if k <= 1 or not curve:
+        return curve
+    steps = sorted(curve)
+    values = np.array([curve[s] for s in steps])
+    csum = np.concatenate([[0.0], np.cumsum(values)])
+    end = np.arange(1, len(values) + 1)
+    start = np.maximum(0, end - k)
+    return dict(zip(steps, (csum[end] - csum[start]) / (end - start)))
+
+
+def aggregate(curves):
+    """Mean and 95% bootstrap CI across seed curves at each step.
+
+    Uses the steps present in every curve; if there are none, the steps
+    present in at least one curve, each over the seeds that have it.
+    """
+    step_sets = [set(c) for c in curves]
+    steps = set.intersection(*step_sets) or set.union(*step_sets)
+    rng = np.random.default_rng(BOOT_SEED)
+    rows = []
+    for step in sorted(steps):
+        values = [c[step] for c in curves if step in c]
+        rows.append((step, *stats.bootstrap_ci(values, N_BOOT, CI, rng), len(values)))
+    columns = np.array(rows, dtype=float).reshape(-1, 5).T
+    return Aggregate(*columns)
+
+
+def group_runs(runs):
+    """Group runs as ``{env: {label: [Run, ...]}}`` keeping first-seen order."""
+    groups = {}
+    for run in runs:
+        groups.setdefault(run.env, {}).setdefault(run.label, []).append(run)
+    return groups
+
+
+def group_curves(runs, column, table_name, k=1):
+    """Pool (smoothed) seed curves of ``column`` over runs; seeds stay per run."""
+    return [
+        smooth(curve, k)
+        for run in runs
+        for curve in seed_curves(getattr(run, table_name), column, run.path / f"{table_name}.csv")
+    ]
+
+
+def expand_metric(pattern, runs):
+    """Metric columns matching ``pattern``; every run must have them all."""
+    matched = set()
+    for run in runs:
+        columns = [c for c in run.metrics if c not in INDEX_COLUMNS]
+        hits = fnmatch.filter(columns, pattern)
+        if not hits:
+            fail(run.path / "metrics.csv", f"no column matches {pattern!r}")
+        matched.update(hits)
+    for run in runs:
+        absent = sorted(matched - set(run.metrics))
+        if absent:
+            fail(run.path / "metrics.csv", f"no column(s) {absent} (matched by {pattern!r} elsewhere)")
+    return sorted(matched)
+
+
+def draw(ax, agg, color, label, linestyle="-"):
+    """Draw a mean line with its shaded confidence band."""
+    ax.plot(agg.steps, agg.mean, color=color, linestyle=linestyle, label=label)
+    ax.fill_between(agg.steps, agg.low, agg.high, color=color, alpha=0.2, linewidth=0)
+
+
+def plot_env(axes, groups, colors, y, metrics, k):
+    """Fill one column of axes: eval curves on top, one row per metric below."""
+    for label, runs in groups.items():
+        draw(axes[0], aggregate(group_curves(runs, y, "eval", k)), colors[label], label)
+    axes[0].set_ylabel(y)
+    all_runs = [run for runs in groups.values() for run in runs]
+    for ax, pattern in zip(axes[1:], metrics):
+        columns = expand_metric(pattern, all_runs)
+        for label, runs in groups.items():
+            for i, column in enumerate(columns):
+                name = label if len(columns) == 1 else f"{label}: {column}"
+                agg = aggregate(group_curves(runs, column, "metrics", k))
+                draw(ax, agg, colors[label], name, LINESTYLES[i % len(LINESTYLES)])
+        ax.set_ylabel(pattern)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[-1].set_xlabel("environment steps")
+
+
+def make_figure(groups, y, metrics=(), k=1, title=None):
+    """Build the figure: one column per env, rows = eval + one per metric."""
+    labels = list(dict.fromkeys(label for env in groups.values() for label in env))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    n_rows, n_cols = 1 + len(metrics), len(groups)
+    fig = Figure(figsize=(5.5 * n_cols, 3.5 * n_rows), layout="constrained")
+    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    for col, (env, env_groups) in enumerate(groups.items()):
+        axes[0, col].set_title(env)
+        plot_env(axes[:, col], env_groups, colors, y, metrics, k)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def summary_rows(groups, y):
+    """Final-step (unsmoothed) mean and CI of ``y`` for every (env, label)."""
+    rows = []
+    for env, env_groups in groups.items():
+        for label, runs in env_groups.items():
+            agg = aggregate(group_curves(runs, y, "eval"))
+            if agg.steps.size == 0:
+                fail(", ".join(str(r.path) for r in runs), f"no values in column {y!r}")
+            rows.append((env, label, int(agg.n_seeds[-1]), int(agg.steps[-1]),
+                         agg.mean[-1], agg.low[-1], agg.high[-1]))
+    return rows
+
+
+def format_table(rows, y):
+    """Render summary rows as an aligned text table."""
+    header = ("env", "label", "seeds", "final_step", f"final_{y}", "95% CI")
+    cells = [header] + [
+        (env, label, str(n), str(step), f"{mean:.3f}", f"[{low:.3f}, {high:.3f}]")
+        for env, label, n, step, mean, low, high in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def parse_args(argv=None):
+    """Parse command-line arguments."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories")
+    parser.add_argument("--out", required=True, type=Path, help="output figure (.png, .pdf, ...)")
+    parser.add_argument("--y", default="return_mean", help="eval.csv column to plot")
+    parser.add_argument("--metrics", nargs="+", default=[], metavar="NAME",
+                        help="metrics.csv columns or glob patterns, one subplot row each")
+    parser.add_argument("--smooth", type=int, default=1, metavar="K",
+                        help="trailing moving average over K points per seed (plot only)")
+    parser.add_argument("--title", help="figure title")
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error("--smooth must be >= 1")
+    return args
+
+
+def main(argv=None):
+    """Load runs, print the summary table, save the figure, print its path."""
+    args = parse_args(argv)
+    runs = [load_run(path, with_metrics=bool(args.metrics)) for path in args.runs]
+    groups = group_runs(runs)
+    fig = make_figure(groups, args.y, args.metrics, args.smooth, args.title)
+    print(format_table(summary_rows(groups, args.y), args.y))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

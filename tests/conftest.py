@@ -1,0 +1,49 @@
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+
+class ToyChain(gym.Env):
+    """Deterministic toy: obs = [t, x]; x += action; terminates when x >= 3, else truncated by TimeLimit.
+
+    reward = 1 each step; used to check terminated / truncated / final-observation handling.
+    """
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.x = 0, 0.0
+        return np.array([self.t, self.x], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        self.x += float(action[0])
+        obs = np.array([self.t, self.x], np.float32)
+        return obs, 1.0, self.x >= 3.0, False, {}
+
+
+if "ToyChain-v0" not in gym.registry:
+    gym.register("ToyChain-v0", entry_point=ToyChain, max_episode_steps=5)
+
+
+@pytest.fixture
+def tiny_sac_config():
+    from agents.sac import SACConfig
+    from training.config import NetworkConfig, RunConfig
+
+    def make(**kw):
+        agent_kw = {k: kw.pop(k) for k in list(kw) if k in SACConfig.__dataclass_fields__}
+        agent = SACConfig(**{"buffer_size": 5000, "batch_size": 32, "learning_starts": 200, **agent_kw})
+        return RunConfig(**{"env": "Pendulum-v1", "total_steps": 600, "eval_every": 300, "eval_episodes": 2,
+                            "log_every": 100, "checkpoint_every": 300, "progress": False,
+                            "network": NetworkConfig(width=16), "agent_name": "sac", "agent": agent, **kw})
+
+    return make

@@ -1,0 +1,99 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from networks import GaussianPolicyHead, MLPHead, TrunkSpec, build, instrument
+
+
+@pytest.mark.parametrize("block", ["mlp", "simba", "multiskip"])
+def test_blocks_shapes_and_taps(block):
+    spec = TrunkSpec(width=8, depth=3, block=block, layer_norm=True)
+    net, params = build("critic", lambda r: MLPHead(5, 1, spec, rngs=r), jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    y, taps = net.apply(params, x)
+    assert y.shape == (4,)
+    assert list(taps) == ["layer0", "layer1", "layer2"]
+    width = 32 if block == "simba" else 8
+    assert all(t.shape == (4, width) for t in taps.values())
+
+
+def test_mlp_taps_equal_a_manual_forward_pass():
+    spec = TrunkSpec(width=6, depth=2, activation="relu")
+    net, p = build("critic", lambda r: MLPHead(3, 1, spec, rngs=r), jax.random.key(0))
+    x = np.random.default_rng(0).normal(size=(7, 3)).astype(np.float32)
+    W = [np.asarray(p["trunk"]["layers"][i]["kernel"]) for i in range(2)]
+    b = [np.asarray(p["trunk"]["layers"][i]["bias"]) for i in range(2)]
+    h0 = np.maximum(x @ W[0] + b[0], 0)
+    h1 = np.maximum(h0 @ W[1] + b[1], 0)
+    y = h1 @ np.asarray(p["out"]["kernel"]) + np.asarray(p["out"]["bias"])
+    out, taps = net.apply(p, jnp.asarray(x))
+    np.testing.assert_allclose(taps["layer0"], h0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(taps["layer1"], h1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, y[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_activation_gradients_match_a_hand_derived_gradient():
+    """For loss = sum(y^2), dL/dh1 = 2 y w_out^T; dL/dh0 = (dL/dh1 * relu'(z1)) W1^T."""
+    spec = TrunkSpec(width=6, depth=2)
+    net, p = build("critic", lambda r: MLPHead(3, 1, spec, rngs=r), jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (5, 3))
+
+    def loss():
+        return jnp.sum(net(p, x) ** 2)
+
+    acts, grads = jax.jit(lambda: instrument.activation_grads(loss, ["critic"]))()
+    y, taps = net.apply(p, x)
+    w_out = np.asarray(p["out"]["kernel"])[:, 0]
+    g1 = 2 * np.asarray(y)[:, None] * w_out[None]
+    z1 = np.asarray(taps["layer0"]) @ np.asarray(p["trunk"]["layers"][1]["kernel"]) + np.asarray(
+        p["trunk"]["layers"][1]["bias"])
+    g0 = (g1 * (z1 > 0)) @ np.asarray(p["trunk"]["layers"][1]["kernel"]).T
+    np.testing.assert_allclose(grads["critic"]["layer1"], g1, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads["critic"]["layer0"], g0, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(acts["critic"]["layer1"], taps["layer1"], rtol=1e-6)
+
+
+def test_ensemble_members_differ_and_instrumentation_has_member_axis():
+    spec = TrunkSpec(width=8, depth=2)
+    net, p = build("critic", lambda r: MLPHead(4, 1, spec, rngs=r), jax.random.key(0), ensemble=5)
+    x = jnp.ones((3, 4))
+    q = net(p, x)
+    assert q.shape == (5, 3)
+    assert len(np.unique(np.asarray(q[:, 0]).round(6))) == 5
+    acts = instrument.activations(lambda: net(p, x), ["critic"])
+    assert acts["critic"]["layer0"].shape == (5, 3, 8)
+    # member i of the ensemble equals a single network built from member i's params
+    single, _ = build("c", lambda r: MLPHead(4, 1, spec, rngs=r), jax.random.key(9))
+    np.testing.assert_allclose(single(jax.tree.map(lambda a: a[2], p), x), q[2], rtol=1e-6)
+
+
+def test_only_the_first_call_is_recorded():
+    spec = TrunkSpec(width=4, depth=1)
+    net, p = build("critic", lambda r: MLPHead(2, 1, spec, rngs=r), jax.random.key(0))
+    a, b = jnp.zeros((1, 2)), jnp.ones((1, 2))
+    acts = instrument.activations(lambda: (net(p, a), net(p, b)), ["critic"])
+    np.testing.assert_allclose(acts["critic"]["layer0"], net.apply(p, a)[1]["layer0"])
+    with pytest.raises(ValueError, match="not called"):
+        instrument.activations(lambda: net(p, a), ["actor"])
+
+
+def test_policy_log_std_is_clipped_and_bad_specs_are_refused():
+    spec = TrunkSpec(width=4, depth=1)
+    net, p = build("actor", lambda r: GaussianPolicyHead(2, 3, spec, rngs=r, log_std_min=-1, log_std_max=0.5),
+                   jax.random.key(0))
+    p = jax.tree.map(lambda x: x * 1000.0, p)
+    (_, log_std), _ = net.apply(p, jnp.ones((2, 2)))
+    assert float(log_std.min()) >= -1 and float(log_std.max()) <= 0.5
+    with pytest.raises(ValueError, match="block"):
+        TrunkSpec(block="transformer")
+    with pytest.raises(ValueError, match="activation"):
+        TrunkSpec(activation="swishy")
+
+
+def test_edac_output_init_range():
+    spec = TrunkSpec(width=8, depth=1, hidden_bias_init=0.1)
+    _, p = build("critic", lambda r: MLPHead(3, 1, spec, rngs=r, out_init_scale=3e-3), jax.random.key(0))
+    k = np.asarray(p["out"]["kernel"])
+    assert np.all(np.abs(k) <= 3e-3) and k.std() > 1e-4
+    np.testing.assert_allclose(p["trunk"]["layers"][0]["bias"], 0.1)

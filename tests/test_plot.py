@@ -1,0 +1,221 @@
+"""Tests for training/stats.py and scripts/plot.py."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_plot():
+    """Import scripts/plot.py by path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("plot_script", ROOT / "scripts" / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plot = _load_plot()
+
+
+# ---------------------------------------------------------------- bootstrap_ci
+
+
+def test_bootstrap_ci_constant_values_collapse():
+    assert stats.bootstrap_ci(np.full(5, 3.5), rng=0) == (3.5, 3.5, 3.5)
+
+
+def test_bootstrap_ci_single_value():
+    assert stats.bootstrap_ci([7.0]) == (7.0, 7.0, 7.0)
+
+
+def test_bootstrap_ci_brackets_mean():
+    values = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    point, low, high = stats.bootstrap_ci(values, rng=0)
+    assert point == pytest.approx(values.mean())
+    assert values.min() <= low < point < high <= values.max()
+
+
+def test_bootstrap_ci_reproducible_with_seed():
+    values = np.arange(10.0)
+    assert stats.bootstrap_ci(values, rng=3) == stats.bootstrap_ci(values, rng=3)
+
+
+def test_bootstrap_ci_shrinks_with_more_samples():
+    rng = np.random.default_rng(0)
+    widths = []
+    for n in (10, 1000):
+        _, low, high = stats.bootstrap_ci(rng.normal(size=n), rng=1)
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 3  # ~ sqrt(100) = 10x narrower in expectation
+
+
+def test_bootstrap_ci_other_statistic():
+    values = np.array([0.0, 1.0, 2.0, 100.0])
+    point, _, _ = stats.bootstrap_ci(values, rng=0, statistic=np.median)
+    assert point == 1.5
+
+
+# ------------------------------------------------------------------------- iqm
+
+
+def test_iqm_divisible_by_four():
+    assert stats.iqm(np.arange(1.0, 9.0)) == pytest.approx(4.5)  # mean(3, 4, 5, 6)
+
+
+def test_iqm_not_divisible_by_four():
+    # n = 7: int(0.25 * 7) = 1 value cut from each end, as scipy.trim_mean.
+    values = [3.0, 100.0, -50.0, 0.0, 7.0, 2.0, 1.0]
+    assert stats.iqm(values) == pytest.approx(np.mean([0.0, 1.0, 2.0, 3.0, 7.0]))
+    # n = 3: int(0.75) = 0, nothing is trimmed.
+    assert stats.iqm([1.0, 2.0, 9.0]) == pytest.approx(4.0)
+
+
+def test_iqm_along_axis():
+    x = np.array([np.arange(1.0, 9.0), np.arange(1.0, 9.0) * 2])
+    np.testing.assert_allclose(stats.iqm(x, axis=1), [4.5, 9.0])
+    # Flattened, sorted: 1 2 2 3 | 4 4 5 6 6 7 8 8 | 10 12 14 16.
+    assert stats.iqm(x) == pytest.approx(np.mean([4, 4, 5, 6, 6, 7, 8, 8]))
+
+
+# ------------------------------------------------------ stratified_bootstrap_ci
+
+
+def test_stratified_bootstrap_resamples_within_tasks():
+    # 4 runs x 2 tasks with disjoint ranges. Any within-task resample has 4
+    # values in [0, 3] and 4 in [100, 103]; the IQM trims the 2 lowest (task 0)
+    # and 2 highest (task 1), keeping 2 of each: IQM in [50, 53]. A pooled,
+    # non-stratified bootstrap would often draw mostly one task and fall outside.
+    scores = np.array([[0.0, 100.0], [1.0, 101.0], [2.0, 102.0], [3.0, 103.0]])
+    point, low, high = stats.stratified_bootstrap_ci(scores, ci=1.0, rng=0)
+    assert point == pytest.approx(stats.iqm(scores))
+    assert 50.0 <= low < point < high <= 53.0
+
+
+def test_stratified_bootstrap_single_run_collapses():
+    scores = np.array([[1.0, 2.0, 3.0, 4.0]])
+    assert stats.stratified_bootstrap_ci(scores, rng=0) == (2.5, 2.5, 2.5)
+
+
+# ------------------------------------------------------------------ plot CLI
+
+STEPS = [1000, 2000, 3000, 4000, 5000]
+
+
+def _eval_return(agent_offset, seed, step):
+    return agent_offset + 10.0 * seed + step / 100.0
+
+
+def _write_run(run_dir, agent, offset, label=None):
+    """A synthetic run: 2 seeds, 5 eval steps, metrics with a plasticity column."""
+    run_dir.mkdir()
+    config = {"agent": agent, "env": "Pendulum-v1"}
+    if label:
+        config["label"] = label
+    (run_dir / "config.json").write_text(json.dumps(config))
+    eval_lines = ["step,seed,return_mean,return_std,episode_returns"]
+    metric_lines = ["step,seed,charts/episodic_return,losses/critic,plasticity/critic/dormant_0.0"]
+    for step in STEPS:
+        for seed in range(2):
+            ret = _eval_return(offset, seed, step)
+            eval_lines.append(f"{step},{seed},{ret},1.0,{ret - 1} {ret + 1}")
+            critic_loss = "" if step == 3000 else f"{1.0 / step}"
+            metric_lines.append(f"{step},{seed},{ret},{critic_loss},{0.1 * seed + step / 1e5}")
+    (run_dir / "eval.csv").write_text("\n".join(eval_lines) + "\n")
+    (run_dir / "metrics.csv").write_text("\n".join(metric_lines) + "\n")
+    return run_dir
+
+
+def _final_mean(offset, seeds=(0, 1)):
+    return np.mean([_eval_return(offset, s, STEPS[-1]) for s in seeds])
+
+
+def test_plot_end_to_end(tmp_path, capsys):
+    sac = _write_run(tmp_path / "sac", "sac", offset=-500.0)
+    td3 = _write_run(tmp_path / "td3", "td3", offset=-300.0)
+    out = tmp_path / "figs" / "fig.png"
+    plot.main([str(sac), str(td3), "--out", str(out), "--smooth", "2", "--title", "t",
+               "--metrics", "plasticity/critic/dormant*", "losses/*"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[-1] == str(out)
+    sac_row = next(line for line in lines if line.startswith("Pendulum-v1  sac"))
+    td3_row = next(line for line in lines if line.startswith("Pendulum-v1  td3"))
+    assert f"{_final_mean(-500.0):.3f}" in sac_row
+    assert f"{_final_mean(-300.0):.3f}" in td3_row
+    assert sac_row.split()[2:4] == ["2", "5000"]
+
+
+def test_plot_pools_seeds_with_same_label(tmp_path, capsys):
+    a = _write_run(tmp_path / "a", "sac", offset=0.0, label="mine")
+    b = _write_run(tmp_path / "b", "td3", offset=100.0, label="mine")
+    plot.main([str(a), str(b), "--out", str(tmp_path / "fig.pdf")])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "mine" in line]
+    assert len(rows) == 1
+    assert rows[0].split()[2] == "4"
+    assert f"{np.mean([_final_mean(0.0), _final_mean(100.0)]):.3f}" in rows[0]
+    assert (tmp_path / "fig.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_group_aggregate_matches_bootstrap(tmp_path):
+    run = plot.load_run(_write_run(tmp_path / "r", "sac", offset=0.0))
+    agg = plot.aggregate(plot.group_curves([run], "return_mean", "eval"))
+    np.testing.assert_array_equal(agg.steps, STEPS)
+    expected = [np.mean([_eval_return(0.0, s, step) for s in (0, 1)]) for step in STEPS]
+    np.testing.assert_allclose(agg.mean, expected)
+    assert np.all(agg.low <= agg.mean) and np.all(agg.mean <= agg.high)
+
+
+def test_aggregate_uses_common_steps_else_union():
+    common = plot.aggregate([{1: 1.0, 2: 2.0}, {2: 4.0, 3: 5.0}])
+    np.testing.assert_array_equal(common.steps, [2])
+    assert common.mean[0] == 3.0
+    disjoint = plot.aggregate([{1: 1.0}, {2: 4.0}])
+    np.testing.assert_array_equal(disjoint.steps, [1, 2])
+    np.testing.assert_array_equal(disjoint.n_seeds, [1, 1])
+
+
+def test_smooth_trailing_average():
+    assert plot.smooth({1: 1.0, 2: 3.0, 3: 5.0}, 2) == {1: 1.0, 2: 2.0, 3: 4.0}
+
+
+def test_missing_eval_csv_is_named(tmp_path):
+    run = _write_run(tmp_path / "run", "sac", offset=0.0)
+    (run / "eval.csv").unlink()
+    with pytest.raises(SystemExit) as err:
+        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+    assert str(run / "eval.csv") in str(err.value)
+
+
+def test_missing_config_is_named(tmp_path):
+    run = _write_run(tmp_path / "run", "sac", offset=0.0)
+    (run / "config.json").unlink()
+    with pytest.raises(SystemExit) as err:
+        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+    assert str(run / "config.json") in str(err.value)
+
+
+def test_eval_without_rows_is_rejected(tmp_path):
+    run = _write_run(tmp_path / "run", "sac", offset=0.0)
+    (run / "eval.csv").write_text("step,seed,return_mean,return_std,episode_returns\n")
+    with pytest.raises(SystemExit, match="no rows"):
+        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+
+
+def test_missing_metric_is_named(tmp_path):
+    run = _write_run(tmp_path / "run", "sac", offset=0.0)
+    with pytest.raises(SystemExit) as err:
+        plot.main([str(run), "--out", str(tmp_path / "fig.png"), "--metrics", "perf/sps"])
+    assert "perf/sps" in str(err.value) and "metrics.csv" in str(err.value)
+
+
+def test_missing_y_column_is_named(tmp_path):
+    run = _write_run(tmp_path / "run", "sac", offset=0.0)
+    with pytest.raises(SystemExit, match="normalized_score"):
+        plot.main([str(run), "--out", str(tmp_path / "fig.png"), "--y", "normalized_score"])

@@ -1,0 +1,91 @@
+import csv
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import sac
+from training import checkpoint
+from training.offpolicy import NonFiniteLossError, seed_slice, train
+
+
+def leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves((state.actor_params, state.critic_params, state.log_alpha))]
+
+
+def test_seeds_differ_and_a_fixed_seed_reproduces_exactly(tiny_sac_config, tmp_path):
+    cfg = tiny_sac_config(seeds=2, total_steps=400)
+    a = train(cfg, sac, tmp_path / "a")["state"]
+    b = train(cfg, sac, tmp_path / "b")["state"]
+    for x, y in zip(leaves(a), leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    s0, s1 = seed_slice(a, 0), seed_slice(a, 1)
+    assert all(not np.allclose(x, y) for x, y in zip(leaves(s0), leaves(s1)))
+    evals = list(csv.DictReader(open(tmp_path / "a" / "eval.csv")))
+    assert {r["seed"] for r in evals} == {"0", "1"}
+    first = [float(r["return_mean"]) for r in evals if r["step"] == "0"]
+    assert first[0] != first[1]  # different initial policies and evaluation envs
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_path):
+    cfg = tiny_sac_config(total_steps=600, checkpoint_every=250)
+    full = train(cfg, sac, tmp_path / "full")
+    part = train(cfg, sac, tmp_path / "part", stop_at=350)  # interrupted: last checkpoint at 350
+    assert part["step"] == 350
+    resumed = train(cfg, sac, tmp_path / "part", resume=True)
+    assert resumed["step"] == 600
+    for x, y in zip(leaves(full["state"]), leaves(resumed["state"])):
+        np.testing.assert_array_equal(x, y)
+    for name in ("eval.csv", "metrics.csv"):
+        rows_full = list(csv.DictReader(open(tmp_path / "full" / name)))
+        rows_res = list(csv.DictReader(open(tmp_path / "part" / name)))
+        assert [r["step"] for r in rows_full] == [r["step"] for r in rows_res]
+        if name == "eval.csv":
+            assert [r["return_mean"] for r in rows_full] == [r["return_mean"] for r in rows_res]
+
+
+def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
+    cfg = tiny_sac_config(total_steps=300)
+    train(cfg, sac, tmp_path / "r")
+    path = checkpoint.latest(tmp_path / "r")
+    from training.offpolicy import init_state
+    other = init_state(sac, tiny_sac_config(critics=4), 3, 1)
+    with pytest.raises(ValueError, match="config"):
+        checkpoint.load(path, other)
+    (path / "arrays.npz").write_bytes(b"corrupt")
+    with pytest.raises(ValueError, match="unreadable"):
+        checkpoint.load(path, init_state(sac, cfg, 3, 1))
+
+
+def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny_sac_config, tmp_path):
+    def bad_update(state, batch, key):
+        new, m = sac.update(state, batch, key)
+        m["losses/critic"] = jnp.where(new.updates > 150, jnp.nan, m["losses/critic"])
+        return new, m
+
+    broken = types.SimpleNamespace(**{k: getattr(sac, k) for k in ("init", "act", "CONFIG", "KIND")},
+                                   update=bad_update)
+    cfg = tiny_sac_config(total_steps=600, checkpoint_every=300)
+    # learning starts at step 200 with update 1, so update 151 (the first NaN) happens at step 350
+    with pytest.raises(NonFiniteLossError, match=r"losses/critic at env step 350;.*step_000000000300"):
+        train(cfg, broken, tmp_path / "r")
+    assert checkpoint.latest(tmp_path / "r").name == "step_000000000300"
+
+
+@pytest.mark.slow
+def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
+    from training.config import NetworkConfig
+
+    cfg = tiny_sac_config(total_steps=5000, eval_every=5000, eval_episodes=5, log_every=1000,
+                          checkpoint_every=5000, network=NetworkConfig(width=64),
+                          buffer_size=10_000, batch_size=128, learning_starts=1000)
+    out = train(cfg, sac, tmp_path / "r")
+    rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
+    start, end = float(rows[0]["return_mean"]), float(rows[-1]["return_mean"])
+    assert start < -900  # an untrained policy does not swing up
+    assert end > -400, f"SAC did not learn Pendulum: eval return {end:.0f}"
+    cfg_json = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg_json["agent"]["critics"] == 2 and out["step"] == 5000

@@ -1,0 +1,112 @@
+"""Typed run configuration shared by every agent (parsed by tyro in scripts/train.py)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from networks.blocks import TrunkSpec
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Backbone overrides; ``None`` keeps the agent's paper default."""
+
+    width: Optional[int] = None
+    """hidden width (scales every hidden layer of the agent's networks)"""
+    depth: Optional[int] = None
+    """hidden layers (mlp) or residual blocks (simba, multiskip)"""
+    block: Optional[Literal["mlp", "simba", "multiskip"]] = None
+    """backbone block type"""
+    activation: Optional[str] = None
+    """hidden activation: relu, elu, gelu, silu, tanh, mish"""
+    layer_norm: Optional[bool] = None
+    """LayerNorm after every hidden Linear (mlp block)"""
+
+    def trunk(self, default: TrunkSpec) -> TrunkSpec:
+        """The agent's default trunk with these overrides applied."""
+        changes = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return dataclasses.replace(default, **changes)
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """Replay and schedule settings every off-policy agent has."""
+
+    buffer_size: int = 1_000_000
+    """replay capacity per seed"""
+    batch_size: int = 256
+    learning_starts: int = 5_000
+    """uniform-random env steps before learning starts"""
+    updates_per_step: int = 1
+    """gradient steps per env step (update-to-data ratio)"""
+
+
+@dataclass
+class RunConfig:
+    """What to train, for how long, and where the run goes."""
+
+    env: str = "Pendulum-v1"
+    """env id: a Gymnasium id (HalfCheetah-v5) or dmc:<domain>-<task>"""
+    seeds: int = 1
+    """independent agents trained in one process (vmapped), each with its own envs"""
+    seed: int = 0
+    """base seed; seed index j uses seed + j"""
+    total_steps: int = 100_000
+    """env steps per seed (agent steps: DMC action repeat is not counted)"""
+    num_envs: int = 1
+    """envs per seed"""
+    action_repeat: Optional[int] = None
+    """None: 2 for dmc:, 1 for Gymnasium"""
+    eval_every: int = 5_000
+    eval_episodes: int = 10
+    log_every: int = 1_000
+    checkpoint_every: int = 50_000
+    run_dir: Optional[str] = None
+    """default: runs/<env>__<agent>__<seed>__<time>"""
+    resume: Optional[str] = None
+    """continue the run in this directory from its last checkpoint"""
+    label: Optional[str] = None
+    """name for plots (default: the agent name)"""
+    tensorboard: bool = False
+    """also write TensorBoard events (needs tensorboardX)"""
+    progress: bool = True
+    """show a progress bar"""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    agent_name: str = "sac"
+    agent: Any = None
+
+
+def to_json(cfg: RunConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    return d
+
+
+def from_json(d: dict, agent_cls) -> RunConfig:
+    d = dict(d)
+    net = NetworkConfig(**d.pop("network"))
+    agent = agent_cls(**d.pop("agent"))
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"config.json has unknown keys {sorted(unknown)}")
+    return RunConfig(**d, network=net, agent=agent)
+
+
+def dump(cfg: RunConfig) -> str:
+    return json.dumps(to_json(cfg), indent=2, sort_keys=True)
+
+
+def cli_type(agent_name: str, agent_cls):
+    """The run-config dataclass tyro parses for one agent: agent options become top-level flags."""
+    import tyro
+
+    return dataclasses.make_dataclass(
+        f"{agent_name.upper()}Run",
+        [("agent_name", tyro.conf.Suppress[str], field(default=agent_name)),
+         ("agent", tyro.conf.OmitArgPrefixes[agent_cls], field(default_factory=agent_cls))],
+        bases=(RunConfig,))
+
+
+RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard"}

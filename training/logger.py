@@ -1,0 +1,108 @@
+"""Run directory: config.json, metrics.csv, eval.csv, optional TensorBoard events.
+
+``metrics.csv`` has one row per log step per seed; ``eval.csv`` one row per evaluation per
+seed (``step,seed,return_mean,return_std,episode_returns``).  Files are append-only; when a
+new metric name appears the metrics file is rewritten with the wider header, so no row is
+ever lost.  ``truncate_after(step)`` drops rows past a checkpoint when a run resumes.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+EVAL_COLUMNS = ["step", "seed", "return_mean", "return_std", "episode_returns"]
+
+
+def _read(path: Path):
+    if not path.exists():
+        return [], []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def _write(path: Path, header, rows):
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, header, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+class CSVTable:
+    """An append-only CSV whose header grows when new columns appear."""
+
+    def __init__(self, path: Path, base_columns):
+        self.path = path
+        self.header, _ = _read(path)
+        if not self.header:
+            self.header = list(base_columns)
+            _write(path, self.header, [])
+
+    def append(self, rows: list[dict]):
+        new = [k for r in rows for k in r if k not in self.header]
+        if new:
+            _, old = _read(self.path)
+            self.header += list(dict.fromkeys(new))
+            _write(self.path, self.header, old)
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self.header, extrasaction="ignore").writerows(rows)
+
+    def truncate_after(self, step: int):
+        header, rows = _read(self.path)
+        _write(self.path, header, [r for r in rows if int(float(r["step"])) <= step])
+
+
+class RunLogger:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = CSVTable(self.dir / "metrics.csv", ["step", "seed"])
+        self.evals = CSVTable(self.dir / "eval.csv", EVAL_COLUMNS)
+        self.tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as e:
+                raise SystemExit("--tensorboard needs tensorboardX: pip install -e '.[tb]'") from e
+            self.tb = SummaryWriter(str(self.dir / "tb"))
+
+    def write_config(self, config: dict):
+        with open(self.dir / "config.json", "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    def log_metrics(self, step: int, per_seed: list[dict]):
+        rows = [{"step": step, "seed": j, **{k: _fmt(v) for k, v in m.items()}} for j, m in enumerate(per_seed)]
+        self.metrics.append(rows)
+        if self.tb is not None:
+            for j, m in enumerate(per_seed):
+                for k, v in m.items():
+                    self.tb.add_scalar(f"seed{j}/{k}", float(v), step)
+
+    def log_eval(self, step: int, returns):
+        """``returns``: per seed, the list of evaluation episode returns."""
+        import numpy as np
+
+        rows = []
+        for j, r in enumerate(returns):
+            r = np.asarray(r, float)
+            rows.append({"step": step, "seed": j, "return_mean": _fmt(r.mean()), "return_std": _fmt(r.std()),
+                         "episode_returns": " ".join(_fmt(x) for x in r)})
+            if self.tb is not None:
+                self.tb.add_scalar(f"seed{j}/eval/return", float(r.mean()), step)
+        self.evals.append(rows)
+
+    def truncate_after(self, step: int):
+        self.metrics.truncate_after(step)
+        self.evals.truncate_after(step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(v) -> str:
+    return repr(float(v))

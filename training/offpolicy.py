@@ -1,0 +1,208 @@
+"""The off-policy training loop: N vmapped seeds, device-side replay, exact resume.
+
+Per env step the host makes one jitted call that stores the transition, runs the
+``updates_per_step * num_envs`` gradient steps as one ``lax.scan`` and returns the next
+action; everything seed-specific is vmapped over a leading seed axis.
+"""
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs import VectorEnv
+from training import checkpoint, replay
+from training.config import RunConfig, dump, to_json
+from training.evaluation import Evaluator
+from training.logger import RunLogger
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss or training statistic became NaN/inf; the run stops and keeps its last checkpoint."""
+
+
+def make_train_block(agent, cfg, num_updates: int):
+    """``num_updates`` gradient steps on uniform replay batches, as one scan (one seed)."""
+
+    def one(state, buffer, key):
+        k_sample, k_update = jax.random.split(key)
+        batch = replay.sample(buffer, k_sample, cfg.batch_size)
+        return agent.update(state, batch, k_update)
+
+    def block(state, buffer, key):
+        state, metrics = jax.lax.scan(lambda s, k: one(s, buffer, k), state, jax.random.split(key, num_updates))
+        return state, jax.tree.map(lambda m: m.mean(), metrics)
+
+    return block
+
+
+def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
+    """One jitted call per env step: store transitions, learn, choose the next actions."""
+    block = make_train_block(agent, cfg, num_updates)
+
+    @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
+    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool):
+        seeds, envs = obs.shape[:2]
+        flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
+        buffer = jax.vmap(replay.add)(buffer, flat)
+        k_train, k_act = jax.random.split(key)
+        metrics = {}
+        if train:
+            state, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds))
+        if random_actions:
+            action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
+        else:
+            action = jax.vmap(partial(agent.act, explore=True))(state, obs, jax.random.split(k_act, seeds))
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
+        return state, buffer, action, metrics, finite
+
+    return step
+
+
+def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
+    keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
+    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
+    buffer = jax.vmap(lambda _: replay.init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
+    return state, buffer, keys[0]
+
+
+def seed_slice(tree, j: int):
+    """One seed's agent state out of a vmapped one (for evaluation or export)."""
+    return jax.tree.map(lambda x: x[j], tree)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    env = cfg.env.replace(":", "_").replace("/", "_")
+    return Path("runs") / f"{env}__{cfg.agent_name}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Train (or resume) a run.  ``stop_at`` ends early at that step, as an interruption would.
+
+    Steps count env steps per seed (each loop iteration steps ``num_envs`` envs per seed).
+    """
+    a = cfg.agent
+    S, E = cfg.seeds, cfg.num_envs
+    for name, value in (("seeds", S), ("num_envs", E), ("total_steps", cfg.total_steps),
+                        ("eval_every", cfg.eval_every), ("log_every", cfg.log_every),
+                        ("checkpoint_every", cfg.checkpoint_every), ("eval_episodes", cfg.eval_episodes)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    env = VectorEnv(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
+    evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+    obs_dim, act_dim = env.obs_dim, env.act_dim
+    state, buffer, key = init_state(agent, cfg, obs_dim, act_dim)
+    logger = RunLogger(run_dir, cfg.tensorboard)
+    step_fn = make_step_fn(agent, a, a.updates_per_step * E, act_dim)
+    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+
+    if resume:
+        path = checkpoint.latest(run_dir)
+        if path is None:
+            raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
+        (state, buffer, key), host, _ = checkpoint.load(path, (state, buffer, key))
+        env, obs, action, step = host["env"], host["obs"], jnp.asarray(host["action"]), host["step"]
+        episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
+        logger.truncate_after(step)
+        print(f"resumed {run_dir} at step {step} from {path.name}")
+    else:
+        logger.write_config(to_json(cfg))
+        obs = env.reset()
+        step, next_eval, next_log = 0, 0, cfg.log_every
+        episode_log = [[] for _ in range(S)]
+        key, k0 = jax.random.split(key)
+        action = jax.random.uniform(k0, (S, E, act_dim), minval=-1.0, maxval=1.0)
+    next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+    end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+
+    def evaluate(step):
+        returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
+        logger.log_eval(step, returns)
+        return float(np.mean(returns))
+
+    def save(step):
+        host = {"env": env, "obs": obs, "action": np.asarray(action), "step": step,
+                "episode_log": episode_log, "next_eval": next_eval, "next_log": next_log}
+        return checkpoint.save(run_dir, step, (state, buffer, key), host, {"config": to_json(cfg)})
+
+    bar = _progress(cfg, step)
+    last_eval, last_return = math.nan, math.nan
+    metrics, t_log, steps_log = None, time.perf_counter(), 0
+    while step < end:
+        if step >= next_eval:
+            last_eval = evaluate(step)
+            next_eval += cfg.eval_every
+        new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
+        transition = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs,
+                                       terminated, truncated)
+        step += E
+        steps_log += E
+        obs = new_obs
+        key, k = jax.random.split(key)
+        learning = step >= a.learning_starts
+        state, buffer, action, new_metrics, finite = step_fn(
+            state, buffer, transition, obs.reshape(S, E, obs_dim), k, random_actions=not learning, train=learning)
+        if learning:
+            metrics = new_metrics
+            if not bool(finite):
+                _raise_non_finite(metrics, step, run_dir)
+        for i, ret, length in env.pop_finished():
+            episode_log[i // E].append((ret, length))
+        if step >= next_log or step == cfg.total_steps:
+            sps = steps_log * S / (time.perf_counter() - t_log)  # env steps/s, all seeds
+            rows = []
+            for j in range(S):
+                row = {"perf/sps": sps}
+                if episode_log[j]:
+                    row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
+                    row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
+                if metrics is not None:
+                    row.update({k: float(v[j]) for k, v in metrics.items()})
+                rows.append(row)
+            recent = [r for log in episode_log for r, _ in log]
+            last_return = float(np.mean(recent)) if recent else last_return
+            episode_log = [[] for _ in range(S)]
+            logger.log_metrics(step, rows)
+            next_log += cfg.log_every
+            bar(step, sps, last_return, last_eval)
+            t_log, steps_log = time.perf_counter(), 0
+        if step >= next_ckpt or step == end:
+            save(step)
+            next_ckpt += cfg.checkpoint_every
+    if step >= cfg.total_steps and next_eval - cfg.eval_every < step:
+        last_eval = evaluate(step)
+    bar(None)
+    logger.close()
+    return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir)}
+
+
+def _raise_non_finite(metrics, step, run_dir):
+    bad = sorted(k for k, v in metrics.items() if not np.all(np.isfinite(np.asarray(v))))
+    last = checkpoint.latest(run_dir)
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    raise NonFiniteLossError(f"non-finite {', '.join(bad) or 'loss'} at env step {step}; "
+                             f"training stopped, {kept}")
+
+
+def _progress(cfg: RunConfig, start: int):
+    if not cfg.progress:
+        return lambda *a, **k: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.total_steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+    pos = [start]
+
+    def update(step, sps=None, ret=None, ev=None):
+        if step is None:
+            bar.close()
+            return
+        bar.update(step - pos[0])
+        pos[0] = step
+        bar.set_postfix({"sps": f"{sps:.0f}", "return": f"{ret:.1f}", "eval": f"{ev:.1f}"}, refresh=False)
+
+    return update
