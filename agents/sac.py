@@ -181,3 +181,16 @@ def update(state: SACState, batch: Transition, key):
 
 CONFIG = SACConfig
 KIND = "offpolicy"
+
+
+def plastic_params(state: SACState) -> dict:
+    """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
+    return {"actor": state.actor_params, "critic": state.critic_params}
+
+
+def plastic_losses(state: SACState, batch: Transition, key):
+    """Per plastic network, its training loss as a function of that network's params (for metrics/resets)."""
+    k1, k2 = jax.random.split(key)
+    alpha = jnp.exp(state.log_alpha)
+    return {"actor": lambda p: actor_loss(p, state, batch.obs, alpha, k1)[0],
+            "critic": lambda p: critic_loss(p, state, state.actor_params, batch, alpha, k2)[0]}

@@ -5,10 +5,10 @@ Usage (from the repository root)::
     python scripts/plot.py RUN_DIR [RUN_DIR ...] --out FIG.png [--y return_mean]
         [--metrics NAME [NAME ...]] [--smooth K] [--title T]
 
-Each run directory holds ``config.json`` (keys ``agent``, ``env`` and optional
+Each run directory holds ``config.json`` (keys ``agent_name``, ``env`` and optional
 ``label``), ``eval.csv`` and, for ``--metrics``, ``metrics.csv``; both CSVs
 have one row per (step, seed). Curves are grouped by environment (one subplot
-column each) and by label (``config["label"]`` or ``config["agent"]``); seeds
+column each) and by label (``config["label"]`` or ``config["agent_name"]``); seeds
 of run directories sharing (env, label) are pooled. Every curve is the mean
 over seeds with a shaded 95% percentile-bootstrap confidence interval.
 Metric names may be glob patterns (``plasticity/critic/dormant*``); each
@@ -77,7 +77,7 @@ def read_config(path):
         fail(path, f"malformed JSON ({err})")
     if not isinstance(config, dict):
         fail(path, "expected a JSON object")
-    for key in ("agent", "env"):
+    for key in ("agent_name", "env"):
         if not isinstance(config.get(key), str):
             fail(path, f"missing string key {key!r}")
     return config
@@ -120,7 +120,7 @@ def load_run(run_dir, with_metrics=False):
     if not run_dir.is_dir():
         fail(run_dir, "not a directory")
     config = read_config(run_dir / "config.json")
-    label = config.get("label") or config["agent"]
+    label = config.get("label") or config["agent_name"]
     eval_table = read_csv(run_dir / "eval.csv")
     metrics = read_csv(run_dir / "metrics.csv") if with_metrics else None
     return Run(run_dir, config["env"], str(label), eval_table, metrics)

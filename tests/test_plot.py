@@ -114,7 +114,7 @@ def _eval_return(agent_offset, seed, step):
 def _write_run(run_dir, agent, offset, label=None):
     """A synthetic run: 2 seeds, 5 eval steps, metrics with a plasticity column."""
     run_dir.mkdir()
-    config = {"agent": agent, "env": "Pendulum-v1"}
+    config = {"agent_name": agent, "env": "Pendulum-v1"}
     if label:
         config["label"] = label
     (run_dir / "config.json").write_text(json.dumps(config))

@@ -1,0 +1,229 @@
+"""Plasticity metrics (shared/specs/plasticity.md sections 1, 2 and 8).
+
+Pure ``jnp`` functions, safe under ``jit``, ``grad`` and ``vmap``.  Activations and
+activation gradients come from ``networks.instrument.activation_grads``: one array per
+hidden layer ("tap"), shaped ``(batch, units)`` for a single network or
+``(members, batch, units)`` for an ensemble (``Net.ensemble > 0``).  The output layer is
+never a tap, so every ratio below already excludes it, as the spec requires.
+
+Conventions:
+
+* neuron scores are per member: ``(B, H) -> (H,)`` and ``(M, B, H) -> (M, H)``;
+* ratios (dormant, GraMa-inactive, FAU) pool the neurons of all members;
+* rank metrics take ``(..., B, H)`` and return one value per leading index; network
+  metrics average them over ensemble members.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from networks import instrument
+
+EPS = 1e-9
+DORMANT_TAUS = (0.0, 0.025, 0.1)  # spec section 8: log tau = 0 and 0.025 / 0.1
+GRAMA_TAUS = (0.01,)  # spec section 8: G <= 0.01
+
+
+def _check(x):
+    if x.ndim not in (2, 3):
+        raise ValueError(f"expected (batch, units) or (members, batch, units), got shape {x.shape}")
+
+
+def _normalised_mean_abs(x, eps: float = EPS):
+    """E_x|x_i| / ((1/H) sum_k E_x|x_k| + eps), the batch axis being ``-2``."""
+    _check(x)
+    m = jnp.mean(jnp.abs(x), axis=-2)
+    return m / (jnp.mean(m, axis=-1, keepdims=True) + eps)
+
+
+def neuron_scores(acts, eps: float = EPS):
+    """ReDo tau-dormant score per neuron (Sokar et al. 2023, arXiv 2302.12902, spec 1.1).
+
+    s_i = E_x|h_i(x)| / ((1/H) sum_k E_x|h_k(x)| + eps), with h the post-activation output
+    of the layer and the expectation over the batch.  ``(B, H) -> (H,)``; an ensemble
+    ``(M, B, H) -> (M, H)`` (each member normalised by its own layer mean).
+    """
+    return _normalised_mean_abs(acts, eps)
+
+
+def dormant_ratio(acts, tau: float):
+    """Share of tau-dormant neurons, s_i <= tau (Sokar et al. 2023, spec 1.1 / 8).
+
+    ``<=`` makes tau = 0 count exactly the neurons whose mean |activation| is zero.
+    Ensemble members' neurons are pooled.
+    """
+    return jnp.mean((neuron_scores(acts) <= tau).astype(jnp.float32))
+
+
+def grama_scores(grads, eps: float = EPS):
+    """GraMa score per neuron (Liu et al. 2025, arXiv 2505.24061, Eq. 2; spec 2.1).
+
+    G_i = E_x|dL/dh_i(x)| / ((1/H) sum_k E_x|dL/dh_k(x)| + eps): the ReDo normalisation
+    applied to the loss gradient at the neuron's (post-activation) output.  The probes of
+    ``networks.instrument`` give dL/dh for the whole batch, whose per-sample rows are the
+    per-sample gradients up to the loss's 1/B factor, which the normalisation cancels.
+    Shapes as ``neuron_scores``.
+    """
+    return _normalised_mean_abs(grads, eps)
+
+
+def grama_inactive_ratio(grads, tau: float = 0.01):
+    """Share of GraMa-inactive neurons, G_i <= tau (Liu et al. 2025, spec 2.1 / 8)."""
+    return jnp.mean((grama_scores(grads) <= tau).astype(jnp.float32))
+
+
+def active_fraction(acts):
+    """Fraction of active units, FAU (spec 3.5 / 8): share of (sample, unit) entries > 0.
+
+    Meaningful for ReLU-like activations; pooled over ensemble members.
+    """
+    return jnp.mean((acts > 0).astype(jnp.float32))
+
+
+def _singular_values(features):
+    return jnp.linalg.svd(features, compute_uv=False)  # (..., min(B, H)), descending
+
+
+def srank(features, delta: float = 0.01):
+    """Effective feature rank srank_delta (Kumar et al. 2021, arXiv 2010.14498; spec 8).
+
+    The smallest k with sum_{i<=k} sigma_i >= (1 - delta) sum_i sigma_i, over the singular
+    values (descending) of the ``(B, H)`` feature matrix.  ``(..., B, H) -> (...)``; an
+    all-zero matrix has srank 0.
+    """
+    s = _singular_values(features)
+    c = jnp.cumsum(s, axis=-1)
+    total = c[..., -1:]
+    k = jnp.sum(c < (1.0 - delta) * total, axis=-1) + 1
+    return jnp.where(total[..., 0] > 0, k, 0).astype(jnp.float32)
+
+
+def effective_rank(features):
+    """Effective rank (Roy & Vetterli 2007; RankMe, Garrido et al. 2023; spec 8).
+
+    exp(-sum_i p_i log p_i) with p_i = sigma_i / sum_j sigma_j (0 log 0 = 0).
+    ``(..., B, H) -> (...)``; an all-zero matrix gets 0.
+    """
+    s = _singular_values(features)
+    total = jnp.sum(s, axis=-1, keepdims=True)
+    p = s / jnp.where(total > 0, total, 1.0)
+    ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+    return jnp.where(total[..., 0] > 0, jnp.exp(ent), 0.0)
+
+
+def feature_rank(features, eps: float = 0.01):
+    """Feature rank (Lyle et al. 2022, arXiv 2204.09560; spec 8 table).
+
+    #{j : sigma_j(Phi / sqrt(B)) > eps}: the number of singular values of the ``(B, H)``
+    feature matrix, scaled by 1/sqrt(batch), above eps (0.01).  The 1/sqrt(B) scaling makes
+    the count comparable across batch sizes (sigma_j^2 / B are the eigenvalues of the
+    feature second-moment matrix Phi^T Phi / B).  ``(..., B, H) -> (...)``.
+    """
+    b = features.shape[-2]
+    s = _singular_values(features) / jnp.sqrt(jnp.asarray(b, features.dtype))
+    return jnp.sum(s > eps, axis=-1).astype(jnp.float32)
+
+
+def _sq_norm(tree):
+    return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.zeros(()))
+
+
+def weight_norm(params):
+    """Global L2 norm of all parameters, sqrt(sum_leaves ||theta||^2) (spec 8)."""
+    return jnp.sqrt(_sq_norm(params))
+
+
+def grad_norm(grads_tree):
+    """Global L2 norm of a gradient pytree (before any clipping; spec 8)."""
+    return jnp.sqrt(_sq_norm(grads_tree))
+
+
+def weight_norm_ratio(params, init_params):
+    """||theta|| / ||theta_0||: the global weight norm relative to its value at init (spec 8)."""
+    return weight_norm(params) / jnp.maximum(weight_norm(init_params), EPS)
+
+
+def _tap_order(name: str):
+    """Natural order of tap names (layer2 before layer10); dict pytrees come back key-sorted."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def network_metrics(acts: dict, act_grads: dict, params, init_params=None, param_grads=None,
+                    prefix: str = "plasticity/net", dormant_taus=DORMANT_TAUS, grama_taus=GRAMA_TAUS) -> dict:
+    """Flat dict of scalar plasticity metrics of one network (spec section 8).
+
+    ``acts`` / ``act_grads``: ``{tap: (B, H) or (M, B, H)}`` of this network.  Per layer:
+    ``{prefix}/{tap}/dormant_{tau}``, ``grama_{tau}``, ``active_fraction``, ``srank``,
+    ``effective_rank``, ``feature_rank`` (rank metrics of that layer's activations,
+    averaged over ensemble members).  Network totals: ``{prefix}/dormant_{tau}`` and
+    ``{prefix}/grama_{tau}`` (weighted by neuron count over all layers and members),
+    ``{prefix}/active_fraction`` (over all entries), ``{prefix}/weight_norm``, plus
+    ``weight_norm_ratio`` if ``init_params`` and ``grad_norm`` if ``param_grads`` is given.
+    """
+    out = {}
+    n_total = 0
+    dormant = {t: jnp.zeros(()) for t in dormant_taus}
+    inactive = {t: jnp.zeros(()) for t in grama_taus}
+    active, entries = jnp.zeros(()), 0
+    for tap in sorted(acts, key=_tap_order):
+        a = acts[tap]
+        _check(a)
+        p = f"{prefix}/{tap}"
+        s = neuron_scores(a)
+        n = s.size
+        n_total += n
+        for t in dormant_taus:
+            d = jnp.sum((s <= t).astype(jnp.float32))
+            dormant[t] = dormant[t] + d
+            out[f"{p}/dormant_{t}"] = d / n
+        if tap in act_grads:
+            g = grama_scores(act_grads[tap])
+            for t in grama_taus:
+                k = jnp.sum((g <= t).astype(jnp.float32))
+                inactive[t] = inactive[t] + k
+                out[f"{p}/grama_{t}"] = k / n
+        fau = active_fraction(a)
+        out[f"{p}/active_fraction"] = fau
+        active, entries = active + fau * a.size, entries + a.size
+        out[f"{p}/srank"] = jnp.mean(srank(a))
+        out[f"{p}/effective_rank"] = jnp.mean(effective_rank(a))
+        out[f"{p}/feature_rank"] = jnp.mean(feature_rank(a))
+    if n_total:
+        for t in dormant_taus:
+            out[f"{prefix}/dormant_{t}"] = dormant[t] / n_total
+        if all(tap in act_grads for tap in acts):
+            for t in grama_taus:
+                out[f"{prefix}/grama_{t}"] = inactive[t] / n_total
+        out[f"{prefix}/active_fraction"] = active / entries
+    out[f"{prefix}/weight_norm"] = weight_norm(params)
+    if init_params is not None:
+        out[f"{prefix}/weight_norm_ratio"] = weight_norm_ratio(params, init_params)
+    if param_grads is not None:
+        out[f"{prefix}/grad_norm"] = grad_norm(param_grads)
+    return out
+
+
+def compute(loss_fns: dict[str, Callable], params: dict, init_params: dict | None = None,
+            prefix: str = "plasticity", **kw) -> dict:
+    """Plasticity metrics of every network in ``loss_fns`` -> one flat dict of scalars.
+
+    ``loss_fns[name](p) -> scalar`` is that network's training loss as a function of its
+    params ``p = params[name]`` (e.g. ``agents.sac.plastic_losses``); the network must be
+    the one called ``name`` (``Net.name``) and its first call inside the loss must be the
+    online forward pass.  Parameter gradients come from ``jax.grad`` of the loss, activation
+    gradients from ``networks.instrument.activation_grads``.  Call it inside ``jit`` (and
+    ``vmap`` over seeds if wanted); the batch the losses close over is the metric batch.
+    """
+    out = {}
+    for name, loss in loss_fns.items():
+        p = params[name]
+        param_grads = jax.grad(loss)(p)
+        acts, grads = instrument.activation_grads(lambda: loss(p), [name])
+        init = None if init_params is None else init_params[name]
+        out.update(network_metrics(acts[name], grads[name], p, init, param_grads,
+                                   prefix=f"{prefix}/{name}", **kw))
+    return out
