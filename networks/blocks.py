@@ -1,7 +1,9 @@
 """Hidden trunks: plain MLP, SimBa residual, multi-skip residual (all with optional LayerNorm).
 
 Each trunk maps ``x -> h`` and reports every hidden layer's post-activation output under a
-tap name.  A tap is a layer of *neurons*: the output units of one Linear layer, whose
+tap name.  Probes (zeros) can be added before and after each activation, so a loss's
+gradient is readable both at the neuron's pre-activation (the Linear/LayerNorm output, where
+GraMa scores neurons) and at its post-activation output.  A tap is a layer of *neurons*: the output units of one Linear layer, whose
 incoming weights are that layer's kernel columns and whose outgoing weights are the next
 Linear layer's kernel rows.  ``neuron_layers()`` returns that map, which resets use.
 """
@@ -107,9 +109,13 @@ class Trunk(nnx.Module):
         act = ACTIVATIONS[self.spec.activation]
         taps = {}
 
-        def tap(name, h):
+        def tap(name, z):
+            """Neuron layer ``name``: z (Linear/LN output) -> act(z).  Probes sit on both sides."""
             if probes is not None:
-                h = h + probes[name]
+                z = z + probes[name]["pre"]
+            h = act(z)
+            if probes is not None:
+                h = h + probes[name]["post"]
             taps[name] = h
             return h
 
@@ -118,17 +124,17 @@ class Trunk(nnx.Module):
                 x = layer(x)
                 if self.norms is not None:
                     x = self.norms[i](x)
-                x = tap(f"layer{i}", act(x))
+                x = tap(f"layer{i}", x)
             return x, taps
         if self.spec.block == "simba":
             x = self.proj(x)
             for i in range(self.spec.depth):
-                h = tap(f"layer{i}", act(self.up[i](self.pre_norms[i](x))))
+                h = tap(f"layer{i}", self.up[i](self.pre_norms[i](x)))
                 x = x + self.down[i](h)
             return self.out_norm(x), taps
         g = self.proj_norm(self.proj(x))
         h = g
         for i in range(self.spec.depth):
-            z = tap(f"layer{i}", act(self.ln1[i](self.fc1[i](act(h)))))
+            z = tap(f"layer{i}", self.ln1[i](self.fc1[i](act(h))))
             h = h + self.ln2[i](self.fc2[i](z)) + g
         return h, taps

@@ -69,13 +69,20 @@ def activations(fn: Callable[[], Any], names) -> dict[str, dict[str, jax.Array]]
     return rec.activations
 
 
-def activation_grads(loss_fn: Callable[[], jax.Array], names):
+def activation_grads(loss_fn: Callable[[], jax.Array], names, at: str = "post"):
     """(activations, d loss / d activation) for each hidden layer of the named networks.
 
-    ``loss_fn()`` returns a scalar.  Works for any agent loss built from ``Net`` calls.
+    ``at="post"``: gradient w.r.t. the post-activation output h = act(z) (what ReDo's
+    activations are); ``at="pre"``: w.r.t. the pre-activation z, the output of the neuron's
+    Linear (or LayerNorm) layer, which is where GraMa scores neurons (a dead ReLU unit has
+    dL/dz = 0 but generally dL/dh != 0).  ``at="both"`` returns ``{"pre": ..., "post": ...}``
+    per layer.  ``loss_fn()`` returns a scalar; any agent loss built from ``Net`` calls works.
     """
+    if at not in ("pre", "post", "both"):
+        raise ValueError(f"at must be 'pre', 'post' or 'both', got {at!r}")
     shapes = jax.eval_shape(lambda: activations(loss_fn, names))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    zeros = jax.tree.map(lambda s: {"pre": jnp.zeros(s.shape, s.dtype), "post": jnp.zeros(s.shape, s.dtype)},
+                         shapes)
 
     def probed(probes):
         with record(names, probes) as rec:
@@ -83,4 +90,6 @@ def activation_grads(loss_fn: Callable[[], jax.Array], names):
         return loss, rec.activations
 
     grads, acts = jax.grad(probed, has_aux=True)(zeros)
+    if at != "both":
+        grads = jax.tree.map(lambda g: g[at], grads, is_leaf=lambda x: isinstance(x, dict) and "pre" in x)
     return acts, grads

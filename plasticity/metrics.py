@@ -215,14 +215,16 @@ def compute(loss_fns: dict[str, Callable], params: dict, init_params: dict | Non
     params ``p = params[name]`` (e.g. ``agents.sac.plastic_losses``); the network must be
     the one called ``name`` (``Net.name``) and its first call inside the loss must be the
     online forward pass.  Parameter gradients come from ``jax.grad`` of the loss, activation
-    gradients from ``networks.instrument.activation_grads``.  Call it inside ``jit`` (and
+    gradients (at the pre-activation, where a dead ReLU unit's gradient is exactly 0) from
+    ``networks.instrument.activation_grads``.  Call it inside ``jit`` (and
     ``vmap`` over seeds if wanted); the batch the losses close over is the metric batch.
     """
     out = {}
     for name, loss in loss_fns.items():
         p = params[name]
         param_grads = jax.grad(loss)(p)
-        acts, grads = instrument.activation_grads(lambda: loss(p), [name])
+        # GraMa scores a neuron by the gradient at its Linear/LN output (spec section 2.5)
+        acts, grads = instrument.activation_grads(lambda: loss(p), [name], at="pre")
         init = None if init_params is None else init_params[name]
         out.update(network_metrics(acts[name], grads[name], p, init, param_grads,
                                    prefix=f"{prefix}/{name}", **kw))

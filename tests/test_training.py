@@ -79,13 +79,15 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
 def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
     from training.config import NetworkConfig
 
-    cfg = tiny_sac_config(total_steps=5000, eval_every=5000, eval_episodes=5, log_every=1000,
-                          checkpoint_every=5000, network=NetworkConfig(width=64),
-                          buffer_size=10_000, batch_size=128, learning_starts=1000)
+    # paper-size networks, 2 vmapped seeds; SAC swings Pendulum up within ~4-6k steps
+    cfg = tiny_sac_config(seeds=2, total_steps=6000, eval_every=6000, eval_episodes=5, log_every=1000,
+                          checkpoint_every=6000, network=NetworkConfig(width=256),
+                          buffer_size=10_000, batch_size=256, learning_starts=1000)
     out = train(cfg, sac, tmp_path / "r")
     rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
-    start, end = float(rows[0]["return_mean"]), float(rows[-1]["return_mean"])
-    assert start < -900  # an untrained policy does not swing up
-    assert end > -400, f"SAC did not learn Pendulum: eval return {end:.0f}"
+    start = [float(r["return_mean"]) for r in rows if r["step"] == "0"]
+    end = [float(r["return_mean"]) for r in rows if r["step"] == "6000"]
+    assert max(start) < -900  # an untrained policy does not swing up
+    assert np.mean(end) > -400 and min(end) > -600, f"SAC did not learn Pendulum: eval returns {end}"
     cfg_json = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert cfg_json["agent"]["critics"] == 2 and out["step"] == 5000
+    assert cfg_json["agent"]["critics"] == 2 and out["step"] == 6000

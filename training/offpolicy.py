@@ -133,47 +133,60 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     bar = _progress(cfg, step)
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
-    while step < end:
-        if step >= next_eval:
-            last_eval = evaluate(step)
-            next_eval += cfg.eval_every
-        new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
-        transition = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs,
-                                       terminated, truncated)
-        step += E
-        steps_log += E
-        obs = new_obs
-        key, k = jax.random.split(key)
-        learning = step >= a.learning_starts
-        state, buffer, action, new_metrics, finite = step_fn(
-            state, buffer, transition, obs.reshape(S, E, obs_dim), k, random_actions=not learning, train=learning)
-        if learning:
-            metrics = new_metrics
-            if not bool(finite):
-                _raise_non_finite(metrics, step, run_dir)
-        for i, ret, length in env.pop_finished():
-            episode_log[i // E].append((ret, length))
-        if step >= next_log or step == cfg.total_steps:
-            sps = steps_log * S / (time.perf_counter() - t_log)  # env steps/s, all seeds
-            rows = []
-            for j in range(S):
-                row = {"perf/sps": sps}
-                if episode_log[j]:
-                    row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
-                    row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
-                if metrics is not None:
-                    row.update({k: float(v[j]) for k, v in metrics.items()})
-                rows.append(row)
-            recent = [r for log in episode_log for r, _ in log]
-            last_return = float(np.mean(recent)) if recent else last_return
-            episode_log = [[] for _ in range(S)]
-            logger.log_metrics(step, rows)
-            next_log += cfg.log_every
-            bar(step, sps, last_return, last_eval)
-            t_log, steps_log = time.perf_counter(), 0
-        if step >= next_ckpt or step == end:
-            save(step)
-            next_ckpt += cfg.checkpoint_every
+    consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
+    try:
+        while step < end:
+            consistent = False
+            if step >= next_eval:
+                last_eval = evaluate(step)
+                next_eval += cfg.eval_every
+            new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
+            transition = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs,
+                                           terminated, truncated)
+            step += E
+            steps_log += E
+            obs = new_obs
+            key, k = jax.random.split(key)
+            learning = step >= a.learning_starts
+            state, buffer, action, new_metrics, finite = step_fn(
+                state, buffer, transition, obs.reshape(S, E, obs_dim), k, random_actions=not learning, train=learning)
+            if learning:
+                metrics = new_metrics
+                if not bool(finite):
+                    _raise_non_finite(metrics, step, run_dir)
+            for i, ret, length in env.pop_finished():
+                episode_log[i // E].append((ret, length))
+            if step >= next_log or step == cfg.total_steps:
+                sps = steps_log * S / (time.perf_counter() - t_log)  # env steps/s, all seeds
+                rows = []
+                for j in range(S):
+                    row = {"perf/sps": sps}
+                    if episode_log[j]:
+                        row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
+                        row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
+                    if metrics is not None:
+                        row.update({k: float(v[j]) for k, v in metrics.items()})
+                    rows.append(row)
+                recent = [r for log in episode_log for r, _ in log]
+                last_return = float(np.mean(recent)) if recent else last_return
+                episode_log = [[] for _ in range(S)]
+                logger.log_metrics(step, rows)
+                next_log += cfg.log_every
+                bar(step, sps, last_return, last_eval)
+                t_log, steps_log = time.perf_counter(), 0
+            if step >= next_ckpt or step == end:
+                save(step)
+                next_ckpt += cfg.checkpoint_every
+            consistent = True
+    except KeyboardInterrupt:
+        if consistent:
+            where = f"saved a checkpoint at step {step} ({save(step)})"
+        else:
+            where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
+        bar(None)
+        logger.close()
+        print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
+        raise
     if step >= cfg.total_steps and next_eval - cfg.eval_every < step:
         last_eval = evaluate(step)
     bar(None)
