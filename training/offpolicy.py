@@ -27,7 +27,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 def make_train_block(agent, cfg, num_updates: int):
-    """``num_updates`` gradient steps on uniform replay batches, as one scan (one seed)."""
+    """``num_updates`` gradient steps as one scan (one seed): ``(state, buffer, key) -> (state, buffer, metrics)``.
+
+    An agent with its own replay (e.g. MR.Q's prioritised subtrajectories) exports
+    ``train_block(state, buffer, key, num_updates)``; otherwise each step samples a uniform batch.
+    """
+    if hasattr(agent, "train_block"):
+        return lambda state, buffer, key: agent.train_block(state, buffer, key, num_updates)
 
     def one(state, buffer, key):
         k_sample, k_update = jax.random.split(key)
@@ -36,24 +42,30 @@ def make_train_block(agent, cfg, num_updates: int):
 
     def block(state, buffer, key):
         state, metrics = jax.lax.scan(lambda s, k: one(s, buffer, k), state, jax.random.split(key, num_updates))
-        return state, jax.tree.map(lambda m: m.mean(), metrics)
+        return state, buffer, jax.tree.map(lambda m: m.mean(), metrics)
 
     return block
+
+
+def buffer_fns(agent):
+    """(init(capacity, obs_dim, act_dim), add(buffer, transitions)): the agent's own or uniform replay."""
+    return getattr(agent, "buffer_init", replay.init), getattr(agent, "buffer_add", replay.add)
 
 
 def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     """One jitted call per env step: store transitions, learn, choose the next actions."""
     block = make_train_block(agent, cfg, num_updates)
+    _, buffer_add = buffer_fns(agent)
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
     def step(state, buffer, transition, obs, key, random_actions: bool, train: bool):
         seeds, envs = obs.shape[:2]
         flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
-        buffer = jax.vmap(replay.add)(buffer, flat)
+        buffer = jax.vmap(buffer_add)(buffer, flat)
         k_train, k_act = jax.random.split(key)
         metrics = {}
         if train:
-            state, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds))
+            state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds))
         if random_actions:
             action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
         else:
@@ -67,7 +79,8 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
     state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
-    buffer = jax.vmap(lambda _: replay.init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
+    buffer_init, _ = buffer_fns(agent)
+    buffer = jax.vmap(lambda _: buffer_init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]
 
 
