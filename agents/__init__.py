@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-AGENTS = {"sac": "agents.sac"}
+AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo"}
 
 
 def get(name: str):

@@ -10,6 +10,9 @@ Haarnoja et al. 2018 (arXiv 1812.05905) with the SAC-N / EDAC extensions of An e
                    ESS      = E_s[ sum_{i != j} cos(grad_a Q_i, grad_a Q_j) ] / (N - 1)
   4. Polyak:       theta' <- tau theta + (1 - tau) theta'
 
+With ``--plasticity.sigreg-coef`` the actor and critic losses each add SIGReg of their own
+network's features (the trunk output feeding the head).
+
 ``truncated`` never enters the target: a transition cut by a time limit bootstraps from its
 true final observation, which the replay buffer stores.
 """
@@ -25,6 +28,7 @@ from flax import struct
 
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
+from plasticity.sigreg import regularized
 from training.config import NetworkConfig, OffPolicyConfig
 from training.replay import Transition
 
@@ -150,7 +154,7 @@ def update(state: SACState, batch: Transition, key):
     """One gradient step in the spec's order: temperature, actor, critics, Polyak."""
     cfg = state.cfg
     tx_a, tx_c, tx_t = _optimizers(cfg)
-    k_alpha, k_actor, k_critic = jax.random.split(key, 3)
+    k_alpha, k_actor, k_critic, k_reg_actor, k_reg_critic = jax.random.split(key, 5)
 
     mean, log_std = state.actor(state.actor_params, batch.obs)
     _, log_prob = tanh_gaussian_sample(k_alpha, mean, log_std)
@@ -159,13 +163,13 @@ def update(state: SACState, batch: Transition, key):
     log_alpha = optax.apply_updates(state.log_alpha, upd)
     alpha = jnp.exp(log_alpha)
 
-    (pi_loss, log_prob), pi_grad = jax.value_and_grad(actor_loss, has_aux=True)(
-        state.actor_params, state, batch.obs, alpha, k_actor)
+    (pi_loss, log_prob), pi_grad = jax.value_and_grad(regularized(actor_loss, "actor"), has_aux=True)(
+        state.actor_params, state, batch.obs, alpha, k_actor, reg_key=k_reg_actor)
     upd, actor_opt = tx_a.update(pi_grad, state.actor_opt, state.actor_params)
     actor_params = optax.apply_updates(state.actor_params, upd)
 
-    (q_loss, (q, td, div)), q_grad = jax.value_and_grad(critic_loss, has_aux=True)(
-        state.critic_params, state, actor_params, batch, alpha, k_critic)
+    (q_loss, (q, td, div)), q_grad = jax.value_and_grad(regularized(critic_loss, "critic"), has_aux=True)(
+        state.critic_params, state, actor_params, batch, alpha, k_critic, reg_key=k_reg_critic)
     upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
     target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)
@@ -181,6 +185,7 @@ def update(state: SACState, batch: Transition, key):
 
 CONFIG = SACConfig
 KIND = "offpolicy"
+SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
 
 
 def plastic_params(state: SACState) -> dict:

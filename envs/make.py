@@ -75,6 +75,10 @@ def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, rende
     """A single env with flat float32 observations and actions rescaled to [-1, 1]."""
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
+    if env_id.startswith("ns:"):  # non-stationary variants: see envs/nonstationary.py for the grammar
+        from envs import nonstationary
+
+        return nonstationary.make(env_id, seed, action_repeat)
     if env_id.startswith("dmc:"):
         from envs.dmc import DMCEnv
 
@@ -189,5 +193,30 @@ def _mj_state(env):
     return out, u.np_random.bit_generator.state
 
 
-def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | None = None) -> VectorEnv:
-    return VectorEnv(env_id, num_envs, seed, action_repeat)
+BACKENDS = ("sync", "async", "envpool")
+
+
+def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
+                    backend: str = "sync"):
+    """A vector env with ``VectorEnv``'s interface (same-step autoreset, true final observations).
+
+    ``backend``: ``"sync"`` (this module's ``VectorEnv``; ``"gymnasium"`` is an alias), ``"async"``
+    (Gymnasium ``AsyncVectorEnv`` subprocesses) or ``"envpool"`` (optional, where EnvPool has the
+    id); see ``envs/backends.py``.  A ``ns:`` id on ``"sync"`` gives a ``CountingVectorEnv`` whose
+    members share one step counter (see ``envs/nonstationary.py``).
+    """
+    if backend == "gymnasium":
+        backend = "sync"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown vector-env backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "sync":
+        if isinstance(env_id, str) and env_id.startswith("ns:"):
+            from envs.nonstationary import CountingVectorEnv
+
+            return CountingVectorEnv(env_id, num_envs, seed, action_repeat)
+        return VectorEnv(env_id, num_envs, seed, action_repeat)
+    from envs import backends
+
+    if backend == "async":
+        return backends.AsyncVectorEnv(env_id, num_envs, seed, action_repeat)
+    return backends.EnvPoolVectorEnv(env_id, num_envs, seed, action_repeat)

@@ -8,7 +8,7 @@ hashable object (name + graph definition) that lives as static data beside the p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -23,6 +23,22 @@ class Net:
     name: str
     graphdef: Any
     ensemble: int = 0  # 0: a single network; N: N members vmapped over a leading axis
+    make: Callable | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def init(self, key):
+        """Freshly initialised params (every member for an ensemble), e.g. to re-draw reset neurons."""
+        if self.make is None:
+            raise ValueError(f"network {self.name!r} was not built with networks.build; cannot re-initialise")
+        if self.ensemble:
+            return jax.vmap(lambda k: nnx.split(self.make(nnx.Rngs(k)), nnx.Param)[1])(
+                jax.random.split(key, self.ensemble))
+        return nnx.split(self.make(nnx.Rngs(key)), nnx.Param)[1]
+
+    def module(self, params):
+        """The NNX module (member 0 of an ensemble), to inspect its structure."""
+        if self.ensemble:
+            params = jax.tree.map(lambda x: x[0], params)
+        return nnx.merge(self.graphdef, params)
 
     def apply(self, params, *inputs, probes=None, member_inputs: bool = False):
         """Forward pass -> (output, taps).  ``member_inputs``: inputs carry a leading member axis."""
@@ -48,6 +64,6 @@ def build(name: str, make_module: Callable[[nnx.Rngs], nnx.Module], key, ensembl
         keys = jax.random.split(key, ensemble)
         states = jax.vmap(lambda k: nnx.split(make_module(nnx.Rngs(k)), nnx.Param)[1])(keys)
         graphdef = nnx.split(make_module(nnx.Rngs(0)), nnx.Param)[0]
-        return Net(name, graphdef, ensemble), states
+        return Net(name, graphdef, ensemble, make_module), states
     graphdef, params = nnx.split(make_module(nnx.Rngs(key)), nnx.Param)
-    return Net(name, graphdef, 0), params
+    return Net(name, graphdef, 0, make_module), params

@@ -1,4 +1,8 @@
-"""Networks = trunk + head.  Every ``__call__`` returns ``(output, taps)``."""
+"""Networks = trunk + head.  Every ``__call__`` returns ``(output, taps)``.
+
+``taps`` holds each hidden layer's post-activation output plus ``"features"``: the trunk's
+output that feeds the head (the representation SIGReg regularises and srank measures).
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -30,7 +34,7 @@ class MLPHead(nnx.Module):
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
         y = self.out(h)
-        return (y[..., 0] if self.squeeze else y), taps
+        return (y[..., 0] if self.squeeze else y), {**taps, "features": h}
 
 
 class GaussianPolicyHead(nnx.Module):
@@ -45,7 +49,7 @@ class GaussianPolicyHead(nnx.Module):
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
         mean, log_std = jnp.split(self.out(h), 2, axis=-1)
-        return (mean, jnp.clip(log_std, self.log_std_min, self.log_std_max)), taps
+        return (mean, jnp.clip(log_std, self.log_std_min, self.log_std_max)), {**taps, "features": h}
 
 
 class DeterministicPolicyHead(nnx.Module):
@@ -58,4 +62,4 @@ class DeterministicPolicyHead(nnx.Module):
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
         pre = self.out(h)
-        return (jnp.tanh(pre), pre), taps
+        return (jnp.tanh(pre), pre), {**taps, "features": h}

@@ -33,6 +33,7 @@ class Recorder:
         self.names = set(names)
         self.probes = probes or {}
         self.activations: dict[str, dict[str, jax.Array]] = {}
+        self.features: dict[str, jax.Array] = {}
 
     def wants(self, name: str) -> bool:
         return name in self.names and name not in self.activations
@@ -40,8 +41,12 @@ class Recorder:
     def probe_for(self, name: str):
         return self.probes.get(name)
 
-    def store(self, name: str, acts):
-        self.activations[name] = acts
+    def store(self, name: str, taps):
+        """Hidden-layer activations go to ``activations``; the head's input to ``features``."""
+        taps = dict(taps)
+        if "features" in taps:
+            self.features[name] = taps.pop("features")
+        self.activations[name] = taps
 
 
 @contextlib.contextmanager
@@ -67,6 +72,16 @@ def activations(fn: Callable[[], Any], names) -> dict[str, dict[str, jax.Array]]
     if missing:
         raise ValueError(f"networks {sorted(missing)} were not called by the function")
     return rec.activations
+
+
+def features(fn: Callable[[], Any], names) -> dict[str, jax.Array]:
+    """The representation each named network's head reads (trunk output), during ``fn()``."""
+    with record(names) as rec:
+        fn()
+    missing = set(names) - set(rec.features)
+    if missing:
+        raise ValueError(f"networks {sorted(missing)} were not called by the function (or have no features)")
+    return rec.features
 
 
 def activation_grads(loss_fn: Callable[[], jax.Array], names, at: str = "post"):

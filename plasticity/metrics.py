@@ -228,4 +228,8 @@ def compute(loss_fns: dict[str, Callable], params: dict, init_params: dict | Non
         init = None if init_params is None else init_params[name]
         out.update(network_metrics(acts[name], grads[name], p, init, param_grads,
                                    prefix=f"{prefix}/{name}", **kw))
+        # rank of the representation the head reads (spec section 8: penultimate features)
+        feats = instrument.features(lambda: loss(p), [name])[name]
+        for metric, fn in (("srank", srank), ("effective_rank", effective_rank), ("feature_rank", feature_rank)):
+            out[f"{prefix}/{name}/features/{metric}"] = jnp.mean(fn(feats))
     return out

@@ -13,9 +13,10 @@ def test_blocks_shapes_and_taps(block):
     x = jax.random.normal(jax.random.key(1), (4, 5))
     y, taps = net.apply(params, x)
     assert y.shape == (4,)
-    assert list(taps) == ["layer0", "layer1", "layer2"]
+    assert list(taps) == ["layer0", "layer1", "layer2", "features"]
     width = 32 if block == "simba" else 8
-    assert all(t.shape == (4, width) for t in taps.values())
+    assert all(taps[f"layer{i}"].shape == (4, width) for i in range(3))
+    assert taps["features"].shape == (4, 8)  # the trunk output the head reads
 
 
 def test_mlp_taps_equal_a_manual_forward_pass():

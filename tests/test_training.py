@@ -66,7 +66,8 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
         m["losses/critic"] = jnp.where(new.updates > 150, jnp.nan, m["losses/critic"])
         return new, m
 
-    broken = types.SimpleNamespace(**{k: getattr(sac, k) for k in ("init", "act", "CONFIG", "KIND")},
+    broken = types.SimpleNamespace(**{k: getattr(sac, k) for k in ("init", "act", "CONFIG", "KIND", "PLASTIC",
+                                                                    "plastic_params", "plastic_losses")},
                                    update=bad_update)
     cfg = tiny_sac_config(total_steps=600, checkpoint_every=300)
     # learning starts at step 200 with update 1, so update 151 (the first NaN) happens at step 350

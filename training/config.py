@@ -31,6 +31,45 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True)
+class PlasticityConfig:
+    """Plasticity metrics and interventions (shared/specs/plasticity.md); periods count updates."""
+
+    metrics_every: int = 10_000
+    """log plasticity metrics every K gradient updates on a fixed held-out batch (0: off)"""
+    metrics_batch: int = 256
+    """size of the fixed held-out metrics batch"""
+    redo: bool = False
+    """ReDo: reset tau-dormant neurons (activation scores)"""
+    regrama: bool = False
+    """ReGraMa: reset neurons with small gradient magnitude (GraMa scores)"""
+    reset_every: int = 1_000
+    """reset period F in updates (ReDo and ReGraMa papers: 1000)"""
+    redo_tau: float = 0.025
+    regrama_tau: float = 0.01
+    reset_max_fraction: float = 1.0
+    """cap on the share of a layer's neurons reset per event (GraMa's SAC runs: 0.05)"""
+    reset_layer_norm: bool = True
+    """also restore the LayerNorm gain/bias of reset units (ReGraMa's code)"""
+    reset_batch: int = 256
+    """replay samples used to score neurons at each reset"""
+    sigreg_coef: float = 0.0
+    """SIGReg coefficient lambda on the representation feeding the heads (0: off; RL paper sweeps 0.2, 1.0)"""
+    sigreg_variant: Literal["rl", "lejepa"] = "rl"
+    sigreg_slices: int = 16
+
+    def validate(self):
+        if self.redo and self.regrama:
+            raise ValueError("--plasticity.redo and --plasticity.regrama are alternatives; pick one")
+        for name in ("metrics_every", "reset_every", "metrics_batch", "reset_batch", "sigreg_slices"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--plasticity.{name.replace('_', '-')} must be >= 0")
+        if not 0.0 < self.reset_max_fraction <= 1.0:
+            raise ValueError("--plasticity.reset-max-fraction must be in (0, 1]")
+        if self.sigreg_coef < 0:
+            raise ValueError("--plasticity.sigreg-coef must be >= 0")
+
+
+@dataclass(frozen=True)
 class OffPolicyConfig:
     """Replay and schedule settings every off-policy agent has."""
 
@@ -74,6 +113,7 @@ class RunConfig:
     progress: bool = True
     """show a progress bar"""
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    plasticity: PlasticityConfig = field(default_factory=PlasticityConfig)
     agent_name: str = "sac"
     agent: Any = None
 
@@ -86,12 +126,13 @@ def to_json(cfg: RunConfig) -> dict:
 def from_json(d: dict, agent_cls) -> RunConfig:
     d = dict(d)
     net = NetworkConfig(**d.pop("network"))
+    plasticity = PlasticityConfig(**d.pop("plasticity", {}))
     agent = agent_cls(**d.pop("agent"))
     known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"config.json has unknown keys {sorted(unknown)}")
-    return RunConfig(**d, network=net, agent=agent)
+    return RunConfig(**d, network=net, plasticity=plasticity, agent=agent)
 
 
 def dump(cfg: RunConfig) -> str:

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import VectorEnv
+from plasticity import sigreg as sigreg_lib
+from plasticity.hooks import Hooks, sigreg_spec
 from training import checkpoint, replay
 from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
@@ -52,8 +54,11 @@ def buffer_fns(agent):
     return getattr(agent, "buffer_init", replay.init), getattr(agent, "buffer_add", replay.add)
 
 
-def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
-    """One jitted call per env step: store transitions, learn, choose the next actions."""
+def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None):
+    """One jitted call per env step: store transitions, learn, choose the next actions.
+
+    ``sigreg`` (a ``SIGRegSpec``) switches SIGReg on in the agent's regularised losses.
+    """
     block = make_train_block(agent, cfg, num_updates)
     _, buffer_add = buffer_fns(agent)
 
@@ -65,7 +70,8 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         k_train, k_act = jax.random.split(key)
         metrics = {}
         if train:
-            state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds))
+            with sigreg_lib.active(sigreg):
+                state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds))
         if random_actions:
             action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
         else:
@@ -110,8 +116,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
     obs_dim, act_dim = env.obs_dim, env.act_dim
     state, buffer, key = init_state(agent, cfg, obs_dim, act_dim)
+    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, getattr(agent, "sample_batch", replay.sample))
+    hooks.start(state)
     logger = RunLogger(run_dir, cfg.tensorboard)
-    step_fn = make_step_fn(agent, a, a.updates_per_step * E, act_dim)
+    num_updates = a.updates_per_step * E
+    step_fn = make_step_fn(agent, a, num_updates, act_dim, sigreg_spec(cfg.plasticity))
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
 
     if resume:
@@ -121,6 +130,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         (state, buffer, key), host, _ = checkpoint.load(path, (state, buffer, key))
         env, obs, action, step = host["env"], host["obs"], jnp.asarray(host["action"]), host["step"]
         episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
+        updates_done, pending = host["updates_done"], host["pending"]
+        hooks.restore(host["plasticity"])
         logger.truncate_after(step)
         print(f"resumed {run_dir} at step {step} from {path.name}")
     else:
@@ -128,6 +139,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         obs = env.reset()
         step, next_eval, next_log = 0, 0, cfg.log_every
         episode_log = [[] for _ in range(S)]
+        updates_done, pending = 0, None
         key, k0 = jax.random.split(key)
         action = jax.random.uniform(k0, (S, E, act_dim), minval=-1.0, maxval=1.0)
     next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
@@ -140,7 +152,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
 
     def save(step):
         host = {"env": env, "obs": obs, "action": np.asarray(action), "step": step,
-                "episode_log": episode_log, "next_eval": next_eval, "next_log": next_log}
+                "episode_log": episode_log, "next_eval": next_eval, "next_log": next_log,
+                "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state()}
         return checkpoint.save(run_dir, step, (state, buffer, key), host, {"config": to_json(cfg)})
 
     bar = _progress(cfg, step)
@@ -167,6 +180,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 metrics = new_metrics
                 if not bool(finite):
                     _raise_non_finite(metrics, step, run_dir)
+                state, rows = hooks.after_updates(updates_done, updates_done + num_updates, state, buffer,
+                                                  jax.random.fold_in(k, 1))
+                updates_done += num_updates
+                if rows is not None:
+                    pending = rows if pending is None else [{**p, **r} for p, r in zip(pending, rows)]
             for i, ret, length in env.pop_finished():
                 episode_log[i // E].append((ret, length))
             if step >= next_log or step == cfg.total_steps:
@@ -179,7 +197,10 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                         row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
                     if metrics is not None:
                         row.update({k: float(v[j]) for k, v in metrics.items()})
+                    if pending is not None:
+                        row.update(pending[j])
                     rows.append(row)
+                pending = None
                 recent = [r for log in episode_log for r, _ in log]
                 last_return = float(np.mean(recent)) if recent else last_return
                 episode_log = [[] for _ in range(S)]

@@ -30,6 +30,8 @@ def run(cfg: RunConfig, stop_at: int | None = None) -> dict:
             raise SystemExit(f"run directory {run_dir} already holds a run; use --resume {run_dir} to continue it")
     if agent.KIND == "offpolicy":
         from training.offpolicy import train
+    elif agent.KIND == "onpolicy":
+        from training.onpolicy import train
     else:
         raise ValueError(f"agent {cfg.agent_name!r} has unknown kind {agent.KIND!r}")
     print(f"run directory: {run_dir}")

@@ -1,0 +1,597 @@
+"""MR.Q: Model-based Representations for Q-learning (Fujimoto et al., ICLR 2025, arXiv 2501.16142).
+
+Follows shared/specs/mrq.md (sections 1-5 and 9); equations below are numbered (E1)-(E8) in
+this file and cite the spec section they implement.
+
+Networks (spec section 1; every MLP layer is Linear -> LayerNorm -> act, LN without affine
+parameters, Xavier-uniform init with gain sqrt(2), zero biases):
+
+  f    : s -> z_s                      state encoder, LN+ELU after every layer (incl. the last)
+  g    : [z_s, ELU(W_a a)] -> z_sa      state-action encoder, LN+ELU on its two hidden layers
+  m    : z_sa -> (d, z_s', r-logits)    linear MDP predictor (1 + |z_s| + 65 outputs)
+  Q1,2 : z_sa -> R                     twin values, 3 LN+ELU layers
+  pi   : z_s -> tanh(pre)              deterministic policy, 2 LN+ReLU layers
+
+One training step (replay ratio 1, after ``learning_starts`` uniform-random env steps):
+
+  if updates % T_target == 0:                                           (spec section 3)
+      f', g', m', Q', pi' <- f, g, m, Q, pi                              hard target copy
+      rbar' <- rbar;  rbar <- mean |r| over the whole buffer             reward scale
+      repeat T_target times: one AdamW step on L_enc (E1-E3)            encoder burst
+  sample B windows of H_Q = 3 transitions by LAP priority (training/lap.py)
+  one AdamW step on the value loss (E4-E6), then on the policy loss (E7)
+  priority <- max(max_k |Q_k - y|, 1) ** 0.4                             (E8)
+
+(E1) unroll:  z~_0 = f(s_0);  (d~_t, z~_t, r~_t) = m(g(z~_{t-1}, a_{t-1})),  t = 1..H_enc (= 5)
+(E2) per step: 1.0 * MSE(z~_t, f'(s_t)) + 0.1 * CE(r~_t, twohot(r_t)) + 0.1 * MSE(d~_t, d_t),
+     each masked once an earlier step of the window terminated; the terminal term only once a
+     terminal transition has been stored.  Reward targets are raw (unscaled) rewards.
+(E3) L_enc = sum_t (E2)_t,  each MSE / CE a mean over the batch (and latent units).
+(E4) R = sum_{i<H} gamma^i c_i r_{t+i},  c_0 = 1, c_i = prod_{j<i} (1 - d_{t+j})   (spec section 9)
+(E5) y = (R + gamma^H c_H rbar' min_k Q'_k(g'(z', a')) ) / rbar,
+     z' = f'(s_{t+H}),  a' = clip(pi'(z') + clip(N(0, 0.2^2), -0.3, 0.3), -1, 1)
+(E6) L_Q = mean_k Huber_1(Q_k(g(f(s_t), a_t)) - y),  encoder under stop-gradient
+(E7) L_pi = -mean_k Q_k(g(z_s, pi(z_s))) + 1e-5 mean(pre^2),  z_s = sg(f(s_t)); only pi moves
+(E8) LAP priority of the sampled window starts (no importance weights)
+
+Design notes.
+
+* The schedule is data, not Python: ``train_block`` is one ``lax.scan`` over gradient steps;
+  the sync + encoder burst runs inside a ``lax.while_loop`` whose trip count is 1 on sync
+  steps and 0 otherwise.  (A ``lax.cond`` would become a ``select`` under the loop's
+  ``vmap`` over seeds and run the 250-step burst on *every* step; a while-loop with a
+  batched predicate runs only while some seed needs it, and all seeds sync together.)
+* The encoder is two plastic networks, ``state_encoder`` (f) and ``sa_encoder`` (z_a
+  embedding, g and m), each with its own AdamW state: AdamW is per-parameter and the
+  encoder has no gradient clipping, so this equals the reference's single optimizer.
+* The networks' LayerNorms come from ``networks.Trunk`` and carry scale/bias parameters;
+  their optimizer zeroes those updates (and exempts them from weight decay), so they stay
+  at 1 / 0: exactly the reference's affine-free LayerNorm.  The value network's global-norm
+  clip therefore covers the same parameters as the reference.  LN epsilon is Flax's 1e-6
+  (PyTorch: 1e-5).
+* ``--network.width W`` multiplies every MR.Q width by W / 512 (``MRQConfig`` docstring).
+* Vector observations and continuous actions only (the env layer provides nothing else):
+  the pixel CNN encoder and the discrete-action Gumbel-softmax policy are not implemented.
+* The replay stores each transition's obs and next_obs (frames held twice) in per-env
+  streams; see training/lap.py.
+
+Deviations from the reference code (facebookresearch/MRQ), each deliberate:
+
+* Multi-step return: the spec's corrected formula (E4, spec section 9), not the reference's.
+* Priority: by default the TD error of the *sampled* action, |Q_k(s_t, a_t) - y| (the
+  spec's and LAP's definition).  In the stored reference version (commit 0f0ed0e) the
+  variable holding Q is overwritten by the policy's Q(s, pi(s)) before the priority is
+  computed; ``priority_from_policy_q=True`` reproduces that (UNVERIFIED whether the latest
+  commit still does it).
+* A window may be sampled only once all its transitions are stored (the reference can read
+  a just-written terminal window before the next episode's first steps exist; masked
+  anyway).  The validity mask uses max(H_enc, H_Q) for both samplers, as the reference does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
+from training import lap
+from training.config import NetworkConfig, OffPolicyConfig
+from training.lap import Window
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class MRQConfig(OffPolicyConfig):
+    """MR.Q hyperparameters; defaults are the paper's Table 3 (spec section 5).
+
+    Width scaling: ``--network.width W`` multiplies every MR.Q width by W / 512 (rounded,
+    at least 1): hidden widths 512 -> W, z_s and z_sa 512 -> W, z_a 256 -> W / 2.  The
+    paper's model is W = 512 (the default, ``None``).  ``--network.depth D`` sets each
+    trunk's hidden depth (paper: f 2 + its LN-ELU output layer, g 2, Q 3, pi 2);
+    ``--network.activation`` replaces ELU and ReLU alike; ``--network.block`` /
+    ``--network.layer-norm`` apply to the trunks of f, g, Q and pi (not to the action
+    embedding, which stays Linear -> ELU).
+    """
+
+    learning_starts: int = 10_000
+    """uniform-random env steps before learning starts"""
+    gamma: float = 0.99
+    target_update_freq: int = 250
+    """T_target: every T_target updates, hard target copy + reward-scale update + T_target encoder steps"""
+    exploration_noise: float = 0.2
+    target_policy_noise: float = 0.2
+    noise_clip: float = 0.3
+    dyn_weight: float = 1.0
+    reward_weight: float = 0.1
+    done_weight: float = 0.1
+    pre_activ_weight: float = 1e-5
+    enc_horizon: int = 5
+    """H_enc: encoder unroll length"""
+    q_horizon: int = 3
+    """H_Q: multi-step return length (1 = the paper's 1-step ablation)"""
+    prioritized: bool = True
+    """LAP prioritised sampling (False = the paper's no-LAP ablation: uniform over valid windows)"""
+    alpha: float = 0.4
+    min_priority: float = 1.0
+    priority_from_policy_q: bool = False
+    """priority from |Q(s, pi(s)) - y| as in the reference code, instead of |Q(s, a) - y|"""
+    reward_scaling: bool = True
+    """divide value targets by the buffer's mean |reward| (False = the no-reward-scaling ablation)"""
+    zs_dim: int = 512
+    zsa_dim: int = 512
+    za_dim: int = 256
+    enc_hdim: int = 512
+    enc_activ: str = "elu"
+    enc_lr: float = 1e-4
+    enc_wd: float = 1e-4
+    value_hdim: int = 512
+    value_activ: str = "elu"
+    value_lr: float = 3e-4
+    value_wd: float = 1e-4
+    value_grad_clip: float = 20.0
+    policy_hdim: int = 512
+    policy_activ: str = "relu"
+    policy_lr: float = 3e-4
+    policy_wd: float = 1e-4
+    num_bins: int = 65
+    bin_lower: float = -10.0
+    bin_upper: float = 10.0
+
+
+CONFIG = MRQConfig
+KIND = "offpolicy"
+
+# ----------------------------------------------------------------------------- two-hot reward (spec 2.1)
+
+
+def symlog(x):
+    return jnp.sign(x) * jnp.log1p(jnp.abs(x))
+
+
+def symexp(x):
+    return jnp.sign(x) * jnp.expm1(jnp.abs(x))
+
+
+def two_hot_bins(num_bins: int = 65, lower: float = -10.0, upper: float = 10.0):
+    """Bins spaced linearly on [lower, upper] in symlog space: symexp(linspace(lower, upper, n))."""
+    return symexp(jnp.linspace(lower, upper, num_bins, dtype=jnp.float32))
+
+
+def two_hot(x, bins):
+    """(...,) -> (..., n): weight on the two bins around x (x clipped to the bin range)."""
+    x = jnp.clip(x, bins[0], bins[-1])
+    i = jnp.clip(jnp.searchsorted(bins, x, side="right") - 1, 0, bins.shape[0] - 2)
+    lo, hi = bins[i], bins[i + 1]
+    w = (x - lo) / (hi - lo)
+    n = bins.shape[0]
+    return (1.0 - w)[..., None] * jax.nn.one_hot(i, n) + w[..., None] * jax.nn.one_hot(i + 1, n)
+
+
+def two_hot_decode(probs, bins):
+    """Expected value of a distribution over the bins."""
+    return probs @ bins
+
+
+def two_hot_cross_entropy(logits, x, bins):
+    """CE(softmax(logits), twohot(x)) per sample."""
+    return -jnp.sum(two_hot(x, bins) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
+# ----------------------------------------------------------------------------- networks (spec 1)
+
+
+def _sub(trunk: Trunk, x, probes, prefix: str):
+    """Run a sub-trunk whose taps (and probes) are named ``prefix + tap``."""
+    sub = None if probes is None else {k[len(prefix):]: v for k, v in probes.items() if k.startswith(prefix)}
+    h, taps = trunk(x, sub)
+    return h, {prefix + k: v for k, v in taps.items()}
+
+
+class StateEncoder(nnx.Module):
+    """f: s -> z_s = ELU(LN(W h)) after the hidden LN-ELU layers (vector observations)."""
+
+    def __init__(self, obs_dim: int, spec: TrunkSpec, zs_dim: int, *, rngs: nnx.Rngs):
+        self.trunk = Trunk(obs_dim, spec, rngs=rngs)
+        out = dataclasses.replace(spec, width=zs_dim, depth=1, block="mlp", layer_norm=True)
+        self.out = Trunk(spec.width, out, rngs=rngs)
+
+    def __call__(self, x, probes=None):
+        h, taps = self.trunk(x, probes)
+        zs, out_taps = _sub(self.out, h, probes, "out/")
+        return zs, {**taps, **out_taps}
+
+
+class StateActionEncoder(nnx.Module):
+    """Input [z_s, a] -> (z_sa, m(z_sa)): z_a = ELU(W_a a); z_sa = W_o g_hidden([z_s, z_a]); m linear."""
+
+    def __init__(self, zs_dim: int, act_dim: int, za_spec: TrunkSpec, spec: TrunkSpec, zsa_dim: int,
+                 model_dim: int, *, rngs: nnx.Rngs):
+        self.zs_dim = zs_dim
+        self.action = Trunk(act_dim, za_spec, rngs=rngs)
+        self.trunk = Trunk(zs_dim + za_spec.width, spec, rngs=rngs)
+        self.out = nnx.Linear(spec.width, zsa_dim, rngs=rngs)
+        self.model = nnx.Linear(zsa_dim, model_dim, rngs=rngs)
+
+    def __call__(self, x, probes=None):
+        zs, a = x[..., :self.zs_dim], x[..., self.zs_dim:]
+        za, a_taps = _sub(self.action, a, probes, "action/")
+        h, taps = self.trunk(jnp.concatenate([zs, za], axis=-1), probes)
+        zsa = self.out(h)
+        return (zsa, self.model(zsa)), {**a_taps, **taps}
+
+
+def _keys(path) -> list:
+    return [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+
+
+def _is_frozen(path) -> bool:
+    """LayerNorm scale/bias of an mlp trunk: kept at 1 / 0 (affine-free LN, spec 1)."""
+    return "norms" in _keys(path)
+
+
+def _xavier_relu(params, key):
+    """Xavier-uniform kernels with ReLU gain sqrt(2) (per ensemble member); biases stay 0."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, x), k in zip(leaves, keys):
+        if _keys(path)[-1] == "kernel":
+            limit = math.sqrt(2.0) * math.sqrt(6.0 / (x.shape[-2] + x.shape[-1]))
+            x = jax.random.uniform(k, x.shape, x.dtype, -limit, limit)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _adamw(lr: float, wd: float, clip: float | None = None):
+    """AdamW (decoupled weight decay, torch defaults), LayerNorm params frozen, optional global clip."""
+    frozen = lambda t: jax.tree_util.tree_map_with_path(lambda p, _: _is_frozen(p), t)  # noqa: E731
+    trainable = lambda t: jax.tree_util.tree_map_with_path(lambda p, _: not _is_frozen(p), t)  # noqa: E731
+    chain = [optax.masked(optax.set_to_zero(), frozen)]
+    if clip is not None:
+        chain.append(optax.clip_by_global_norm(clip))
+    chain.append(optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd, mask=trainable))
+    return optax.chain(*chain)
+
+
+def _optimizers(cfg: MRQConfig):
+    """(state encoder, state-action encoder, value, policy) optimizers (spec 2.1-2.3)."""
+    enc = _adamw(cfg.enc_lr, cfg.enc_wd)
+    return enc, enc, _adamw(cfg.value_lr, cfg.value_wd, cfg.value_grad_clip), _adamw(cfg.policy_lr, cfg.policy_wd)
+
+
+def dims(cfg: MRQConfig, network: NetworkConfig) -> dict:
+    """Widths after ``--network.width`` scaling (factor W / 512)."""
+    s = 1.0 if network.width is None else network.width / 512
+    d = lambda n: max(1, int(round(n * s)))  # noqa: E731
+    return {"zs": d(cfg.zs_dim), "zsa": d(cfg.zsa_dim), "za": d(cfg.za_dim), "enc": d(cfg.enc_hdim),
+            "value": d(cfg.value_hdim), "policy": d(cfg.policy_hdim)}
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@struct.dataclass
+class MRQState:
+    encoder_params: object  # f
+    sa_encoder_params: object  # z_a embedding, g and the MDP predictor m
+    value_params: object  # Q1, Q2 (a 2-member ensemble)
+    policy_params: object
+    target_encoder_params: object
+    target_sa_encoder_params: object
+    target_value_params: object
+    target_policy_params: object
+    encoder_opt: object
+    sa_encoder_opt: object
+    value_opt: object
+    policy_opt: object
+    reward_scale: jax.Array  # rbar, recomputed at every target sync
+    target_reward_scale: jax.Array  # rbar', the previous rbar
+    updates: jax.Array  # value/policy steps taken
+    syncs: jax.Array  # target syncs (each followed by an encoder burst)
+    encoder_updates: jax.Array
+    encoder_metrics: dict  # means over the last encoder burst
+    cfg: MRQConfig = struct.field(pytree_node=False)
+    state_encoder: Net = struct.field(pytree_node=False)
+    sa_encoder: Net = struct.field(pytree_node=False)
+    value: Net = struct.field(pytree_node=False)
+    policy: Net = struct.field(pytree_node=False)
+    zs_dim: int = struct.field(pytree_node=False)
+    act_dim: int = struct.field(pytree_node=False)
+
+
+PLASTIC = {"state_encoder": ("encoder_params", "encoder_opt"),
+           "sa_encoder": ("sa_encoder_params", "sa_encoder_opt"),
+           "value": ("value_params", "value_opt"),
+           "policy": ("policy_params", "policy_opt")}
+
+_ENCODER_METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losses/terminal")
+
+
+def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig = NetworkConfig()) -> MRQState:
+    for name in ("enc_horizon", "q_horizon", "target_update_freq", "batch_size", "num_bins"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_bins < 2:
+        raise ValueError(f"--num-bins must be >= 2, got {cfg.num_bins}")
+    w = dims(cfg, network)
+    over = dataclasses.replace(network, width=None)  # widths are scaled by ``dims``, not replaced
+
+    def spec(width, depth, activation):
+        return over.trunk(TrunkSpec(width, depth, "mlp", activation, layer_norm=True))
+
+    enc_spec, sa_spec = spec(w["enc"], 2, cfg.enc_activ), spec(w["enc"], 2, cfg.enc_activ)
+    za_spec = TrunkSpec(w["za"], 1, "mlp", network.activation or cfg.enc_activ, layer_norm=False)
+    value_spec, policy_spec = spec(w["value"], 3, cfg.value_activ), spec(w["policy"], 2, cfg.policy_activ)
+    model_dim = 1 + w["zs"] + cfg.num_bins
+
+    k = jax.random.split(key, 8)
+    state_encoder, f_params = build("state_encoder", lambda r: StateEncoder(obs_dim, enc_spec, w["zs"], rngs=r), k[0])
+    sa_encoder, g_params = build("sa_encoder", lambda r: StateActionEncoder(
+        w["zs"], act_dim, za_spec, sa_spec, w["zsa"], model_dim, rngs=r), k[1])
+    value, v_params = build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2)
+    policy, p_params = build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3])
+    f_params, g_params, v_params, p_params = (_xavier_relu(p, kk) for p, kk in
+                                              zip((f_params, g_params, v_params, p_params), k[4:]))
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (distinct buffers: the loop donates state)
+    tx_f, tx_g, tx_v, tx_p = _optimizers(cfg)
+    zero = jnp.zeros((), jnp.float32)
+    return MRQState(
+        f_params, g_params, v_params, p_params, copy(f_params), copy(g_params), copy(v_params), copy(p_params),
+        tx_f.init(f_params), tx_g.init(g_params), tx_v.init(v_params), tx_p.init(p_params),
+        reward_scale=jnp.ones((), jnp.float32), target_reward_scale=zero,  # reference: 1 and 0 until the first sync
+        updates=jnp.zeros((), jnp.int32), syncs=jnp.zeros((), jnp.int32), encoder_updates=jnp.zeros((), jnp.int32),
+        encoder_metrics={m: zero for m in _ENCODER_METRICS},
+        cfg=cfg, state_encoder=state_encoder, sa_encoder=sa_encoder, value=value, policy=policy,
+        zs_dim=w["zs"], act_dim=act_dim)
+
+
+def param_count(state: MRQState) -> dict:
+    """Trainable parameters per network (frozen LayerNorm gains/biases excluded)."""
+    def count(params):
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        return sum(x.size for path, x in leaves if not _is_frozen(path))
+    return {"state_encoder": count(state.encoder_params), "sa_encoder": count(state.sa_encoder_params),
+            "value": count(state.value_params), "policy": count(state.policy_params)}
+
+
+# ----------------------------------------------------------------------------- acting (spec 4, exploration)
+
+
+def act(state: MRQState, obs, key, explore: bool):
+    """pi(f(s)); exploring adds N(0, 0.2^2) and clips to [-1, 1]."""
+    zs = state.state_encoder(state.encoder_params, obs)
+    action, _ = state.policy(state.policy_params, zs)
+    if explore:
+        noise = state.cfg.exploration_noise * jax.random.normal(key, action.shape, action.dtype)
+        action = jnp.clip(action + noise, -1.0, 1.0)
+    return action
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _split_model(state: MRQState, pred):
+    """MDP predictor output -> (terminal (B,), next z_s (B, Z), reward logits (B, bins))."""
+    return pred[..., 0], pred[..., 1:1 + state.zs_dim], pred[..., 1 + state.zs_dim:]
+
+
+def encoder_loss(encoder_params, sa_encoder_params, state: MRQState, win: Window, use_terminal):
+    """L_enc (E1-E3): the model unrolled H steps in latent space from z~_0 = f(s_0).
+
+    ``use_terminal`` (0/1) switches the terminal term on once a terminal transition is stored.
+    Returns (loss, (dynamics, reward, terminal) summed over the unroll, unweighted).
+    """
+    cfg = state.cfg
+    b, h = win.reward.shape
+    bins = two_hot_bins(cfg.num_bins, cfg.bin_lower, cfg.bin_upper)
+    z = state.state_encoder(encoder_params, win.obs)  # online first (plasticity probes this call)
+    targets = jax.lax.stop_gradient(state.state_encoder(
+        state.target_encoder_params, win.next_obs.reshape(b * h, -1))).reshape(b, h, -1)
+    done = win.terminated.astype(jnp.float32)
+    alive = jnp.ones((b,), jnp.float32)  # 0 once an earlier step of the window terminated
+    dyn_sum = rew_sum = term_sum = jnp.zeros(())
+    for t in range(h):
+        _, pred = state.sa_encoder(sa_encoder_params, z, win.action[:, t])
+        d_pred, z, r_logits = _split_model(state, pred)
+        dyn_sum += jnp.mean((z - targets[:, t]) ** 2 * alive[:, None])
+        rew_sum += jnp.mean(two_hot_cross_entropy(r_logits, win.reward[:, t], bins) * alive)
+        term_sum += jnp.mean((d_pred - done[:, t]) ** 2 * alive) * use_terminal
+        alive = alive * (1.0 - done[:, t])
+    loss = cfg.dyn_weight * dyn_sum + cfg.reward_weight * rew_sum + cfg.done_weight * term_sum
+    return loss, (dyn_sum, rew_sum, term_sum)
+
+
+def value_target(state: MRQState, win: Window, key):
+    """y of (E4)-(E5) for windows of H transitions, from the target networks; (B,)."""
+    cfg = state.cfg
+    h = win.reward.shape[1]
+    ret, survive = lap.multistep_return(win.reward, win.terminated, cfg.gamma)
+    next_zs = state.state_encoder(state.target_encoder_params, win.next_obs[:, -1])
+    next_action, _ = state.policy(state.target_policy_params, next_zs)
+    noise = jnp.clip(cfg.target_policy_noise * jax.random.normal(key, next_action.shape, next_action.dtype),
+                     -cfg.noise_clip, cfg.noise_clip)
+    next_action = jnp.clip(next_action + noise, -1.0, 1.0)
+    next_zsa, _ = state.sa_encoder(state.target_sa_encoder_params, next_zs, next_action)
+    next_q = state.value(state.target_value_params, next_zsa).min(axis=0)
+    y = (ret + cfg.gamma ** h * survive * state.target_reward_scale * next_q) / state.reward_scale
+    return jax.lax.stop_gradient(y)
+
+
+def value_loss(value_params, state: MRQState, zsa, y):
+    """(E6): Huber (delta 1) of both heads against y, averaged.  Returns (loss, Q (2, B))."""
+    q = state.value(value_params, zsa)
+    return optax.huber_loss(q, y[None], delta=1.0).mean(), q
+
+
+def policy_loss(policy_params, state: MRQState, zs, value_params):
+    """(E7): -mean of both Q heads at pi(z_s) + pre-activation penalty.  Returns (loss, Q (2, B))."""
+    action, pre = state.policy(policy_params, zs)
+    zsa, _ = state.sa_encoder(state.sa_encoder_params, zs, action)
+    q = state.value(value_params, zsa)
+    return -q.mean() + state.cfg.pre_activ_weight * jnp.mean(pre ** 2), q
+
+
+def _online_embeddings(state: MRQState, win: Window):
+    """sg(z_s), sg(z_sa) of the windows' first transitions from the online encoder."""
+    zs = state.state_encoder(state.encoder_params, win.obs)
+    zsa, _ = state.sa_encoder(state.sa_encoder_params, zs, win.action[:, 0])
+    return jax.lax.stop_gradient(zs), jax.lax.stop_gradient(zsa)
+
+
+# ----------------------------------------------------------------------------- updates
+
+
+def rl_update(state: MRQState, win: Window, key):
+    """One value step then one policy step on windows of H_Q transitions -> (state, priorities, metrics)."""
+    cfg = state.cfg
+    _, _, tx_v, tx_p = _optimizers(cfg)
+    y = value_target(state, win, key)
+    zs, zsa = _online_embeddings(state, win)
+
+    (v_loss, q), grads = jax.value_and_grad(value_loss, has_aux=True)(state.value_params, state, zsa, y)
+    upd, value_opt = tx_v.update(grads, state.value_opt, state.value_params)
+    value_params = optax.apply_updates(state.value_params, upd)
+
+    (p_loss, q_pi), grads = jax.value_and_grad(policy_loss, has_aux=True)(state.policy_params, state, zs, value_params)
+    upd, policy_opt = tx_p.update(grads, state.policy_opt, state.policy_params)
+    policy_params = optax.apply_updates(state.policy_params, upd)
+
+    td = jnp.abs((q_pi if cfg.priority_from_policy_q else q) - y[None]).max(axis=0)  # (E8)
+    priorities = lap.priority(td, cfg.alpha, cfg.min_priority)
+    state = state.replace(value_params=value_params, value_opt=value_opt, policy_params=policy_params,
+                          policy_opt=policy_opt, updates=state.updates + 1)
+    metrics = {"losses/value": v_loss, "losses/policy": p_loss, "values/q_mean": q.mean(),
+               "values/target_mean": y.mean(), "charts/td_abs_mean": td.mean()}
+    return state, priorities, metrics
+
+
+def encoder_update(state: MRQState, win: Window, use_terminal):
+    """One AdamW step of f and g/m on L_enc (E1-E3)."""
+    tx_f, tx_g, _, _ = _optimizers(state.cfg)
+    (loss, parts), (g_f, g_g) = jax.value_and_grad(encoder_loss, argnums=(0, 1), has_aux=True)(
+        state.encoder_params, state.sa_encoder_params, state, win, use_terminal)
+    upd, encoder_opt = tx_f.update(g_f, state.encoder_opt, state.encoder_params)
+    encoder_params = optax.apply_updates(state.encoder_params, upd)
+    upd, sa_opt = tx_g.update(g_g, state.sa_encoder_opt, state.sa_encoder_params)
+    sa_params = optax.apply_updates(state.sa_encoder_params, upd)
+    state = state.replace(encoder_params=encoder_params, encoder_opt=encoder_opt, sa_encoder_params=sa_params,
+                          sa_encoder_opt=sa_opt, encoder_updates=state.encoder_updates + 1)
+    return state, jnp.stack([loss, *parts])
+
+
+def sync(state: MRQState, buffer: lap.LAPBuffer) -> MRQState:
+    """Hard-copy every network into its target; rbar' <- rbar, rbar <- mean |r| of the buffer."""
+    scale = lap.reward_scale(buffer) if state.cfg.reward_scaling else jnp.ones((), jnp.float32)
+    return state.replace(target_encoder_params=state.encoder_params,
+                         target_sa_encoder_params=state.sa_encoder_params,
+                         target_value_params=state.value_params, target_policy_params=state.policy_params,
+                         target_reward_scale=state.reward_scale, reward_scale=scale, syncs=state.syncs + 1)
+
+
+def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, valid, key) -> MRQState:
+    """The synchronised block (spec 3): target sync, then T_target encoder steps back to back."""
+    cfg = state.cfg
+    state = sync(state, buffer)
+    cdf = lap.cdf(buffer, valid, cfg.prioritized)  # priorities do not change during the burst
+    use_terminal = buffer.ever_terminated.astype(jnp.float32)
+
+    def step(state, k):
+        win = lap.window(buffer, lap.draw(cdf, k, cfg.batch_size), cfg.enc_horizon)
+        return encoder_update(state, win, use_terminal)
+
+    state, logs = jax.lax.scan(step, state, jax.random.split(key, cfg.target_update_freq))
+    logs = logs.mean(axis=0)
+    return state.replace(encoder_metrics=dict(zip(_ENCODER_METRICS, logs)))
+
+
+def _run_if(pred, fn, x):
+    """``fn(x)`` if ``pred`` else ``x``, as a 0/1-trip while-loop (stays lazy under vmap; see module doc)."""
+    def body(carry):
+        i, x = carry
+        return i + 1, fn(x)
+
+    n = pred.astype(jnp.int32)
+    return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), jnp.int32), x))[1]
+
+
+def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int):
+    """``num_updates`` MR.Q training steps as one scan -> (state, buffer with new priorities, metrics)."""
+    cfg = state.cfg
+    valid = lap.window_mask(buffer, max(cfg.enc_horizon, cfg.q_horizon))  # data is fixed within the block
+
+    def one(carry, key):
+        state, buffer = carry
+        k_sync, k_sample, k_rl = jax.random.split(key, 3)
+        state = _run_if(state.updates % cfg.target_update_freq == 0,
+                        lambda s: sync_and_train_encoder(s, buffer, valid, k_sync), state)
+        idx = lap.draw(lap.cdf(buffer, valid, cfg.prioritized), k_sample, cfg.batch_size)
+        state, priorities, metrics = rl_update(state, lap.window(buffer, idx, cfg.q_horizon), k_rl)
+        if cfg.prioritized:
+            buffer = lap.update_priorities(buffer, idx, priorities)
+        return (state, buffer), metrics
+
+    (state, buffer), metrics = jax.lax.scan(one, (state, buffer), jax.random.split(key, num_updates))
+    metrics = jax.tree.map(lambda m: m.mean(), metrics)
+    metrics.update(state.encoder_metrics)
+    metrics.update({"charts/reward_scale": state.reward_scale, "charts/target_reward_scale": state.target_reward_scale,
+                    "charts/max_priority": buffer.max_priority,
+                    "charts/valid_windows": jnp.sum(valid).astype(jnp.float32)})
+    return state, buffer, metrics
+
+
+def update(state: MRQState, batch: Window, key):
+    """One value + policy step on a given window batch (no sync, no priorities): ``(state, metrics)``.
+
+    The training loop uses ``train_block``, which also owns the schedule and the replay.
+    """
+    state, _, metrics = rl_update(state, _first(batch, state.cfg.q_horizon), key)
+    return state, metrics
+
+
+# ----------------------------------------------------------------------------- replay hooks for the loop
+
+
+def buffer_init(capacity: int, obs_dim: int, act_dim: int) -> lap.LAPBuffer:
+    """LAP buffer with per-env subtrajectory streams; the running max priority starts at 1 (= min priority)."""
+    return lap.init(capacity, obs_dim, act_dim, initial_priority=MRQConfig.min_priority)
+
+
+buffer_add = lap.add
+
+
+def sample(buffer: lap.LAPBuffer, key, cfg: MRQConfig, horizon: int | None = None):
+    """A batch of windows as training samples them (e.g. a held-out batch for plasticity metrics)."""
+    return lap.sample(buffer, key, cfg.batch_size, horizon or cfg.enc_horizon, cfg.prioritized,
+                      mask_horizon=max(cfg.enc_horizon, cfg.q_horizon))[1]
+
+
+# ----------------------------------------------------------------------------- plasticity hooks
+
+
+def _first(win: Window, h: int) -> Window:
+    """The first ``h`` transitions of each window (windows shorter than h are kept whole)."""
+    return win._replace(action=win.action[:, :h], reward=win.reward[:, :h], next_obs=win.next_obs[:, :h],
+                        terminated=win.terminated[:, :h], truncated=win.truncated[:, :h])
+
+
+def plastic_params(state: MRQState) -> dict:
+    """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
+    return {"state_encoder": state.encoder_params, "sa_encoder": state.sa_encoder_params,
+            "value": state.value_params, "policy": state.policy_params}
+
+
+def plastic_losses(state: MRQState, batch: Window, key):
+    """Per plastic network, its training loss as a function of its params (``batch``: H_enc windows)."""
+    q_win = _first(batch, state.cfg.q_horizon)
+    y = value_target(state, q_win, key)
+    zs, zsa = _online_embeddings(state, q_win)
+    return {"state_encoder": lambda p: encoder_loss(p, state.sa_encoder_params, state, batch, 1.0)[0],
+            "sa_encoder": lambda p: encoder_loss(state.encoder_params, p, state, batch, 1.0)[0],
+            "value": lambda p: value_loss(p, state, zsa, y)[0],
+            "policy": lambda p: policy_loss(p, state, zs, state.value_params)[0]}

@@ -1,0 +1,185 @@
+"""Loss-adjusted prioritised replay (LAP) over per-env subtrajectories, kept on the device.
+
+Pure functions over a ``LAPBuffer`` NamedTuple, so ``add`` and the samplers vmap over seeds
+and run inside ``jit``/``scan``.  Used by MR.Q (shared/specs/mrq.md section 4); nothing in
+here is MR.Q-specific.
+
+Storage and per-env streams
+    The buffer is one ring of ``capacity`` slots.  Every ``add`` call writes one transition
+    per env, env ``e`` at slot ``(ptr + e) % capacity``, and advances ``ptr`` by ``E`` (the
+    number of envs, fixed for a run, recorded in ``num_envs``).  So env ``e``'s next
+    transition always sits ``E`` slots further on (mod capacity), whatever the capacity:
+    the ring holds ``E`` interleaved per-env streams.  ``step[slot]`` is the index of the
+    ``add`` call that wrote the slot (-1: never written), which makes a window check exact:
+    the ``H`` slots ``s, s+E, ..., s+(H-1)E`` are ``H`` consecutive transitions of one env
+    iff ``step[s+kE] == step[s] + k`` for every ``k`` (an overwritten or not yet written
+    slot fails the test).  Each transition stores its own ``obs`` and true ``next_obs``
+    (observations are held twice, as in ``training.replay``; the reference stores each frame
+    once through index arrays, which only saves memory).
+
+Validity mask (``window_mask``)
+    A window of length ``H`` may start at slot ``s`` iff its ``H`` slots are consecutive
+    transitions of one env and none of its first ``H-1`` transitions is truncated: a window
+    never runs past a truncation (a truncation on its last transition is fine, that
+    transition's stored ``next_obs`` is the true final observation).  Windows may run past
+    a *termination*; the losses mask what follows it (``multistep_return``, spec section 9).
+
+LAP (Fujimoto et al. 2020, arXiv 2007.06049)
+    A window start is drawn with probability proportional to ``priority[s] * valid[s]``
+    (``cdf`` = one cumulative sum over all slots, O(capacity); ``draw`` = a binary search
+    of ``batch`` uniform draws, O(batch log capacity)).  New transitions get the running
+    maximum priority; ``priority(|delta|) = max(|delta|, min_priority) ** alpha``.  There
+    are no importance weights (the Huber loss plays their role in LAP).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from training.replay import Transition
+
+
+class LAPBuffer(NamedTuple):
+    data: Transition  # every field has leading axis ``capacity``
+    step: jax.Array  # (capacity,) int32: the add call that wrote the slot, -1 if empty
+    priority: jax.Array  # (capacity,) float32
+    max_priority: jax.Array  # () running maximum priority (new transitions get it)
+    ptr: jax.Array  # () next slot to write
+    size: jax.Array  # () number of written slots
+    calls: jax.Array  # () number of add calls so far
+    num_envs: jax.Array  # () transitions per add call (the stride of an env's stream)
+    ever_terminated: jax.Array  # () bool: a terminal transition has been stored
+
+
+class Window(NamedTuple):
+    """A batch of subtrajectories s_t, a_t, r_t, s_{t+1}, ..., a_{t+H-1}, r_{t+H-1}, s_{t+H}."""
+
+    obs: jax.Array  # (B, D): s_t
+    action: jax.Array  # (B, H, A): a_{t+k}
+    reward: jax.Array  # (B, H): r_{t+k}
+    next_obs: jax.Array  # (B, H, D): s_{t+k+1} (true next observation of transition t+k)
+    terminated: jax.Array  # (B, H) bool: s_{t+k+1} is terminal
+    truncated: jax.Array  # (B, H) bool
+
+
+def init(capacity: int, obs_dim: int, act_dim: int, initial_priority: float = 1.0) -> LAPBuffer:
+    f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
+    data = Transition(f(obs_dim), f(act_dim), f(), f(obs_dim),
+                      jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
+    i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    return LAPBuffer(data, jnp.full(capacity, -1, jnp.int32), jnp.zeros(capacity, jnp.float32),
+                     jnp.asarray(initial_priority, jnp.float32), i32(0), i32(0), i32(0), i32(0),
+                     jnp.asarray(False))
+
+
+def capacity(buffer: LAPBuffer) -> int:
+    return buffer.step.shape[-1]
+
+
+def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
+    """Store one transition per env (leading axis = envs, in env order) at the running max priority."""
+    cap = capacity(buffer)
+    n = batch.reward.shape[0]
+    if n > cap:
+        raise ValueError(f"cannot add {n} transitions per step to a buffer of capacity {cap}")
+    idx = (buffer.ptr + jnp.arange(n)) % cap
+    data = jax.tree.map(lambda d, x: d.at[idx].set(x.astype(d.dtype)), buffer.data, batch)
+    return buffer._replace(
+        data=data,
+        step=buffer.step.at[idx].set(buffer.calls),
+        priority=buffer.priority.at[idx].set(buffer.max_priority),
+        ptr=(buffer.ptr + n) % cap,
+        size=jnp.minimum(buffer.size + n, cap),
+        calls=buffer.calls + 1,
+        num_envs=jnp.asarray(n, jnp.int32),
+        ever_terminated=buffer.ever_terminated | jnp.any(batch.terminated))
+
+
+def slots(buffer: LAPBuffer, start, horizon: int):
+    """Slots of the ``horizon`` consecutive transitions of start's env: (..., horizon)."""
+    return (start[..., None] + jnp.arange(horizon) * buffer.num_envs) % capacity(buffer)
+
+
+def window_mask(buffer: LAPBuffer, horizon: int) -> jax.Array:
+    """(capacity,) bool: a window of ``horizon`` transitions may start at this slot.
+
+    Its slots hold ``horizon`` consecutive transitions of one env (none overwritten or
+    missing) and none of the first ``horizon - 1`` is truncated.  O(capacity * horizon).
+    """
+    cap = capacity(buffer)
+    s = jnp.arange(cap)
+    t0 = buffer.step
+    ok = t0 >= 0
+    for k in range(horizon):
+        sk = (s + k * buffer.num_envs) % cap
+        if k > 0:
+            ok &= buffer.step[sk] == t0 + k
+        if k < horizon - 1:
+            ok &= ~buffer.data.truncated[sk]
+    return ok
+
+
+def cdf(buffer: LAPBuffer, valid, prioritized: bool = True) -> jax.Array:
+    """Cumulative sampling weights: priority (or 1 if not prioritised) times the validity mask."""
+    w = buffer.priority if prioritized else jnp.ones_like(buffer.priority)
+    return jnp.cumsum(jnp.where(valid, w, 0.0))
+
+
+def draw(cdf_: jax.Array, key, n: int) -> jax.Array:
+    """``n`` slots drawn with probability proportional to their weight (cdf increments)."""
+    total = cdf_[-1]
+    u = jax.random.uniform(key, (n,), cdf_.dtype) * total
+    idx = jnp.searchsorted(cdf_, u, side="right")
+    # u rounding up to ``total`` would land past the last positive weight: take that one instead
+    last = jnp.searchsorted(cdf_, total, side="left")
+    return jnp.minimum(idx, last).astype(jnp.int32)
+
+
+def window(buffer: LAPBuffer, start, horizon: int) -> Window:
+    """Gather the subtrajectories of length ``horizon`` starting at slots ``start`` (B,)."""
+    sl = slots(buffer, start, horizon)  # (B, H)
+    d = buffer.data
+    return Window(d.obs[start], d.action[sl], d.reward[sl], d.next_obs[sl], d.terminated[sl], d.truncated[sl])
+
+
+def sample(buffer: LAPBuffer, key, batch_size: int, horizon: int, prioritized: bool = True,
+           mask_horizon: int | None = None):
+    """Draw ``batch_size`` windows -> (start slots, Window).  ``mask_horizon``: validity horizon (>= horizon)."""
+    valid = window_mask(buffer, max(horizon, mask_horizon or horizon))
+    idx = draw(cdf(buffer, valid, prioritized), key, batch_size)
+    return idx, window(buffer, idx, horizon)
+
+
+def priority(td_abs, alpha: float = 0.4, min_priority: float = 1.0):
+    """LAP priority max(|delta|, min_priority) ** alpha."""
+    return jnp.maximum(td_abs, min_priority) ** alpha
+
+
+def update_priorities(buffer: LAPBuffer, idx, new_priority) -> LAPBuffer:
+    """Set the sampled slots' priorities and raise the running maximum."""
+    return buffer._replace(priority=buffer.priority.at[idx].set(new_priority),
+                           max_priority=jnp.maximum(buffer.max_priority, jnp.max(new_priority)))
+
+
+def reward_scale(buffer: LAPBuffer, eps: float = 1e-8) -> jax.Array:
+    """Mean |reward| over every stored transition (at least ``eps``)."""
+    written = buffer.step >= 0
+    total = jnp.sum(jnp.where(written, jnp.abs(buffer.data.reward), 0.0))
+    return jnp.maximum(total / jnp.maximum(buffer.size, 1), eps)
+
+
+def multistep_return(reward, terminated, gamma: float):
+    """Masked H-step return of windows (spec section 9, the corrected formula) -> (R, c_H).
+
+    c_0 = 1, c_i = prod_{j<i} (1 - d_{t+j});  R = sum_{i<H} gamma^i c_i r_{t+i}.
+    The terminating transition's reward counts (c_i is 1 up to and including it) and
+    nothing after it does; c_H = 0 when the window terminates, so the caller's bootstrap
+    gamma^H c_H Q' vanishes.  ``reward``, ``terminated``: (B, H).
+    """
+    nd = 1.0 - terminated.astype(reward.dtype)
+    survive = jnp.cumprod(nd, axis=1)  # c_1 .. c_H
+    c = jnp.concatenate([jnp.ones_like(survive[:, :1]), survive[:, :-1]], axis=1)  # c_0 .. c_{H-1}
+    discounts = gamma ** jnp.arange(reward.shape[1], dtype=reward.dtype)
+    return jnp.sum(discounts * c * reward, axis=1), survive[:, -1]

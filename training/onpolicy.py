@@ -1,0 +1,263 @@
+"""The on-policy loop: rollouts of S seeds x E envs, one PPO-style update per iteration, exact resume.
+
+One vector env holds all ``S * E`` sub-envs (seed j owns envs ``j*E .. j*E+E-1``).  Per vector step
+the host makes **one** jitted call, vmapped over seeds, that
+
+  1. scales the rewards (reward normaliser) and writes the transition into the device-side rollout
+     buffer (rewards, ``terminated``, ``truncated``, and V(true final observation) for truncations);
+  2. updates the observation statistics with the new observations, normalises them, and samples the
+     next actions, their log-probabilities and values (written into the next buffer slot).
+
+After ``num_steps`` vector steps one jitted call runs ``agent.update`` (GAE, epochs x minibatches in
+one scan) for every seed and samples the first actions of the next rollout with the updated policy.
+Checkpoints (agent state with normalisers, loop buffers, rng, vector env, counters) are written at
+iteration boundaries only, so a resumed run equals an uninterrupted one.
+
+The agent module provides, beside ``init``/``act``/``update``: ``observe(state, raw_obs) -> (state,
+obs_n)``, ``normalize_obs``, ``scale_reward(state, returns, reward, terminated)``,
+``sample_action(state, obs_n, key) -> (action, logp, value)``, ``value(state, obs_n)``,
+``reset_normalizers(state)`` and the ``Rollout`` buffer type.
+
+Steps count env steps per seed (each vector step adds ``num_envs``); a run does
+``total_steps // (num_steps * num_envs)`` full iterations (CleanRL's ``num_iterations``), which also
+sets the learning-rate annealing horizon.
+"""
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs import make_vector_env
+from training import checkpoint
+from training.config import RunConfig, to_json
+from training.evaluation import Evaluator
+from training.logger import RunLogger
+from training.offpolicy import _progress, _raise_non_finite
+
+
+class LoopState(NamedTuple):
+    buffer: object       # agent.Rollout, (T + 1 | T, E, ...) per seed
+    returns: jax.Array   # (E,) discounted returns of the reward normaliser
+
+
+def empty_loop(agent, T: int, E: int, obs_dim: int, act_dim: int) -> LoopState:
+    z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    b = agent.Rollout(z(T + 1, E, obs_dim), z(T + 1, E, act_dim), z(T + 1, E), z(T + 1, E), z(T, E),
+                      jnp.zeros((T, E), bool), jnp.zeros((T, E), bool), z(T, E))
+    return LoopState(b, z(E))
+
+
+def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
+    keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
+    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
+    loop = jax.vmap(lambda _: empty_loop(agent, cfg.agent.num_steps, cfg.num_envs, obs_dim, act_dim))(
+        jnp.arange(cfg.seeds))
+    return state, loop, keys[0]
+
+
+def _write_policy_slot(buffer, i, obs_n, action, logp, value):
+    return buffer._replace(obs=buffer.obs.at[i].set(obs_n), actions=buffer.actions.at[i].set(action),
+                           logp=buffer.logp.at[i].set(logp), values=buffer.values.at[i].set(value))
+
+
+def make_fns(agent, T: int):
+    """(start, step, iterate, reset_norm): jitted, vmapped over the leading seed axis."""
+
+    def start(state, loop, raw_obs, key):
+        state, obs_n = agent.observe(state, raw_obs)
+        action, logp, v = agent.sample_action(state, obs_n, key)
+        return state, loop._replace(buffer=_write_policy_slot(loop.buffer, 0, obs_n, action, logp, v)), action
+
+    def step(state, loop, t, reward, terminated, truncated, next_obs, new_obs, key):
+        state, returns, r = agent.scale_reward(state, loop.returns, reward, terminated)
+        state, obs_n = agent.observe(state, new_obs)
+        final_v = agent.value(state, agent.normalize_obs(state, next_obs))
+        b = loop.buffer
+        b = b._replace(rewards=b.rewards.at[t].set(r), terminated=b.terminated.at[t].set(terminated),
+                       truncated=b.truncated.at[t].set(truncated),
+                       final_values=b.final_values.at[t].set(jnp.where(truncated, final_v, 0.0)))
+        action, logp, v = agent.sample_action(state, obs_n, key)
+        return state, LoopState(_write_policy_slot(b, t + 1, obs_n, action, logp, v), returns), action
+
+    def iterate(state, loop, key):
+        k_update, k_act = jax.random.split(key)
+        state, metrics = agent.update(state, loop.buffer, k_update)
+        obs_n = loop.buffer.obs[T]
+        action, logp, v = agent.sample_action(state, obs_n, k_act)
+        return state, loop._replace(buffer=_write_policy_slot(loop.buffer, 0, obs_n, action, logp, v)), action, metrics
+
+    def reset_norm(state, loop):
+        return agent.reset_normalizers(state), loop._replace(returns=jnp.zeros_like(loop.returns))
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def start_all(state, loop, raw_obs, key):
+        return jax.vmap(start)(state, loop, raw_obs, jax.random.split(key, raw_obs.shape[0]))
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step_all(state, loop, t, reward, terminated, truncated, next_obs, new_obs, key):
+        keys = jax.random.split(key, reward.shape[0])
+        return jax.vmap(step, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))(
+            state, loop, t, reward, terminated, truncated, next_obs, new_obs, keys)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def iterate_all(state, loop, key):
+        seeds = loop.returns.shape[0]
+        state, loop, action, metrics = jax.vmap(iterate)(state, loop, jax.random.split(key, seeds))
+        losses = [v for k, v in metrics.items() if k.startswith("losses/")]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in losses] or [jnp.bool_(True)]))
+        return state, loop, action, metrics, finite
+
+    return start_all, step_all, iterate_all, jax.jit(jax.vmap(reset_norm))
+
+
+def _check(cfg: RunConfig):
+    a = cfg.agent
+    for name, value in (("seeds", cfg.seeds), ("num_envs", cfg.num_envs), ("total_steps", cfg.total_steps),
+                        ("eval_every", cfg.eval_every), ("log_every", cfg.log_every),
+                        ("checkpoint_every", cfg.checkpoint_every), ("eval_episodes", cfg.eval_episodes),
+                        ("num_steps", a.num_steps), ("num_minibatches", a.num_minibatches),
+                        ("update_epochs", a.update_epochs)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    batch = a.num_steps * cfg.num_envs
+    if batch % a.num_minibatches:
+        raise ValueError(f"the batch (--num-steps {a.num_steps} x --num-envs {cfg.num_envs} = {batch}) must be "
+                         f"divisible by --num-minibatches {a.num_minibatches}")
+    if cfg.total_steps < batch:
+        raise ValueError(f"--total-steps {cfg.total_steps} is less than one rollout (--num-steps {a.num_steps} x "
+                         f"--num-envs {cfg.num_envs} = {batch} env steps per seed)")
+    return batch, cfg.total_steps // batch
+
+
+def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Train (or resume) a run.  ``stop_at`` ends early at the first iteration boundary at or after it."""
+    from envs import nonstationary
+
+    a = cfg.agent
+    S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
+    batch, num_iterations = _check(cfg)
+    env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend)
+    evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+    obs_dim, act_dim = env.obs_dim, env.act_dim
+    state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
+    logger = RunLogger(run_dir, cfg.tensorboard)
+    start_fn, step_fn, iterate_fn, reset_norm_fn = make_fns(agent, T)
+    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+    shaped = lambda x: jnp.asarray(np.asarray(x).reshape(S, E, *np.shape(x)[1:]))  # noqa: E731
+
+    if resume:
+        path = checkpoint.latest(run_dir)
+        if path is None:
+            raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
+        (state, loop, key), host, _ = checkpoint.load(path, (state, loop, key))
+        env, action, step = host["env"], jnp.asarray(host["action"]), host["step"]
+        episode_log, next_eval, next_log, phase = host["episode_log"], host["next_eval"], host["next_log"], host["phase"]
+        logger.truncate_after(step)
+        if getattr(env, "restored_fresh", False):  # a backend that cannot pickle its simulator restarted
+            key, k = jax.random.split(key)
+            state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
+        print(f"resumed {run_dir} at step {step} from {path.name}")
+    else:
+        logger.write_config(to_json(cfg))
+        key, k = jax.random.split(key)
+        state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
+        step, next_eval, next_log, phase = 0, 0, cfg.log_every, 0
+        episode_log = [[] for _ in range(S)]
+    state = state.replace(num_iterations=jnp.full((S,), num_iterations, jnp.int32))
+    counter = getattr(env, "step_counter", None)  # ns: envs on the sync backend share one counter
+    if counter is not None:
+        env.steps_per_call = E  # the counter counts per-seed env steps, the unit of --total-steps
+        nonstationary.follow(evaluator.env, counter)
+    next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+    last_step = num_iterations * batch
+    end = last_step if stop_at is None else min(stop_at, last_step)
+
+    def evaluate(step):
+        returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
+        logger.log_eval(step, returns)
+        return float(np.mean(returns))
+
+    def save(step):
+        host = {"env": env, "action": np.asarray(action), "step": step, "episode_log": episode_log,
+                "next_eval": next_eval, "next_log": next_log, "phase": phase}
+        return checkpoint.save(run_dir, step, (state, loop, key), host, {"config": to_json(cfg)})
+
+    bar = _progress(cfg, step)
+    last_eval, last_return = math.nan, math.nan
+    metrics, t_log, steps_log = None, time.perf_counter(), 0
+    consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
+    try:
+        while step < end:
+            consistent = False
+            for t in range(T):
+                if step >= next_eval:
+                    last_eval = evaluate(step)
+                    next_eval += cfg.eval_every
+                new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
+                step += E
+                steps_log += E
+                if counter is not None and a.ns_reset_norm:
+                    now = env.global_phase()
+                    if now != phase:
+                        state, loop = reset_norm_fn(state, loop)
+                    phase = now
+                key, k = jax.random.split(key)
+                state, loop, action = step_fn(state, loop, jnp.int32(t), shaped(reward), shaped(terminated),
+                                              shaped(truncated), shaped(next_obs), shaped(new_obs), k)
+                for i, ret, length in env.pop_finished():
+                    episode_log[i // E].append((ret, length))
+                if step >= next_log:
+                    sps = steps_log * S / (time.perf_counter() - t_log)
+                    last_return = _log(logger, step, sps, episode_log, metrics, env, S, E, last_return)
+                    episode_log = [[] for _ in range(S)]
+                    next_log += cfg.log_every
+                    bar(step, sps, last_return, last_eval)
+                    t_log, steps_log = time.perf_counter(), 0
+            key, k = jax.random.split(key)
+            state, loop, action, metrics, finite = iterate_fn(state, loop, k)
+            if not bool(finite):
+                _raise_non_finite({k: v for k, v in metrics.items() if k.startswith("losses/")}, step, run_dir)
+            consistent = True
+            if step >= next_ckpt or step >= end:
+                save(step)
+                next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+    except KeyboardInterrupt:
+        if consistent:
+            where = f"saved a checkpoint at step {step} ({save(step)})"
+        else:
+            where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
+        bar(None)
+        logger.close()
+        print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
+        raise
+    if step >= last_step and next_eval - cfg.eval_every < step:
+        last_eval = evaluate(step)
+    bar(None)
+    logger.close()
+    return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "metrics": metrics}
+
+
+def _log(logger, step, sps, episode_log, metrics, env, S, E, last_return):
+    tasks = env.task_ids() if hasattr(env, "task_ids") else None
+    rows = []
+    for j in range(S):
+        row = {"perf/sps": sps}
+        if episode_log[j]:
+            row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
+            row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
+        if metrics is not None:
+            row.update({k: float(v[j]) for k, v in metrics.items()})
+        if tasks is not None:
+            row["ns/task_id"] = float(np.mean(tasks[j * E:(j + 1) * E]))
+            row["ns/phase"] = env.global_phase()
+        rows.append(row)
+    logger.log_metrics(step, rows)
+    recent = [r for log in episode_log for r, _ in log]
+    return float(np.mean(recent)) if recent else last_return
