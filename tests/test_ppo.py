@@ -1,0 +1,342 @@
+import csv
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import ppo
+from training import checkpoint
+from training.config import NetworkConfig, RunConfig
+from training.onpolicy import empty_loop, init_state, make_fns, train
+
+
+def tiny(**kw):
+    agent_kw = {k: kw.pop(k) for k in list(kw) if k in ppo.PPOConfig.__dataclass_fields__}
+    agent = ppo.PPOConfig(**{"num_steps": 32, "num_minibatches": 4, "update_epochs": 2, **agent_kw})
+    return RunConfig(**{"env": "Pendulum-v1", "total_steps": 256, "eval_every": 128, "eval_episodes": 1,
+                        "log_every": 64, "checkpoint_every": 64, "progress": False,
+                        "network": NetworkConfig(width=16), "agent_name": "ppo", "agent": agent, **kw})
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE
+# ----------------------------------------------------------------------------------------------
+def gae_reference(r, v, term, trunc, final_v, last_v, gamma, lam):
+    """Plain loop over one env: termination -> next value 0; truncation -> V(final obs), trace cut."""
+    T = len(r)
+    adv, a = np.zeros(T), 0.0
+    for t in reversed(range(T)):
+        if term[t]:
+            nv = 0.0
+        elif trunc[t]:
+            nv = final_v[t]
+        else:
+            nv = v[t + 1] if t + 1 < T else last_v
+        delta = r[t] + gamma * nv - v[t]
+        a = delta + gamma * lam * (0.0 if (term[t] or trunc[t]) else 1.0) * a
+        adv[t] = a
+    return adv
+
+
+def test_gae_hand_computed_truncation_bootstraps_from_final_obs_and_cuts_the_trace():
+    g, lam = 0.9, 0.5
+    r = jnp.array([[1.0], [2.0], [3.0]])
+    v = jnp.array([[10.0], [20.0], [30.0]])
+    trunc = jnp.array([[False], [True], [False]])
+    term = jnp.zeros((3, 1), bool)
+    final_v = jnp.array([[0.0], [100.0], [0.0]])
+    adv, ret = ppo.gae(r, v, term, trunc, final_v, jnp.array([40.0]), g, lam)
+    d2 = 3 + g * 40 - 30          # last step bootstraps from last_value
+    d1 = 2 + g * 100 - 20         # truncated: V(final obs) = 100, not V(reset obs) = 30
+    d0 = 1 + g * 20 - 10
+    expected = [d0 + g * lam * d1, d1, d2]  # the trace stops at the truncation (d2 does not flow into d1)
+    np.testing.assert_allclose(adv[:, 0], expected, rtol=1e-6)
+    np.testing.assert_allclose(ret[:, 0], np.array(expected) + [10, 20, 30], rtol=1e-6)
+    # the same step terminated instead: next value 0
+    adv_t, _ = ppo.gae(r, v, trunc, term, final_v, jnp.array([40.0]), g, lam)
+    assert float(adv_t[1, 0]) == pytest.approx(2 - 20)
+
+
+def test_gae_matches_numpy_reference_with_terminations_and_truncations():
+    rng = np.random.default_rng(0)
+    T, E = 50, 3
+    r = rng.normal(size=(T, E)).astype(np.float32)
+    v = rng.normal(size=(T, E)).astype(np.float32)
+    term = rng.random((T, E)) < 0.1
+    trunc = (rng.random((T, E)) < 0.1) & ~term
+    term[7, 0] = trunc[7, 0] = True  # both: termination wins
+    final_v = np.where(trunc, rng.normal(size=(T, E)), 0.0).astype(np.float32)
+    last_v = rng.normal(size=E).astype(np.float32)
+    adv, ret = ppo.gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(term), jnp.asarray(trunc),
+                       jnp.asarray(final_v), jnp.asarray(last_v), 0.99, 0.95)
+    for e in range(E):
+        ref = gae_reference(r[:, e], v[:, e], term[:, e], trunc[:, e], final_v[:, e], last_v[e], 0.99, 0.95)
+        np.testing.assert_allclose(adv[:, e], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ret, np.asarray(adv) + v, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Surrogate, value clipping
+# ----------------------------------------------------------------------------------------------
+def test_clipped_surrogate_hand_computed():
+    ratio = jnp.array([0.5, 1.0, 1.5, 1.5])
+    adv = jnp.array([1.0, -1.0, 1.0, -1.0])
+    # per sample max(-A r, -A clip(r)): -0.5, 1, -1.2, 1.5
+    assert float(ppo.policy_surrogate(ratio, adv, 0.2)) == pytest.approx(0.2)
+    assert float(ppo.policy_surrogate(ratio, adv, 0.2, clip=False)) == pytest.approx(0.125)
+
+
+def test_value_clipping_hand_computed():
+    new, old, ret = jnp.array([1.0, 3.0]), jnp.array([0.9, 1.0]), jnp.array([2.0, 3.0])
+    # sample 1: unclipped 0, clipped (1.2 - 3)^2 = 3.24 -> the pessimistic max keeps 3.24
+    assert float(ppo.value_loss(new, old, ret, 0.2)) == pytest.approx(0.5 * (1.0 + 3.24) / 2)
+    assert float(ppo.value_loss(new, old, ret, 0.2, clip_vloss=False)) == pytest.approx(0.25)
+
+
+# ----------------------------------------------------------------------------------------------
+# GTR
+# ----------------------------------------------------------------------------------------------
+def test_gaussian_kl_closed_form_matches_monte_carlo():
+    mp, lp = jnp.array([0.3, -0.2]), jnp.array([-0.5, 0.1])
+    mq, lq = jnp.array([0.0, 0.4]), jnp.array([0.2, -0.3])
+    x = mp + jnp.exp(lp) * jax.random.normal(jax.random.key(0), (400_000, 2))
+    mc = (ppo.gaussian_log_prob(x, mp, lp) - ppo.gaussian_log_prob(x, mq, lq)).mean()
+    assert float(ppo.gaussian_kl(mp, lp, mq, lq)) == pytest.approx(float(mc), abs=3e-3)
+    assert float(ppo.gaussian_kl(mp, lp, mp, lp)) == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["recency", "uniform", "ema"])
+def test_anchor_weights_sum_to_one_and_skip_unfilled_slots(mode):
+    for count in range(0, 5):
+        w = np.asarray(ppo.anchor_weights(jnp.int32(count), 4, mode, 0.5))
+        assert w.sum() == pytest.approx(1.0) and np.all(w >= 0)
+        assert np.all(w[max(count, 1):] == 0)
+    w = np.asarray(ppo.anchor_weights(jnp.int32(4), 4, mode, 0.5))
+    expected = {"recency": np.array([8, 4, 2, 1]) / 15, "uniform": np.full(4, 0.25), "ema": np.array([1, 0, 0, 0])}
+    np.testing.assert_allclose(w, expected[mode], rtol=1e-6)
+
+
+def test_gtr_penalty_bounded_local_kl_and_redescending_force():
+    beta, s2 = 0.3, 0.01
+    w = ppo.anchor_weights(jnp.int32(3), 3, "recency", 0.8)
+    d = jnp.asarray(np.random.default_rng(0).uniform(0, 1e3, (1000, 3)), jnp.float32)
+    p, k = ppo.gtr_penalty(d, w, beta, s2)
+    assert float(p.min()) >= 0 and float(p.max()) <= beta + 1e-7 and float(k.max()) <= 1 + 1e-7
+    assert float(ppo.gtr_penalty(jnp.full((1, 3), 1e6), w, beta, s2)[0][0]) == pytest.approx(beta)
+    # near the anchors: a KL penalty with coefficient beta / (2 sigma^2)
+    small = jnp.full((1, 3), 1e-4)
+    assert float(ppo.gtr_penalty(small, w, beta, s2)[0][0]) == pytest.approx(beta * 1e-4 / (2 * s2), rel=1e-2)
+
+    # one anchor, the policy mean shifted by x: D = KL(anchor || current) = x^2 / 2 (unit std)
+    def penalty(x):
+        kl = ppo.gaussian_kl(jnp.zeros(1), jnp.zeros(1), jnp.array([x]), jnp.zeros(1))
+        return ppo.gtr_penalty(kl[None, None], jnp.ones(1), beta, s2)[0][0]
+
+    force = lambda x: abs(float(jax.grad(penalty)(x)))  # noqa: E731
+    xs = [0.01, 0.05, 0.1, 0.2, 0.5, 1.0]
+    f = [force(x) for x in xs]
+    assert f[0] == pytest.approx(beta / (2 * s2) * 0.01, rel=1e-2)  # = grad of the KL penalty
+    peak = int(np.argmax(f))
+    assert 0 < peak < len(xs) - 1  # rises, peaks near sigma (x ~ 0.14), then decays
+    assert f[-1] < 1e-6 * max(f)   # far from the anchor the penalty no longer resists
+
+
+def _rollout(T=16, E=2, obs_dim=3, act_dim=2, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    term = jnp.asarray(rng.random((T, E)) < 0.1)
+    return ppo.Rollout(f(T + 1, E, obs_dim), f(T + 1, E, act_dim), f(T + 1, E) - 3.0, f(T + 1, E), f(T, E),
+                       term, jnp.asarray(rng.random((T, E)) < 0.1) & ~term, f(T, E))
+
+
+def _update(cfg, n=2):
+    state = ppo.init(jax.random.key(0), 3, 2, cfg, NetworkConfig(width=16))
+    state = state.replace(num_iterations=jnp.int32(10))
+    fn = jax.jit(ppo.update)
+    metrics = None
+    for i in range(n):
+        state, metrics = fn(state, _rollout(seed=i), jax.random.key(i))
+    return state, metrics
+
+
+def test_gtr_with_zero_beta_is_plain_ppo_and_positive_beta_differs():
+    base = dict(num_steps=16, num_minibatches=4, update_epochs=3)
+    ppo_state, _ = _update(ppo.PPOConfig(**base))
+    gtr0, m0 = _update(ppo.PPOConfig(**base, trust_region="gtr", gtr_beta=0.0))
+    gtr1, m1 = _update(ppo.PPOConfig(**base, trust_region="gtr", gtr_beta=5.0))
+    for a, b in zip(jax.tree.leaves(ppo_state.actor_params), jax.tree.leaves(gtr0.actor_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not np.allclose(a, b, atol=1e-6) for a, b in
+               zip(jax.tree.leaves(ppo_state.actor_params), jax.tree.leaves(gtr1.actor_params)))
+    assert int(gtr1.anchor_count) == 2 and float(m0["gtr/penalty"]) == 0.0
+    assert float(m1["gtr/penalty"]) > 0 and 0 < float(m1["gtr/kernel"]) <= 1
+    assert np.isfinite(float(m1["gtr/kl_anchor1"])) and np.isnan(float(m1["gtr/kl_anchor2"]))
+    assert float(m1["gtr/kl_anchor0"]) > 0
+    # anchor slot 1 holds the first iteration's rollout policy (the init params)
+    init = ppo.init(jax.random.key(0), 3, 2, ppo.PPOConfig(**base, trust_region="gtr"), NetworkConfig(width=16))
+    for a, b in zip(jax.tree.leaves(gtr1.anchors), jax.tree.leaves(init.actor_params)):
+        np.testing.assert_array_equal(a[1], b)
+    for name in ("diag/update_cosine", "diag/directional_efficiency", "charts/approx_kl", "charts/clipfrac",
+                 "charts/explained_variance"):
+        assert np.isfinite(float(m1[name])), name
+    assert 0 < float(m1["diag/directional_efficiency"]) <= 1 + 1e-6
+
+
+def test_logratio_form_and_no_clip_and_target_kl_early_stop():
+    base = dict(num_steps=16, num_minibatches=4, update_epochs=5)
+    _, m = _update(ppo.PPOConfig(**base, trust_region="gtr", gtr_form="logratio", clip=False, gtr_beta=0.1))
+    assert float(m["gtr/penalty"]) >= 0 and np.isfinite(float(m["losses/total"]))
+    _, m = _update(ppo.PPOConfig(**base, target_kl=1e-9), n=1)
+    assert float(m["charts/epochs_run"]) == 1.0  # the first epoch's approx_kl exceeds 1e-9: stop
+
+
+def test_directional_efficiency_of_a_straight_and_a_zigzag_path():
+    cfg = ppo.PPOConfig(diag_window=4)
+    state = ppo.init(jax.random.key(0), 3, 2, cfg, NetworkConfig(width=4))
+    p0 = state.actor_params
+    shift = lambda c: jax.tree.map(lambda x: x + c, p0)  # noqa: E731
+    s = state
+    for i in range(1, 4):
+        s, m = ppo._diagnostics(s, shift(0.1 * i))
+    assert float(m["diag/directional_efficiency"]) == pytest.approx(1.0, rel=1e-4)
+    assert float(m["diag/update_cosine"]) == pytest.approx(1.0, rel=1e-4)
+    s = state
+    for c in (0.1, 0.0, 0.1, 0.0):
+        s, m = ppo._diagnostics(s, shift(c))
+    assert float(m["diag/update_cosine"]) == pytest.approx(-1.0, rel=1e-4)
+    assert float(m["diag/directional_efficiency"]) == pytest.approx(0.0, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalisation and the loop
+# ----------------------------------------------------------------------------------------------
+def test_running_statistics_and_reward_scaling():
+    rng = np.random.default_rng(0)
+    data = rng.normal(3.0, 2.0, (300, 4)).astype(np.float32)
+    rms = ppo.rms_init((4,))
+    for chunk in np.split(data, 6):
+        rms = ppo.rms_update(rms, jnp.asarray(chunk))
+    np.testing.assert_allclose(rms.mean, data.mean(0), rtol=1e-4)
+    np.testing.assert_allclose(rms.var, data.var(0), rtol=1e-3)
+    state = ppo.init(jax.random.key(0), 4, 1, ppo.PPOConfig(gamma=0.5), NetworkConfig(width=4))
+    g = jnp.zeros(2)
+    for r, term in ((1.0, False), (1.0, True), (2.0, False)):
+        state, g, scaled = ppo.scale_reward(state, g, jnp.full(2, r), jnp.full(2, term))
+    np.testing.assert_allclose(g, [2.0, 2.0])  # G = 1 -> (terminated) 1 -> 0.5 * 1 + 2
+    np.testing.assert_allclose(scaled, 2.0 / np.sqrt(np.asarray(state.ret_rms.var) + 1e-8), rtol=1e-5)
+
+
+def test_loop_step_writes_terminations_truncations_and_final_values():
+    """ToyChain (conftest): env 0 terminates at t=3 (actions 1), env 1 is truncated at t=5 (actions 0.1)."""
+    from envs import make_vector_env
+
+    cfg = tiny(env="ToyChain-v0", num_envs=2, num_steps=6, num_minibatches=2)
+    env = make_vector_env("ToyChain-v0", 2, 0)
+    state, loop, key = init_state(ppo, cfg, 2, 1)
+    start, step, _, _ = make_fns(ppo, 6)
+    state, loop, _ = start(state, loop, jnp.asarray(env.reset())[None], key)
+    actions = np.array([[1.0], [0.1]], np.float32)
+    finals = {}
+    for t in range(5):
+        new_obs, r, term, trunc, next_obs = env.step(actions)
+        state, loop, _ = step(state, loop, jnp.int32(t), *(jnp.asarray(x)[None] for x in
+                                                           (r, term, trunc, next_obs, new_obs)), jax.random.key(t))
+        s0 = jax.tree.map(lambda x: x[0], state)
+        finals[t] = float(ppo.value(s0, ppo.normalize_obs(s0, jnp.asarray(next_obs)))[1])
+    b = jax.tree.map(lambda x: np.asarray(x[0]), loop.buffer)
+    assert b.terminated[2, 0] and not b.truncated[2, 0] and b.final_values[2, 0] == 0.0
+    assert b.truncated[4, 1] and not b.terminated[4, 1]
+    assert b.final_values[4, 1] == pytest.approx(finals[4], rel=1e-5)  # V(true final obs (5, 0.5))
+    assert np.all(b.final_values[:4, 1] == 0) and not b.truncated[:4].any()
+    s0 = jax.tree.map(lambda x: x[0], state)
+    assert float(s0.obs_rms.count) == pytest.approx(12, abs=1e-3)  # reset + 5 steps, 2 envs each
+    assert b.rewards.shape == (6, 2) and np.all(b.rewards[:5] > 0)
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_path):
+    cfg = tiny(seeds=2, num_envs=2, total_steps=256, checkpoint_every=64)
+    full = train(cfg, ppo, tmp_path / "full")
+    part = train(cfg, ppo, tmp_path / "part", stop_at=100)  # stops at the iteration boundary 128
+    assert part["step"] == 128
+    saved, _, _ = checkpoint.load(checkpoint.latest(tmp_path / "part"), init_state(ppo, cfg, 3, 1))
+    assert float(saved[0].obs_rms.count[0]) > 100  # the normaliser statistics are in the checkpoint
+    np.testing.assert_array_equal(saved[0].obs_rms.mean, part["state"].obs_rms.mean)
+    np.testing.assert_array_equal(saved[0].ret_rms.var, part["state"].ret_rms.var)
+    resumed = train(cfg, ppo, tmp_path / "part", resume=True)
+    assert resumed["step"] == 256
+    for field in ("actor_params", "critic_params", "obs_rms", "ret_rms", "actor_opt"):
+        for x, y in zip(jax.tree.leaves(getattr(full["state"], field)), jax.tree.leaves(getattr(resumed["state"], field))):
+            np.testing.assert_array_equal(x, y)
+    for name in ("eval.csv", "metrics.csv"):
+        rows_full = list(csv.DictReader(open(tmp_path / "full" / name)))
+        rows_res = list(csv.DictReader(open(tmp_path / "part" / name)))
+        assert [r["step"] for r in rows_full] == [r["step"] for r in rows_res]
+        if name == "eval.csv":
+            assert [r["return_mean"] for r in rows_full] == [r["return_mean"] for r in rows_res]
+    # seeds differ
+    a0, a1 = (jax.tree.map(lambda x: x[j], full["state"].actor_params) for j in (0, 1))
+    assert all(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))
+
+
+def test_nonstationary_switch_resets_the_normalizers(tmp_path):
+    cfg = tiny(env="ns:obs_permute:Pendulum-v1:every=96", total_steps=256, eval_every=1000, checkpoint_every=1000)
+    out = train(cfg, ppo, tmp_path / "r")
+    # the last switch is at step 192; the statistics since then hold steps 192..256 (65 observations)
+    assert float(out["state"].obs_rms.count[0]) == pytest.approx(65, abs=1e-3)
+    rows = list(csv.DictReader(open(tmp_path / "r" / "metrics.csv")))
+    assert [int(float(r["ns/phase"])) for r in rows] == [0, 1, 2, 2]
+
+
+def test_cli_flags_reach_the_ppo_config():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train as train_script
+
+    cfg = train_script.parse(["ppo", "--env", "HalfCheetah-v5", "--trust-region", "gtr", "--no-clip",
+                              "--gtr-beta", "0.1", "--gtr-form", "logratio", "--backend", "envpool",
+                              "--num-envs", "4", "--seeds", "2", "--num-steps", "512"])
+    a = cfg.agent
+    assert (a.trust_region, a.clip, a.gtr_beta, a.gtr_form, a.backend, a.num_steps) == (
+        "gtr", False, 0.1, "logratio", "envpool", 512)
+    assert (cfg.num_envs, cfg.seeds) == (4, 2)
+    with pytest.raises(ValueError, match="divisible by --num-minibatches"):
+        train(tiny(num_steps=30), ppo, "/tmp/never")
+
+
+def test_plastic_interface():
+    state = ppo.init(jax.random.key(0), 3, 2, ppo.PPOConfig(), NetworkConfig(width=8))
+    assert set(ppo.plastic_params(state)) == set(ppo.PLASTIC) == {"actor", "critic"}
+    rng = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    mb = ppo.Minibatch(f(8, 3), f(8, 2), f(8) - 3, f(8), f(8), f(8))
+    losses = ppo.plastic_losses(state, mb, jax.random.key(0))
+    for name, fn in losses.items():
+        g = jax.grad(fn)(ppo.plastic_params(state)[name])
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(g))
+
+
+def test_orthogonal_init_as_cleanrl():
+    state = ppo.init(jax.random.key(0), 5, 2, ppo.PPOConfig(), NetworkConfig())
+    k0 = np.asarray(state.actor_params["trunk"]["layers"][1]["kernel"][...])
+    np.testing.assert_allclose(k0.T @ k0, 2.0 * np.eye(64), atol=1e-4)  # orthogonal, gain sqrt 2
+    head = np.asarray(state.actor_params["out"]["kernel"][...])
+    np.testing.assert_allclose(np.linalg.svd(head, compute_uv=False), 0.01, rtol=1e-4)
+    np.testing.assert_allclose(np.linalg.svd(np.asarray(state.critic_params["out"]["kernel"][...]),
+                                             compute_uv=False), 1.0, rtol=1e-4)
+    assert np.all(np.asarray(state.actor_params["log_std"][...]) == 0)
+
+
+@pytest.mark.slow
+def test_ppo_learns_inverted_pendulum(tmp_path):
+    # 2 vmapped seeds, 4 envs each; PPO balances the pendulum (1000) within ~16k steps; random ~ 20
+    cfg = RunConfig(env="InvertedPendulum-v5", seeds=2, num_envs=4, total_steps=16384, eval_every=16384,
+                    eval_episodes=3, log_every=4096, checkpoint_every=16384, progress=False, agent_name="ppo",
+                    agent=ppo.PPOConfig(num_steps=256, num_minibatches=16, learning_rate=1e-3))
+    train(cfg, ppo, tmp_path / "r")
+    rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
+    start = [float(r["return_mean"]) for r in rows if r["step"] == "0"]
+    end = [float(r["return_mean"]) for r in rows if r["step"] == "16384"]
+    assert max(start) < 100
+    assert min(end) > 500, f"PPO did not learn InvertedPendulum: eval returns {end}"
