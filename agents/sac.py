@@ -199,3 +199,14 @@ def plastic_losses(state: SACState, batch: Transition, key):
     alpha = jnp.exp(state.log_alpha)
     return {"actor": lambda p: actor_loss(p, state, batch.obs, alpha, k1)[0],
             "critic": lambda p: critic_loss(p, state, state.actor_params, batch, alpha, k2)[0]}
+
+
+def least_signals(state: SACState, transition: Transition, key):
+    """LEAST's per-step signals: online min_i Q_i(s, a) and the critics' mean squared TD error."""
+    alpha = jnp.exp(state.log_alpha)
+    q = state.critic(state.critic_params, transition.obs, transition.action)
+    mean, log_std = state.actor(state.actor_params, transition.next_obs)
+    next_action, next_log_prob = tanh_gaussian_sample(key, mean, log_std)
+    next_q = state.critic(state.target_critic_params, transition.next_obs, next_action).min(axis=0)
+    y = td_target(transition.reward, transition.terminated, next_q, next_log_prob, alpha, state.cfg.gamma)
+    return q.min(axis=0), ((q - y[None]) ** 2).mean(axis=0)

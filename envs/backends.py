@@ -5,7 +5,7 @@ Both adapters expose ``num_envs``, ``obs_dim``, ``act_dim``, ``reset(seeds=None)
 (``next_obs`` is the true final observation of an ended episode, ``obs`` the reset one),
 ``pop_finished()``, ``sample_actions(rng)``, ``close()``, and they pickle for checkpoints.
 
-- ``AsyncVectorEnv``: Gymnasium's ``AsyncVectorEnv`` (one subprocess per env).  Each subprocess
+- ``AsyncVectorEnv``: Gymnasium's ``AsyncVectorEnv`` (one spawned subprocess per env).  Each subprocess
   runs a one-env ``VectorEnv`` built by ``make_env``, so observations, action scaling, time limits
   and autoreset are exactly the sync backend's; Gymnasium's own autoreset is disabled.  Pickling
   fetches every worker's exact state (MuJoCo state and generators), so resume is exact.
@@ -104,7 +104,8 @@ class AsyncVectorEnv(_EpisodeStats):
         from gymnasium.vector import AutoresetMode
 
         fns = [partial(_make_worker, self.env_id, self.seed + i, self.action_repeat, i) for i in range(self.num_envs)]
-        self._env = gym.vector.AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.DISABLED)
+        # "spawn": the workers never inherit JAX's threads (forking a process that runs JAX can deadlock)
+        self._env = gym.vector.AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.DISABLED, context="spawn")
 
     def reset(self, seeds=None) -> np.ndarray:
         obs, _ = self._env.reset(seed=_seeds(self.seed, self.num_envs, seeds))

@@ -172,6 +172,13 @@ class VectorEnv:
     def sample_actions(self, rng: np.random.Generator) -> np.ndarray:
         return rng.uniform(-1.0, 1.0, (self.num_envs, self.act_dim)).astype(np.float32)
 
+    def stop(self, i: int) -> np.ndarray:
+        """End env ``i``'s episode now (an early stop, i.e. a truncation) and return its reset observation."""
+        self.finished.append((i, float(self._returns[i]), int(self._lengths[i])))
+        self._returns[i], self._lengths[i] = 0.0, 0
+        self._obs[i] = self.envs[i].reset()[0]
+        return self._obs[i].copy()
+
     def pop_finished(self):
         done, self.finished = self.finished, []
         return done

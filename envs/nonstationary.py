@@ -147,6 +147,8 @@ def parse(env_id: str) -> NSSpec:
             if k in options:
                 raise ValueError(f"option {k!r} given twice in {env_id!r}")
             options[k] = v
+    elif head and tail.split(",")[0] in COMMON_KEYS | MODE_KEYS[mode]:
+        raise ValueError(f"malformed option {tail!r} in {env_id!r}: options are key=value pairs; {GRAMMAR}")
     elif "=" in rest:
         raise ValueError(f"malformed non-stationary id {env_id!r}: options must come last, after the base "
                          f"env and a ':'; {GRAMMAR}")

@@ -33,6 +33,9 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     if wanted and missing:
         raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: it declares no plastic "
                          f"networks ({', '.join(missing)} missing)")
+    if cfg.least and (getattr(agent, "KIND", None) != "offpolicy" or not hasattr(agent, "least_signals")):
+        raise ValueError(f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "
+                         "online off-policy agents from their Q and TD-loss histories (not on-policy or offline)")
     if cfg.sigreg_coef > 0 and not getattr(agent, "SIGREG_NETWORKS", ()):
         raise ValueError(f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
                          "expose no representation to regularise")

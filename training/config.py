@@ -56,6 +56,16 @@ class PlasticityConfig:
     """SIGReg coefficient lambda on the representation feeding the heads (0: off; RL paper sweeps 0.2, 1.0)"""
     sigreg_variant: Literal["rl", "lejepa"] = "rl"
     sigreg_slices: int = 16
+    least: bool = False
+    """LEAST early episode termination (off-policy agents only)"""
+    least_window: int = 250
+    """K: episodes of Q / TD-loss history"""
+    least_warmup: float = 0.1
+    """share of total steps before LEAST may stop episodes (spec: 10-20% MuJoCo, 5-15% DMC)"""
+    least_max_len: int = 1000
+    """longest episode the histories track"""
+    least_coef: float = 0.5
+    """the 'omega coefficient' c scaling the TD-loss weight (spec: 0.3-0.6)"""
 
     def validate(self):
         if self.redo and self.regrama:
@@ -65,6 +75,8 @@ class PlasticityConfig:
                 raise ValueError(f"--plasticity.{name.replace('_', '-')} must be >= 0")
         if not 0.0 < self.reset_max_fraction <= 1.0:
             raise ValueError("--plasticity.reset-max-fraction must be in (0, 1]")
+        if not 0.0 <= self.least_warmup <= 1.0:
+            raise ValueError("--plasticity.least-warmup must be in [0, 1]")
         if self.sigreg_coef < 0:
             raise ValueError("--plasticity.sigreg-coef must be >= 0")
 

@@ -18,6 +18,7 @@ import numpy as np
 from envs import VectorEnv
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, sigreg_spec
+from plasticity.least import LEAST
 from training import checkpoint, replay
 from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
@@ -121,6 +122,10 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     logger = RunLogger(run_dir, cfg.tensorboard)
     num_updates = a.updates_per_step * E
     step_fn = make_step_fn(agent, a, num_updates, act_dim, sigreg_spec(cfg.plasticity))
+    pc = cfg.plasticity
+    least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
+             if pc.least else None)
+    least_signals = jax.jit(jax.vmap(getattr(agent, "least_signals", None))) if pc.least else None
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
 
     if resume:
@@ -130,7 +135,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         (state, buffer, key), host, _ = checkpoint.load(path, (state, buffer, key))
         env, obs, action, step = host["env"], host["obs"], jnp.asarray(host["action"]), host["step"]
         episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
-        updates_done, pending = host["updates_done"], host["pending"]
+        updates_done, pending, least = host["updates_done"], host["pending"], host["least"]
         hooks.restore(host["plasticity"])
         logger.truncate_after(step)
         print(f"resumed {run_dir} at step {step} from {path.name}")
@@ -153,7 +158,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     def save(step):
         host = {"env": env, "obs": obs, "action": np.asarray(action), "step": step,
                 "episode_log": episode_log, "next_eval": next_eval, "next_log": next_log,
-                "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state()}
+                "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state(), "least": least}
         return checkpoint.save(run_dir, step, (state, buffer, key), host, {"config": to_json(cfg)})
 
     bar = _progress(cfg, step)
@@ -169,6 +174,9 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
             transition = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs,
                                            terminated, truncated)
+            if least is not None and step >= a.learning_starts:
+                transition, new_obs = _least_step(least, least_signals, state, transition, new_obs, env, step,
+                                                  jax.random.fold_in(key, 2), S, E)
             step += E
             steps_log += E
             obs = new_obs
@@ -192,6 +200,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 rows = []
                 for j in range(S):
                     row = {"perf/sps": sps}
+                    if least is not None:
+                        row["plasticity/least_stops"] = least.stops
                     if episode_log[j]:
                         row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
                         row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
@@ -226,6 +236,21 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     bar(None)
     logger.close()
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir)}
+
+
+def _least_step(least, signals, state, transition, new_obs, env, step, key, S, E):
+    """LEAST: stop the episodes the rule flags; their last transition is stored as truncated."""
+    per_seed = jax.tree.map(lambda x: jnp.asarray(x).reshape(S, E, *np.shape(x)[1:]), transition)
+    q, g = signals(state, per_seed, jax.random.split(key, S))
+    done = transition.terminated | transition.truncated
+    stop = least.decide(step, np.asarray(q).reshape(-1), np.asarray(g).reshape(-1), done)
+    if not stop.any():
+        return transition, new_obs
+    truncated = transition.truncated | stop
+    new_obs = new_obs.copy()
+    for i in np.flatnonzero(stop):
+        new_obs[i] = env.stop(int(i))
+    return transition._replace(truncated=truncated), new_obs
 
 
 def _raise_non_finite(metrics, step, run_dir):

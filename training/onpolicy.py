@@ -24,6 +24,7 @@ sets the learning-rate annealing horizon.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from functools import partial
@@ -67,8 +68,12 @@ def _write_policy_slot(buffer, i, obs_n, action, logp, value):
                            logp=buffer.logp.at[i].set(logp), values=buffer.values.at[i].set(value))
 
 
+@functools.lru_cache(maxsize=16)
 def make_fns(agent, T: int):
-    """(start, step, iterate, reset_norm): jitted, vmapped over the leading seed axis."""
+    """(start, step, iterate, reset_norm, eval_act): jitted, vmapped over the leading seed axis.
+
+    Cached per (agent, T), so runs in one process (e.g. a resumed run, tests) reuse the compilations.
+    """
 
     def start(state, loop, raw_obs, key):
         state, obs_n = agent.observe(state, raw_obs)
@@ -114,7 +119,8 @@ def make_fns(agent, T: int):
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in losses] or [jnp.bool_(True)]))
         return state, loop, action, metrics, finite
 
-    return start_all, step_all, iterate_all, jax.jit(jax.vmap(reset_norm))
+    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+    return start_all, step_all, iterate_all, jax.jit(jax.vmap(reset_norm)), eval_act
 
 
 def _check(cfg: RunConfig):
@@ -148,8 +154,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     obs_dim, act_dim = env.obs_dim, env.act_dim
     state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
     logger = RunLogger(run_dir, cfg.tensorboard)
-    start_fn, step_fn, iterate_fn, reset_norm_fn = make_fns(agent, T)
-    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T)
     shaped = lambda x: jnp.asarray(np.asarray(x).reshape(S, E, *np.shape(x)[1:]))  # noqa: E731
 
     if resume:
