@@ -11,7 +11,9 @@ Haarnoja et al. 2018 (arXiv 1812.05905) with the SAC-N / EDAC extensions of An e
   4. Polyak:       theta' <- tau theta + (1 - tau) theta'
 
 With ``--plasticity.sigreg-coef`` the actor and critic losses each add SIGReg of their own
-network's features (the trunk output feeding the head).
+network's features (the trunk output feeding the head).  The actor and critic optimizers come
+from ``plasticity.optim.optimizer`` (Adam by default; ``--plasticity.kron`` / ``--plasticity.ne``
+switch them); with NE the target critic shares the critic's masks.
 
 ``truncated`` never enters the target: a transition cut by a time limit bootstraps from its
 true final observation, which the replay buffer stores.
@@ -28,6 +30,7 @@ from flax import struct
 
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
+from plasticity import optim as optim_lib
 from plasticity.sigreg import regularized
 from training.config import NetworkConfig, OffPolicyConfig
 from training.replay import Transition
@@ -75,7 +78,9 @@ PLASTIC = {"actor": ("actor_params", "actor_opt"), "critic": ("critic_params", "
 
 
 def _optimizers(cfg: SACConfig):
-    return optax.adam(cfg.actor_lr), optax.adam(cfg.critic_lr), optax.adam(cfg.alpha_lr)
+    """Actor, critic (plastic: the shared factory) and temperature (plain Adam) optimizers."""
+    return (optim_lib.optimizer(cfg.actor_lr, "actor"), optim_lib.optimizer(cfg.critic_lr, "critic", ensemble=True),
+            optax.adam(cfg.alpha_lr))
 
 
 def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig = NetworkConfig()) -> SACState:
@@ -173,6 +178,7 @@ def update(state: SACState, batch: Transition, key):
     upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
     target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)
+    target = optim_lib.apply_mask(critic_opt, target)  # NE: target networks share the masks (spec 3.4)
 
     new = state.replace(actor_params=actor_params, critic_params=critic_params, target_critic_params=target,
                         log_alpha=log_alpha, actor_opt=actor_opt, critic_opt=critic_opt, alpha_opt=alpha_opt,

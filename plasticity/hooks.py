@@ -4,8 +4,15 @@ An agent takes part by declaring its plastic networks: ``PLASTIC = {name: (param
 opt_state_field)}``, ``plastic_params(state)``, ``plastic_losses(state, batch, key)`` (each
 network's training loss as a function of its params) and a state field ``name`` holding the
 ``Net`` (or ``plastic_nets(state)``).  SIGReg additionally needs the agent to wrap those
-losses with ``plasticity.sigreg.regularized`` and list them in ``SIGREG_NETWORKS``.
+losses with ``plasticity.sigreg.regularized`` and list them in ``SIGREG_NETWORKS``.  Kron and
+NE need the agent to build its plastic networks' optimizers with ``plasticity.optim.optimizer``
+(the loop opens ``plasticity.optim.active(optim_spec(...))`` around init and the update trace).
 Interventions an agent cannot take are refused with a clear error.
+
+NE (``plasticity.expansion``) runs here every ``ne_every`` updates: its host-side ``Schedule``
+picks the counts, one jitted event (compiled once) rewrites masks, params and moments, and the
+critic's FAU measured at the event sets the experience-review probability that the loop passes
+to its sampler (``review``).
 """
 from __future__ import annotations
 
@@ -15,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from networks import instrument
+from plasticity import expansion
 from plasticity import metrics as metrics_lib
+from plasticity import optim as optim_lib
 from plasticity import resets
 from plasticity.sigreg import SIGRegSpec
 from training.config import PlasticityConfig
@@ -28,7 +38,8 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     cfg.validate()
     wanted = [flag for flag, on in (("--plasticity.metrics-every", cfg.metrics_every > 0),
                                     ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
-                                    ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0)) if on]
+                                    ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
+                                    ("--plasticity.ne", cfg.ne)) if on]
     missing = [d for d in DECLARATIONS if not hasattr(agent, d)]
     if wanted and missing:
         raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: it declares no plastic "
@@ -39,6 +50,28 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     if cfg.sigreg_coef > 0 and not getattr(agent, "SIGREG_NETWORKS", ()):
         raise ValueError(f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
                          "expose no representation to regularise")
+    if cfg.ne and cfg.ne_review and hasattr(agent, "train_block"):
+        raise ValueError(f"--plasticity.ne-review does not apply to agent {agent_name!r}: it samples its own "
+                         "replay (train_block); pass --plasticity.no-ne-review")
+
+
+def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
+    """What ``plasticity.optim.optimizer`` builds for this run (None: the agents' defaults)."""
+    if not (cfg.kron or cfg.ne):
+        return None
+    ne = optim_lib.NESpec(cfg.ne_initial_sparsity) if cfg.ne else None
+    return optim_lib.OptimSpec(cfg.kron, ne, tuple(getattr(agent, "PLASTIC", ())) if cfg.ne else None)
+
+
+def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, built: set):
+    """After ``agent.init`` inside ``optim.active``: refuse Kron/NE if the agent bypassed the factory."""
+    if cfg.kron and not built:
+        raise ValueError(f"--plasticity.kron does not apply to agent {agent_name!r}: it builds its optimizers "
+                         "without plasticity.optim.optimizer")
+    missing = sorted(set(getattr(agent, "PLASTIC", ())) - built) if cfg.ne else []
+    if missing:
+        raise ValueError(f"--plasticity.ne does not apply to agent {agent_name!r}: the optimizers of "
+                         f"{', '.join(missing)} are not built with plasticity.optim.optimizer")
 
 
 def sigreg_spec(cfg: PlasticityConfig) -> SIGRegSpec | None:
@@ -72,6 +105,48 @@ def reset_step(agent, cfg: PlasticityConfig, sample, state, buffer, key):
     return state, out
 
 
+def review_network(agent) -> str:
+    """The network whose FAU drives experience review: ``critic`` if plastic, else the first one."""
+    return "critic" if "critic" in agent.PLASTIC else next(iter(agent.PLASTIC))
+
+
+def ne_step(agent, cfg: PlasticityConfig, sample, state, buffer, key, counts):
+    """One NE event for one seed -> (state, stats, review probability).
+
+    ``counts``: {net: (grow (L,), prune (L,), magnitude)} from ``expansion.Schedule.step``.
+    """
+    k_batch, k_loss = jax.random.split(key)
+    batch = sample(buffer, k_batch, cfg.reset_batch)
+    losses = agent.plastic_losses(state, batch, k_loss)
+    params = agent.plastic_params(state)
+    review_name = review_network(agent)
+    out, p_old = {}, jnp.zeros((), jnp.float32)
+    for name, (p_field, o_field) in agent.PLASTIC.items():
+        loss, p = losses[name], params[name]
+        grads = jax.grad(loss)(p)  # dense: masked-out weights are 0, their gradients are not
+        acts = instrument.activations(lambda: loss(p), [name])[name]
+        dormant = expansion.dormant_units(_net(agent, state, name), p, acts, cfg.redo_tau)
+        grow, prune, magnitude = counts[name]
+        new_p, new_opt, stats = expansion.update_topology(p, getattr(state, o_field), grads, grow, prune,
+                                                          magnitude, dormant)
+        state = state.replace(**{p_field: new_p, o_field: new_opt})
+        out.update({f"plasticity/{name}/{k}": v for k, v in stats.items()})
+        if name == review_name and acts:
+            fau = expansion.pooled_active_fraction(acts)
+            out[f"plasticity/{name}/ne_active_fraction"] = fau
+            if cfg.ne_review:
+                p_old = expansion.review_probability(fau)
+                out["plasticity/review_prob"] = p_old
+    return state, out, p_old
+
+
+def _mask_params(agent, state):
+    """Zero every masked-out weight of the plastic networks (NE's sparse start)."""
+    for name, (p_field, o_field) in agent.PLASTIC.items():
+        state = state.replace(**{p_field: optim_lib.apply_mask(getattr(state, o_field), getattr(state, p_field))})
+    return state
+
+
 def metrics_step(agent, state, batch, init_params, key):
     """Plasticity metrics of every plastic network for one seed on ``batch``."""
     return metrics_lib.compute(agent.plastic_losses(state, batch, key), agent.plastic_params(state), init_params)
@@ -80,9 +155,13 @@ def metrics_step(agent, state, batch, init_params, key):
 class Hooks:
     """Host-side scheduling of the plasticity events, for N vmapped seeds."""
 
-    def __init__(self, cfg: PlasticityConfig, agent, agent_name: str, sample):
+    def __init__(self, cfg: PlasticityConfig, agent, agent_name: str, sample, total_updates: int | None = None):
         check_applicable(cfg, agent, agent_name)
         self.cfg, self.agent, self.sample = cfg, agent, sample
+        self.total_updates = total_updates
+        self.schedule = None
+        self.review = None  # (seeds,) probability of reviewing old data, passed to the loop's sampler
+        self.ne_traces = 0  # how often the NE event was traced (it must be once per run)
         self.resetting = cfg.redo or cfg.regrama
         self.metrics_batch = None
         self.init_params = None
@@ -91,10 +170,36 @@ class Hooks:
         if cfg.metrics_every:
             self._metrics = jax.jit(jax.vmap(partial(metrics_step, agent)))
             self._sample = jax.jit(jax.vmap(lambda b, k: sample(b, k, cfg.metrics_batch)))
+        if cfg.ne:
+            if not total_updates:
+                raise ValueError("NE's growth schedule needs the run's total number of updates")
+
+            def event(state, buffer, key, counts):
+                self.ne_traces += 1
+                return ne_step(agent, cfg, sample, state, buffer, key, counts)
+
+            self._ne = jax.jit(jax.vmap(event, in_axes=(0, 0, 0, None)), donate_argnums=(0,))
 
     def start(self, state):
-        if self.cfg.metrics_every:
+        """Call once on the fresh state -> state (NE: masked-out weights zeroed, so the nets start sparse)."""
+        cfg = self.cfg
+        if cfg.ne:
+            seeds = jax.tree.leaves(state)[0].shape[0]
+            plans = {}
+            for name, (p_field, o_field) in self.agent.PLASTIC.items():
+                if optim_lib.find_masked(getattr(state, o_field)) is None:
+                    raise ValueError(f"--plasticity.ne: network {name!r} has no NE masks in its optimizer state "
+                                     "(the loop must build the agent inside plasticity.optim.active)")
+                shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), getattr(state, p_field))
+                plans[name] = expansion.plan(shapes, cfg.ne_initial_sparsity)
+            self.schedule = expansion.Schedule(plans, self.total_updates, cfg.ne_target_sparsity, cfg.ne_schedule,
+                                               cfg.ne_prune)
+            state = jax.jit(partial(_mask_params, self.agent))(state)
+            if cfg.ne_review:
+                self.review = jnp.zeros(seeds, jnp.float32)
+        if cfg.metrics_every:
             self.init_params = jax.tree.map(jnp.copy, self.agent.plastic_params(state))
+        return state
 
     def after_updates(self, before: int, after: int, state, buffer, key):
         """Run the events due between update counts ``before`` and ``after`` -> (state, per-seed rows)."""
@@ -112,14 +217,28 @@ class Hooks:
                 self.metrics_batch = self._sample(buffer, jax.random.split(k_batch, n))
             out = self._metrics(state, self.metrics_batch, self.init_params, jax.random.split(k_metrics, n))
             rows = _merge(rows, _rows(out))
+        every = self.cfg.ne_every
+        if self.cfg.ne and after // every > before // every:
+            counts = self.schedule.step(after // every * every)
+            keys = jax.random.split(jax.random.fold_in(key, 2), jax.tree.leaves(state)[0].shape[0])
+            state, out, p_old = self._ne(state, buffer, keys, counts)
+            if self.review is not None:
+                self.review = p_old
+            rows = _merge(rows, _rows(out))
         return state, rows
 
     def host_state(self):
-        return {"metrics_batch": None if self.metrics_batch is None else jax.tree.map(np.asarray, self.metrics_batch)}
+        return {"metrics_batch": None if self.metrics_batch is None else jax.tree.map(np.asarray, self.metrics_batch),
+                "ne": None if self.schedule is None else self.schedule.state_dict(),
+                "review": None if self.review is None else np.asarray(self.review)}
 
     def restore(self, host):
         batch = host.get("metrics_batch")
         self.metrics_batch = None if batch is None else jax.tree.map(jnp.asarray, batch)
+        if self.schedule is not None and host.get("ne") is not None:
+            self.schedule.load_state_dict(host["ne"])
+        if self.review is not None and host.get("review") is not None:
+            self.review = jnp.asarray(host["review"], jnp.float32)
 
 
 def _rows(out: dict) -> list[dict]:

@@ -51,7 +51,7 @@ class PlasticityConfig:
     reset_layer_norm: bool = True
     """also restore the LayerNorm gain/bias of reset units (ReGraMa's code)"""
     reset_batch: int = 256
-    """replay samples used to score neurons at each reset"""
+    """replay samples used to score neurons at each reset (and for gradients / FAU at each NE event)"""
     sigreg_coef: float = 0.0
     """SIGReg coefficient lambda on the representation feeding the heads (0: off; RL paper sweeps 0.2, 1.0)"""
     sigreg_variant: Literal["rl", "lejepa"] = "rl"
@@ -66,6 +66,22 @@ class PlasticityConfig:
     """longest episode the histories track"""
     least_coef: float = 0.5
     """the 'omega coefficient' c scaling the TD-loss weight (spec: 0.3-0.6)"""
+    ne: bool = False
+    """Neuroplastic Expansion: start sparse, grow by gradient, prune dormant connections (spec 3)"""
+    ne_every: int = 1_000
+    """NE topology update period delta in updates (reference: 100 in train.py, 10000 in its README)"""
+    ne_initial_sparsity: float = 0.8
+    """NE sparsity at init, Erdős–Rényi per-layer densities"""
+    ne_target_sparsity: float = 0.25
+    """NE stops growing at this sparsity; then plain dynamic sparse training"""
+    ne_schedule: Literal["cosine", "uniform"] = "cosine"
+    """NE growth rate: cosine r = 0.25 (1 + cos(pi t / T)), or uniform r = 0.008 (share of the initial empty space)"""
+    ne_prune: Literal["redo", "magnitude"] = "redo"
+    """NE pruning (0.4 x the grown count): ReDo-dormant units' incoming connections first, or smallest |w|"""
+    ne_review: bool = True
+    """NE experience review: sample from the oldest 30% of the buffer while the critic's FAU < 0.4"""
+    kron: bool = False
+    """PSGD-Kron optimizer instead of Adam (lr / 3; needs the kron extra: psgdax)"""
 
     def validate(self):
         if self.redo and self.regrama:
@@ -79,6 +95,15 @@ class PlasticityConfig:
             raise ValueError("--plasticity.least-warmup must be in [0, 1]")
         if self.sigreg_coef < 0:
             raise ValueError("--plasticity.sigreg-coef must be >= 0")
+        if self.ne:
+            if self.ne_every < 1:
+                raise ValueError("--plasticity.ne-every must be >= 1")
+            if not 0.0 <= self.ne_target_sparsity < self.ne_initial_sparsity < 1.0:
+                raise ValueError("NE needs 0 <= --plasticity.ne-target-sparsity < --plasticity.ne-initial-sparsity < 1")
+            if self.ne_schedule not in ("cosine", "uniform"):
+                raise ValueError("--plasticity.ne-schedule must be cosine or uniform")
+            if self.ne_prune not in ("redo", "magnitude"):
+                raise ValueError("--plasticity.ne-prune must be redo or magnitude")
 
 
 @dataclass(frozen=True)

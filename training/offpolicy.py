@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import VectorEnv
+from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
-from plasticity.hooks import Hooks, sigreg_spec
+from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
 from plasticity.least import LEAST
 from training import checkpoint, replay
 from training.config import RunConfig, dump, to_json
@@ -33,18 +34,23 @@ def make_train_block(agent, cfg, num_updates: int):
     """``num_updates`` gradient steps as one scan (one seed): ``(state, buffer, key) -> (state, buffer, metrics)``.
 
     An agent with its own replay (e.g. MR.Q's prioritised subtrajectories) exports
-    ``train_block(state, buffer, key, num_updates)``; otherwise each step samples a uniform batch.
+    ``train_block(state, buffer, key, num_updates)``; otherwise each step samples a uniform batch
+    (or, given a probability ``review``, NE's experience review: indices from the oldest 30%).
     """
     if hasattr(agent, "train_block"):
-        return lambda state, buffer, key: agent.train_block(state, buffer, key, num_updates)
+        return lambda state, buffer, key, review=None: agent.train_block(state, buffer, key, num_updates)
 
-    def one(state, buffer, key):
+    def one(state, buffer, key, review):
         k_sample, k_update = jax.random.split(key)
-        batch = replay.sample(buffer, k_sample, cfg.batch_size)
+        if review is None:
+            batch = replay.sample(buffer, k_sample, cfg.batch_size)
+        else:
+            batch = replay.sample_with_review(buffer, k_sample, cfg.batch_size, review)
         return agent.update(state, batch, k_update)
 
-    def block(state, buffer, key):
-        state, metrics = jax.lax.scan(lambda s, k: one(s, buffer, k), state, jax.random.split(key, num_updates))
+    def block(state, buffer, key, review=None):
+        state, metrics = jax.lax.scan(lambda s, k: one(s, buffer, k, review), state,
+                                      jax.random.split(key, num_updates))
         return state, buffer, jax.tree.map(lambda m: m.mean(), metrics)
 
     return block
@@ -55,24 +61,26 @@ def buffer_fns(agent):
     return getattr(agent, "buffer_init", replay.init), getattr(agent, "buffer_add", replay.add)
 
 
-def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None):
+def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=None):
     """One jitted call per env step: store transitions, learn, choose the next actions.
 
-    ``sigreg`` (a ``SIGRegSpec``) switches SIGReg on in the agent's regularised losses.
+    ``sigreg`` (a ``SIGRegSpec``) switches SIGReg on in the agent's regularised losses, ``optim``
+    (an ``OptimSpec``) Kron / NE masks in its optimizers; ``review`` (per-seed probabilities, or
+    None) switches on NE's experience review.
     """
     block = make_train_block(agent, cfg, num_updates)
     _, buffer_add = buffer_fns(agent)
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
-    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool):
+    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool, review=None):
         seeds, envs = obs.shape[:2]
         flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
         buffer = jax.vmap(buffer_add)(buffer, flat)
         k_train, k_act = jax.random.split(key)
         metrics = {}
         if train:
-            with sigreg_lib.active(sigreg):
-                state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds))
+            with sigreg_lib.active(sigreg), optim_lib.active(optim):
+                state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds), review)
         if random_actions:
             action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
         else:
@@ -85,7 +93,9 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None):
 
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
-    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
+    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:  # Kron / NE masks in the opt states
+        state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
     buffer_init, _ = buffer_fns(agent)
     buffer = jax.vmap(lambda _: buffer_init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]
@@ -117,11 +127,14 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
     obs_dim, act_dim = env.obs_dim, env.act_dim
     state, buffer, key = init_state(agent, cfg, obs_dim, act_dim)
-    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, getattr(agent, "sample_batch", replay.sample))
-    hooks.start(state)
-    logger = RunLogger(run_dir, cfg.tensorboard)
     num_updates = a.updates_per_step * E
-    step_fn = make_step_fn(agent, a, num_updates, act_dim, sigreg_spec(cfg.plasticity))
+    learning_iters = cfg.total_steps // E - max(0, -(-a.learning_starts // E) - 1)  # iterations that learn
+    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, getattr(agent, "sample_batch", replay.sample),
+                  total_updates=max(1, learning_iters * num_updates))
+    state = hooks.start(state)
+    logger = RunLogger(run_dir, cfg.tensorboard)
+    step_fn = make_step_fn(agent, a, num_updates, act_dim, sigreg_spec(cfg.plasticity),
+                           optim_spec(cfg.plasticity, agent))
     pc = cfg.plasticity
     least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
              if pc.least else None)
@@ -183,7 +196,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             key, k = jax.random.split(key)
             learning = step >= a.learning_starts
             state, buffer, action, new_metrics, finite = step_fn(
-                state, buffer, transition, obs.reshape(S, E, obs_dim), k, random_actions=not learning, train=learning)
+                state, buffer, transition, obs.reshape(S, E, obs_dim), k, random_actions=not learning, train=learning,
+                review=hooks.review)
             if learning:
                 metrics = new_metrics
                 if not bool(finite):

@@ -51,3 +51,20 @@ def sample(buffer: Buffer, key, batch_size: int) -> Transition:
     """Uniform sample of ``batch_size`` stored transitions (with replacement)."""
     idx = jax.random.randint(key, (batch_size,), 0, jnp.maximum(buffer.size, 1))
     return jax.tree.map(lambda d: d[idx], buffer.data)
+
+
+def sample_with_review(buffer: Buffer, key, batch_size: int, p_old, old_fraction: float = 0.3) -> Transition:
+    """Uniform sample where each index comes instead from the oldest ``old_fraction`` of the stored
+    transitions with probability ``p_old`` (NE's experience review, spec 3.5; a traced scalar).
+
+    The oldest transition sits at ``(ptr - size) % capacity`` (index 0 until the buffer wraps).
+    """
+    cap = capacity(buffer)
+    size = jnp.maximum(buffer.size, 1)
+    k_uni, k_old, k_pick = jax.random.split(key, 3)
+    uniform = jax.random.randint(k_uni, (batch_size,), 0, size)
+    n_old = jnp.maximum(jnp.floor(old_fraction * size).astype(jnp.int32), 1)
+    oldest = (buffer.ptr - buffer.size) % cap
+    old = (oldest + jax.random.randint(k_old, (batch_size,), 0, n_old)) % cap
+    idx = jnp.where(jax.random.uniform(k_pick, (batch_size,)) < p_old, old, uniform)
+    return jax.tree.map(lambda d: d[idx], buffer.data)

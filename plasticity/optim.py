@@ -1,0 +1,237 @@
+"""The optimizer factory every agent uses, switchable by the loop: Adam (default), Kron, NE masks.
+
+An agent builds each network's optimizer with ``optimizer(lr, name)`` (``make`` picks the
+default transformation, Adam unless given).  The training loop opens ``active(OptimSpec(...))``
+around the agent's ``init`` (which fixes the optimizer-state structure) and around the trace
+of its update (which applies it), exactly as ``plasticity.sigreg.active`` does for losses:
+
+- ``kron``: PSGD-Kron from ``psgdax`` (spec section 6) with lr = lr / 3, for every network built
+  here.  ``pip install 'plasticity-zoo[kron]'`` (psgdax 0.1.1; psgd-jax 0.2.9 does not import
+  with optax 0.2.8, see shared/DEPENDENCIES.md).
+- ``ne``: the networks listed in ``OptimSpec.ne_networks`` get a ``masked`` transformation
+  whose *state* holds their connection masks (Neuroplastic Expansion, spec section 3): the
+  gradients are masked, and every pruned weight is set to exactly 0 by each step.  The masks
+  have static shapes and live in the optimizer state, so checkpoints carry them and growing the
+  network never changes a shape or recompiles.  ``plasticity.expansion`` rewrites them.
+
+Outside any ``active`` block (or with the default spec) ``optimizer`` returns ``make(lr, **kw)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import io
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+KRON_LR_DIVISOR = 3.0  # spec section 6: Kron lr = Adam lr / 3
+
+
+@dataclass(frozen=True)
+class NESpec:
+    """Neuroplastic Expansion settings the optimizer state needs (the schedule lives in the hooks)."""
+
+    initial_sparsity: float = 0.8
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    kron: bool = False
+    ne: Optional[NESpec] = None
+    ne_networks: Optional[tuple] = None
+    """names of the networks NE masks (None: every network built with ``optimizer``)"""
+
+
+@dataclass
+class _Context:
+    spec: OptimSpec
+    built: set = field(default_factory=set)  # names passed to ``optimizer`` inside the block
+
+
+_ACTIVE: contextvars.ContextVar[Optional[_Context]] = contextvars.ContextVar("optim", default=None)
+
+
+@contextlib.contextmanager
+def active(spec: Optional[OptimSpec]):
+    """Switch Kron / NE masks on for every ``optimizer`` built inside this block.
+
+    Yields the set of network names built inside the block, so a loop can tell whether the
+    agent uses this factory at all.
+    """
+    ctx = _Context(spec or OptimSpec())
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx.built
+    finally:
+        _ACTIVE.reset(token)
+
+
+def optimizer(lr: float, name: str, make: Callable = optax.adam, ensemble: bool = False,
+              **kw) -> optax.GradientTransformation:
+    """Network ``name``'s optimizer: ``make(lr, **kw)``, or Kron / NE-masked as the loop switched on.
+
+    ``ensemble``: every param carries a leading ensemble-member axis (Kron then keeps one
+    preconditioner per member instead of coupling members).  With Kron only ``weight_decay``
+    of ``kw`` carries over (the rest are Adam's).
+    """
+    ctx = _ACTIVE.get()
+    spec = OptimSpec() if ctx is None else ctx.spec
+    if ctx is not None:
+        ctx.built.add(name)
+    tx = kron(lr / KRON_LR_DIVISOR, ensemble, kw.get("weight_decay", 0.0)) if spec.kron else make(lr, **kw)
+    if spec.ne is not None and (spec.ne_networks is None or name in spec.ne_networks):
+        tx = masked(tx, spec.ne.initial_sparsity)
+    return tx
+
+
+# ----------------------------------------------------------------------------- Kron
+
+
+def kron(lr: float, ensemble: bool = False, weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """PSGD-Kron (psgdax defaults, which follow kron_torch's) as an optax transformation."""
+    try:
+        import psgdax
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("--plasticity.kron needs psgdax: pip install 'plasticity-zoo[kron]' "
+                          "(or pip install 'psgdax>=0.1.1,<0.2'; psgd-jax 0.2.9 does not work with optax 0.2.8)") from e
+
+    def build(params):
+        scanned = jax.tree.map(lambda _: True, params) if ensemble else None
+        return psgdax.kron(learning_rate=lr, weight_decay=weight_decay, scanned_layers=scanned)
+
+    def init(params):
+        with contextlib.redirect_stdout(io.StringIO()):  # psgdax prints its preconditioner sizes
+            return build(params).init(params)
+
+    def update(updates, state, params=None):
+        if params is None and ensemble:
+            raise ValueError("Kron over an ensemble needs params in update()")
+        return build(updates if params is None else params).update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)
+
+
+# ----------------------------------------------------------------------------- NE masks
+
+
+class MaskedState(NamedTuple):
+    """Connection masks of one network (tuple aligned with the param leaves; None = always active)."""
+
+    masks: tuple
+    inner: Any
+
+
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
+
+
+def maskable(path, leaf) -> bool:
+    """Linear kernels (``...['kernel']``, >= 2-D) are masked; biases and LayerNorm never."""
+    keys = _keys(path)
+    return bool(keys) and keys[-1] == "kernel" and len(leaf.shape) >= 2
+
+
+def er_densities(shapes: list, sparsity: float) -> list[float]:
+    """Erdős–Rényi per-layer densities (spec 3.2) with overall sparsity ``sparsity`` over these kernels.
+
+    density_l = eps (fan_in + fan_out) / (fan_in fan_out), with eps solving
+    sum_l density_l n_l = (1 - sparsity) sum_l n_l.  A layer whose density would exceed 1 is kept
+    dense and eps re-solved over the rest (the reference's rule).  ``shapes``: (fan_in, fan_out)
+    per kernel (its last two dims).
+    """
+    n = [i * o for i, o in shapes]
+    raw = [(i + o) / (i * o) for i, o in shapes]
+    dense: set[int] = set()
+    while True:
+        rest = [l for l in range(len(n)) if l not in dense]
+        if not rest:
+            raise ValueError(f"cannot reach sparsity {sparsity} with layers {shapes}")
+        budget = (1 - sparsity) * sum(n) - sum(n[l] for l in dense)
+        eps = budget / sum(raw[l] * n[l] for l in rest)
+        over = [l for l in rest if raw[l] * eps > 1]
+        if not over:
+            break
+        top = max(raw[l] for l in over)
+        dense |= {l for l in over if raw[l] == top}
+    return [1.0 if l in dense else raw[l] * eps for l in range(len(n))]
+
+
+def initial_counts(params, sparsity: float) -> list[int]:
+    """Active connections per member of each masked kernel at init (static, from shapes only)."""
+    kernels = [x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if maskable(p, x)]
+    shapes = [tuple(x.shape[-2:]) for x in kernels]
+    return [int(round(d * i * o)) for d, (i, o) in zip(er_densities(shapes, sparsity), shapes)]
+
+
+def _top_mask(score, k: int):
+    """Bool mask of the ``k`` largest entries of each member's flattened kernel (static ``k``)."""
+    lead = score.shape[:-2]
+    flat = score.reshape(*lead, -1)
+    if k >= flat.shape[-1]:
+        return jnp.ones(score.shape, bool)
+    _, idx = jax.lax.top_k(flat, k)
+    mask = jnp.zeros(flat.shape, bool)
+    mask = jnp.put_along_axis(mask, idx, True, axis=-1, inplace=False)
+    return mask.reshape(score.shape)
+
+
+def initial_masks(params, sparsity: float) -> tuple:
+    """ER-sparse masks keeping each kernel's largest-|w| initial weights (the reference's choice)."""
+    counts = iter(initial_counts(params, sparsity))
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        out.append(_top_mask(jnp.abs(x), next(counts)) if maskable(path, x) else None)
+    return tuple(out)
+
+
+def masked(inner: optax.GradientTransformation, initial_sparsity: float = 0.8) -> optax.GradientTransformation:
+    """Wrap ``inner`` so that masked-out connections get no gradient and stay exactly 0.
+
+    ``update`` masks the gradients before ``inner`` and returns ``u`` on active weights and
+    ``-params`` on inactive ones, so ``apply_updates`` leaves every inactive weight at exactly 0.
+    ``init`` cannot change params: apply ``apply_mask`` once to the initial params (the hooks do).
+    """
+
+    def init(params):
+        return MaskedState(initial_masks(params, initial_sparsity), inner.init(params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("the NE-masked optimizer needs params in update()")
+        leaves, treedef = jax.tree.flatten(updates)
+        grads = [g if m is None else jnp.where(m, g, 0.0) for g, m in zip(leaves, state.masks)]
+        new, inner_state = inner.update(treedef.unflatten(grads), state.inner, params)
+        p_leaves = jax.tree.leaves(params)
+        out = [u if m is None else jnp.where(m, u, -p) for u, p, m in zip(jax.tree.leaves(new), p_leaves, state.masks)]
+        return treedef.unflatten(out), MaskedState(state.masks, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def find_masked(opt_state) -> Optional[MaskedState]:
+    """The ``MaskedState`` inside an optimizer state, or None."""
+    found = [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, MaskedState))
+             if isinstance(n, MaskedState)]
+    return found[0] if found else None
+
+
+def replace_masked(opt_state, new: MaskedState):
+    return jax.tree.map(lambda n: new if isinstance(n, MaskedState) else n, opt_state,
+                        is_leaf=lambda n: isinstance(n, MaskedState))
+
+
+def apply_mask(opt_state, params):
+    """``params`` with every weight masked out in ``opt_state`` set to 0 (unchanged without NE).
+
+    Use it for copies that must share the masks, e.g. target networks after a Polyak update.
+    """
+    state = find_masked(opt_state)
+    if state is None:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([x if m is None else jnp.where(m, x, jnp.zeros_like(x))
+                              for x, m in zip(leaves, state.masks)])
