@@ -315,6 +315,27 @@ def value(state: PPOState, obs_n):
     return state.critic(state.critic_params, obs_n)
 
 
+_ROLLOUT_FREE = ("actor_params", "critic_params", "actor_opt", "critic_opt", "obs_rms", "ret_rms", "anchors",
+                 "anchor_count", "snapshots", "snapshot_count", "iteration", "num_iterations")
+
+
+def rollout_split(state: PPOState):
+    """For the loop's per-step call: (read-only params, updated normalisers, skeleton without arrays).
+
+    Collecting experience reads the actor/critic params and updates only the normaliser statistics."""
+    skeleton = state.replace(**{k: None for k in _ROLLOUT_FREE})
+    return (state.actor_params, state.critic_params), (state.obs_rms, state.ret_rms), skeleton
+
+
+def rollout_join(skeleton: PPOState, frozen, mutable) -> PPOState:
+    """A state usable by ``observe``/``scale_reward``/``sample_action``/``value`` (optimiser etc. absent)."""
+    return skeleton.replace(actor_params=frozen[0], critic_params=frozen[1], obs_rms=mutable[0], ret_rms=mutable[1])
+
+
+def rollout_merge(state: PPOState, mutable) -> PPOState:
+    return state.replace(obs_rms=mutable[0], ret_rms=mutable[1])
+
+
 def act(state: PPOState, obs, key, explore: bool):
     """Raw observations -> an action (unclipped Gaussian sample when exploring, the mean otherwise).
     The env layer clips actions to [-1, 1] (CleanRL's ClipAction)."""

@@ -10,7 +10,7 @@ import train as train_script  # noqa: E402
 
 
 def test_unknown_agent_names_the_available_ones():
-    with pytest.raises(SystemExit, match="unknown agent 'dqn'; available agents: sac"):
+    with pytest.raises(SystemExit, match="unknown agent .dqn.; available agents: .*sac"):
         train_script.parse(["dqn", "--env", "Pendulum-v1"])
 
 

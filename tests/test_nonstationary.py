@@ -38,7 +38,8 @@ def test_grammar_parses_modes_options_and_dmc_bases():
 @pytest.mark.parametrize("env_id,match", [
     ("ns:wobble:HalfCheetah-v5", "unknown non-stationary mode 'wobble'"),
     ("ns:reward_flip", "missing the base env"),
-    ("ns:reward_flip:HalfCheetah-v5:every=10,color=red", "unknown option.*color.*valid options: every, seed, switch, term"),
+    ("ns:reward_flip:HalfCheetah-v5:every=10,color=red",
+     "unknown option.*color.*valid options: every, seed, switch, term"),
     ("ns:reward_flip:HalfCheetah-v5:every=ten", "every='ten' must be an integer"),
     ("ns:reward_flip:HalfCheetah-v5:every=0", "every must be >= 1"),
     ("ns:reward_flip:HalfCheetah-v5:every", "malformed"),
@@ -103,7 +104,8 @@ def test_dynamics_schedule_applies_seeded_factors_and_is_reproducible():
     nominal = (model.geom_friction[:, 0].copy(), float(model.opt.gravity[2]), model.body_mass.copy())
     run(env, [np.zeros(3, np.float32)] * 5)
     f = ns.dynamics_factors(env.spec_ns, 1, len(nominal[2]))
-    assert 0.1 <= f["friction"] <= 10**0.5 and 0.5 <= f["gravity"] <= 1.5 and np.all((f["mass"] >= 0.5) & (f["mass"] <= 2))
+    assert 0.1 <= f["friction"] <= 10**0.5 and 0.5 <= f["gravity"] <= 1.5
+    assert np.all((f["mass"] >= 0.5) & (f["mass"] <= 2))
     np.testing.assert_allclose(model.geom_friction[:, 0], nominal[0] * f["friction"])
     assert float(model.opt.gravity[2]) == pytest.approx(nominal[1] * f["gravity"])
     np.testing.assert_allclose(model.body_mass, nominal[2] * f["mass"])

@@ -10,7 +10,7 @@ import pytest
 from agents import ppo
 from training import checkpoint
 from training.config import NetworkConfig, RunConfig
-from training.onpolicy import empty_loop, init_state, make_fns, train
+from training.onpolicy import init_state, make_fns, train
 
 
 def tiny(**kw):
@@ -162,35 +162,54 @@ def _update(cfg, n=2):
     return state, metrics
 
 
-def test_gtr_with_zero_beta_is_plain_ppo_and_positive_beta_differs():
-    base = dict(num_steps=16, num_minibatches=4, update_epochs=3)
-    ppo_state, _ = _update(ppo.PPOConfig(**base))
+def test_gtr_with_zero_beta_is_plain_ppo_and_target_kl_stops_early():
+    base = dict(num_steps=16, num_minibatches=4, update_epochs=3, target_kl=1e-9)
+    ppo_state, m_ppo = _update(ppo.PPOConfig(**base))
     gtr0, m0 = _update(ppo.PPOConfig(**base, trust_region="gtr", gtr_beta=0.0))
-    gtr1, m1 = _update(ppo.PPOConfig(**base, trust_region="gtr", gtr_beta=5.0))
     for a, b in zip(jax.tree.leaves(ppo_state.actor_params), jax.tree.leaves(gtr0.actor_params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert any(not np.allclose(a, b, atol=1e-6) for a, b in
-               zip(jax.tree.leaves(ppo_state.actor_params), jax.tree.leaves(gtr1.actor_params)))
-    assert int(gtr1.anchor_count) == 2 and float(m0["gtr/penalty"]) == 0.0
-    assert float(m1["gtr/penalty"]) > 0 and 0 < float(m1["gtr/kernel"]) <= 1
-    assert np.isfinite(float(m1["gtr/kl_anchor1"])) and np.isnan(float(m1["gtr/kl_anchor2"]))
-    assert float(m1["gtr/kl_anchor0"]) > 0
-    # anchor slot 1 holds the first iteration's rollout policy (the init params)
+    assert float(m0["gtr/penalty"]) == 0.0
+    assert float(m_ppo["charts/epochs_run"]) == 1.0  # the first epoch's approx_kl exceeds 1e-9: stop
+    # the anchors rotate: slot 0 = the last rollout policy, slot 1 = the first (the init params)
+    assert int(gtr0.anchor_count) == 2
     init = ppo.init(jax.random.key(0), 3, 2, ppo.PPOConfig(**base, trust_region="gtr"), NetworkConfig(width=16))
-    for a, b in zip(jax.tree.leaves(gtr1.anchors), jax.tree.leaves(init.actor_params)):
+    for a, b in zip(jax.tree.leaves(gtr0.anchors), jax.tree.leaves(init.actor_params)):
         np.testing.assert_array_equal(a[1], b)
+    assert np.isfinite(float(m0["gtr/kl_anchor1"])) and np.isnan(float(m0["gtr/kl_anchor2"]))
+    assert float(m0["gtr/kl_anchor1"]) > float(m0["gtr/kl_anchor0"]) > 0  # the older anchor is further away
     for name in ("diag/update_cosine", "diag/directional_efficiency", "charts/approx_kl", "charts/clipfrac",
                  "charts/explained_variance"):
-        assert np.isfinite(float(m1[name])), name
-    assert 0 < float(m1["diag/directional_efficiency"]) <= 1 + 1e-6
+        assert np.isfinite(float(m0[name])), name
+    assert 0 < float(m0["diag/directional_efficiency"]) <= 1 + 1e-6
 
 
-def test_logratio_form_and_no_clip_and_target_kl_early_stop():
-    base = dict(num_steps=16, num_minibatches=4, update_epochs=5)
-    _, m = _update(ppo.PPOConfig(**base, trust_region="gtr", gtr_form="logratio", clip=False, gtr_beta=0.1))
-    assert float(m["gtr/penalty"]) >= 0 and np.isfinite(float(m["losses/total"]))
-    _, m = _update(ppo.PPOConfig(**base, target_kl=1e-9), n=1)
-    assert float(m["charts/epochs_run"]) == 1.0  # the first epoch's approx_kl exceeds 1e-9: stop
+@pytest.mark.parametrize("form", ["kl", "logratio"])
+def test_actor_loss_adds_the_gtr_penalty_of_either_form(form):
+    cfg = ppo.PPOConfig(trust_region="gtr", gtr_form=form, gtr_beta=0.5, gtr_sigma2=0.02, gtr_logratio_sigma=0.3,
+                        clip=False)
+    state = ppo.init(jax.random.key(0), 3, 2, cfg, NetworkConfig(width=16))
+    rng = np.random.default_rng(1)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    B, M = 8, 3
+    mb = ppo.Minibatch(f(B, 3), f(B, 2), f(B) - 3, f(B), f(B), f(B), anchor_mean=0.1 * f(B, M, 2),
+                       anchor_log_std=0.1 * f(B, M, 2), anchor_logp=f(B, M) - 3)
+    w = ppo.anchor_weights(jnp.int32(M), M, "recency", 0.8)
+    loss, aux = ppo.actor_loss(state.actor_params, state, mb, w)
+    plain, _ = ppo.actor_loss(state.actor_params, state.replace(cfg=ppo.PPOConfig(clip=False)), mb)
+    mean, log_std = (np.asarray(x) for x in state.actor(state.actor_params, mb.obs))
+    if form == "kl":  # KL(anchor || current), closed form, summed over action dims
+        am, al = np.asarray(mb.anchor_mean), np.asarray(mb.anchor_log_std)
+        d = np.sum(log_std[:, None] - al + (np.exp(2 * al) + (am - mean[:, None]) ** 2)
+                   / (2 * np.exp(2 * log_std[:, None])) - 0.5, axis=-1)
+        width2 = 0.02
+    else:  # squared log-ratio against each anchor
+        logp = np.asarray(ppo.gaussian_log_prob(mb.actions, mean, log_std))
+        d = (logp[:, None] - np.asarray(mb.anchor_logp)) ** 2
+        width2 = 0.3**2
+    penalty = 0.5 * (1 - (np.asarray(w) * np.exp(-d / (2 * width2))).sum(-1))
+    assert float(aux["gtr/penalty"]) == pytest.approx(penalty.mean(), rel=1e-5)
+    assert float(loss) == pytest.approx(float(plain) + penalty.mean(), rel=1e-5)
+    assert 0 < float(aux["gtr/penalty"]) < 0.5
 
 
 def test_directional_efficiency_of_a_straight_and_a_zigzag_path():
@@ -230,30 +249,35 @@ def test_running_statistics_and_reward_scaling():
 
 
 def test_loop_step_writes_terminations_truncations_and_final_values():
-    """ToyChain (conftest): env 0 terminates at t=3 (actions 1), env 1 is truncated at t=5 (actions 0.1)."""
-    from envs import make_vector_env
-
-    cfg = tiny(env="ToyChain-v0", num_envs=2, num_steps=6, num_minibatches=2)
-    env = make_vector_env("ToyChain-v0", 2, 0)
-    state, loop, key = init_state(ppo, cfg, 2, 1)
-    start, step = make_fns(ppo, 6)[:2]
-    state, loop, _ = start(state, loop, jnp.asarray(env.reset())[None], key)
-    actions = np.array([[1.0], [0.1]], np.float32)
-    finals = {}
-    for t in range(5):
-        new_obs, r, term, trunc, next_obs = env.step(actions)
-        state, loop, _ = step(state, loop, jnp.int32(t), *(jnp.asarray(x)[None] for x in
-                                                           (r, term, trunc, next_obs, new_obs)), jax.random.key(t))
-        s0 = jax.tree.map(lambda x: x[0], state)
-        finals[t] = float(ppo.value(s0, ppo.normalize_obs(s0, jnp.asarray(next_obs)))[1])
-    b = jax.tree.map(lambda x: np.asarray(x[0]), loop.buffer)
-    assert b.terminated[2, 0] and not b.truncated[2, 0] and b.final_values[2, 0] == 0.0
-    assert b.truncated[4, 1] and not b.terminated[4, 1]
-    assert b.final_values[4, 1] == pytest.approx(finals[4], rel=1e-5)  # V(true final obs (5, 0.5))
-    assert np.all(b.final_values[:4, 1] == 0) and not b.truncated[:4].any()
-    s0 = jax.tree.map(lambda x: x[0], state)
-    assert float(s0.obs_rms.count) == pytest.approx(12, abs=1e-3)  # reset + 5 steps, 2 envs each
-    assert b.rewards.shape == (6, 2) and np.all(b.rewards[:5] > 0)
+    """The loop's per-step call at the resume test's shapes (2 seeds x 2 envs, Pendulum-sized)."""
+    cfg = tiny(seeds=2, num_envs=2)
+    state, loop, key = init_state(ppo, cfg, 3, 1)
+    start, step = make_fns(ppo, 32)[:2]
+    rng = np.random.default_rng(0)
+    obs = lambda: jnp.asarray(rng.normal(size=(2, 2, 3)), jnp.float32)  # noqa: E731
+    state, loop, _ = start(state, loop, obs(), key)
+    term = np.zeros((3, 2, 2), bool)
+    trunc = np.zeros((3, 2, 2), bool)
+    term[1, 0, 0] = True                      # seed 0 env 0 terminates at t = 1
+    trunc[2, 1, 1] = True                     # seed 1 env 1 is truncated at t = 2
+    term[2, 1, 0] = trunc[2, 1, 0] = True     # both at once: a termination
+    for t in range(3):
+        next_obs, new_obs = obs(), obs()
+        ff, fm = step.flatten(state, loop)
+        fm, _ = step(ff, fm, np.int32(t), np.ones((2, 2), np.float32), term[t], trunc[t], next_obs, new_obs,
+                     jax.random.key(t))
+        state, loop = step.unflatten(fm)
+        s1 = jax.tree.map(lambda x: x[1], state)
+        if t == 2:
+            final = float(ppo.value(s1, ppo.normalize_obs(s1, next_obs[1]))[1])
+            np.testing.assert_allclose(loop.buffer.obs[1, 3], ppo.normalize_obs(s1, new_obs[1]), rtol=1e-6)
+    b = jax.tree.map(lambda x: np.asarray(x), loop.buffer)
+    np.testing.assert_array_equal(b.terminated[:, :3], term.transpose(1, 0, 2))
+    np.testing.assert_array_equal(b.truncated[:, :3], trunc.transpose(1, 0, 2))
+    assert b.final_values[1, 2, 1] == pytest.approx(final, rel=1e-5)  # V(true final obs) where truncated
+    assert np.count_nonzero(b.final_values) == 1                       # 0 elsewhere (terminated: unused)
+    assert float(state.obs_rms.count[0]) == pytest.approx(8, abs=1e-3)  # start + 3 steps, 2 envs each
+    assert np.all(b.rewards[:, :3] > 0)
 
 
 def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_path):
@@ -268,7 +292,8 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_p
     resumed = train(cfg, ppo, tmp_path / "part", resume=True)
     assert resumed["step"] == 256
     for field in ("actor_params", "critic_params", "obs_rms", "ret_rms", "actor_opt"):
-        for x, y in zip(jax.tree.leaves(getattr(full["state"], field)), jax.tree.leaves(getattr(resumed["state"], field))):
+        for x, y in zip(jax.tree.leaves(getattr(full["state"], field)),
+                        jax.tree.leaves(getattr(resumed["state"], field))):
             np.testing.assert_array_equal(x, y)
     for name in ("eval.csv", "metrics.csv"):
         rows_full = list(csv.DictReader(open(tmp_path / "full" / name)))
@@ -289,7 +314,7 @@ def test_nonstationary_switch_resets_the_normalizers(tmp_path):
     # the last switch is at step 192; the statistics since then hold the steps 192, 194, .., 256 (2 envs)
     assert float(out["state"].obs_rms.count[0]) == pytest.approx(66, abs=1e-3)
     rows = list(csv.DictReader(open(tmp_path / "r" / "metrics.csv")))
-    assert [int(float(r["ns/phase"])) for r in rows] == [0, 1, 2, 2]
+    assert [int(float(r["ns/phase"])) for r in rows if r["seed"] == "0"] == [0, 1, 2, 2]
 
 
 def test_cli_flags_reach_the_ppo_config():
@@ -332,13 +357,13 @@ def test_orthogonal_init_as_cleanrl():
 
 @pytest.mark.slow
 def test_ppo_learns_inverted_pendulum(tmp_path):
-    # 2 vmapped seeds, 4 envs each; PPO balances the pendulum (1000) within ~16k steps; random ~ 20
-    cfg = RunConfig(env="InvertedPendulum-v5", seeds=2, num_envs=4, total_steps=16384, eval_every=16384,
-                    eval_episodes=3, log_every=4096, checkpoint_every=16384, progress=False, agent_name="ppo",
-                    agent=ppo.PPOConfig(num_steps=256, num_minibatches=16, learning_rate=1e-3))
+    # 2 vmapped seeds x 4 envs; PPO balances the pendulum (~800-1000 of 1000) within 10k steps; random ~ 20
+    cfg = RunConfig(env="InvertedPendulum-v5", seeds=2, num_envs=4, total_steps=10240, eval_every=10240,
+                    eval_episodes=2, log_every=2048, checkpoint_every=10240, progress=False, agent_name="ppo",
+                    agent=ppo.PPOConfig(num_steps=128, num_minibatches=16, learning_rate=1e-3))
     train(cfg, ppo, tmp_path / "r")
     rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
     start = [float(r["return_mean"]) for r in rows if r["step"] == "0"]
-    end = [float(r["return_mean"]) for r in rows if r["step"] == "16384"]
+    end = [float(r["return_mean"]) for r in rows if r["step"] == "10240"]
     assert max(start) < 100
     assert min(end) > 500, f"PPO did not learn InvertedPendulum: eval returns {end}"

@@ -16,7 +16,8 @@ iteration boundaries only, so a resumed run equals an uninterrupted one.
 The agent module provides, beside ``init``/``act``/``update``: ``observe(state, raw_obs) -> (state,
 obs_n)``, ``normalize_obs``, ``scale_reward(state, returns, reward, terminated)``,
 ``sample_action(state, obs_n, key) -> (action, logp, value)``, ``value(state, obs_n)``,
-``reset_normalizers(state)`` and the ``Rollout`` buffer type.
+``reset_normalizers(state)``, ``rollout_split``/``rollout_join``/``rollout_merge`` (see ``FlatStep``)
+and the ``Rollout`` buffer type.
 
 Steps count env steps per seed (each vector step adds ``num_envs``); a run does
 ``total_steps // (num_steps * num_envs)`` full iterations (CleanRL's ``num_iterations``), which also
@@ -87,7 +88,7 @@ def make_fns(agent, T: int):
         b = loop.buffer
         b = b._replace(rewards=b.rewards.at[t].set(r), terminated=b.terminated.at[t].set(terminated),
                        truncated=b.truncated.at[t].set(truncated),
-                       final_values=b.final_values.at[t].set(jnp.where(truncated, final_v, 0.0)))
+                       final_values=b.final_values.at[t].set(jnp.where(truncated & ~terminated, final_v, 0.0)))
         action, logp, v = agent.sample_action(state, obs_n, key)
         return state, LoopState(_write_policy_slot(b, t + 1, obs_n, action, logp, v), returns), action
 
@@ -105,9 +106,8 @@ def make_fns(agent, T: int):
     def start_all(state, loop, raw_obs, key):
         return jax.vmap(start)(state, loop, raw_obs, jax.random.split(key, raw_obs.shape[0]))
 
-    @partial(jax.jit, donate_argnums=(0, 1))
     def step_all(state, loop, t, reward, terminated, truncated, next_obs, new_obs, key):
-        keys = jax.random.split(key, reward.shape[0])
+        keys = jax.random.split(jax.random.fold_in(key, t), reward.shape[0])
         return jax.vmap(step, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))(
             state, loop, t, reward, terminated, truncated, next_obs, new_obs, keys)
 
@@ -120,7 +120,55 @@ def make_fns(agent, T: int):
         return state, loop, action, metrics, finite
 
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
-    return start_all, step_all, iterate_all, jax.jit(jax.vmap(reset_norm)), eval_act
+    return start_all, FlatStep(agent, step_all), iterate_all, jax.jit(jax.vmap(reset_norm)), eval_act
+
+
+class FlatStep:
+    """The per-vector-step call on *flattened* pytrees holding only what a step touches.
+
+    Every array passed to or returned from a jitted call costs the host a few microseconds, and
+    flattening the agent state (NNX ``State`` nodes) about 100 us, more than the call's own work at
+    CleanRL's sizes.  So once per rollout the loop splits the agent state with
+    ``agent.rollout_split(state) -> (frozen, mutable, skeleton)`` (for PPO: the actor/critic params,
+    read only; the normaliser statistics, updated; the rest left out), flattens ``frozen`` and
+    ``(mutable, loop)`` (``flatten``), steps on the flat leaves (only the mutable ones are donated and
+    returned), and rebuilds the state at the end with ``agent.rollout_merge(state, mutable)``
+    (``unflatten``).  One jitted function per structure (cached).
+
+    ``step(frozen_leaves, mutable_leaves, t, reward, terminated, truncated, next_obs, new_obs, key)``
+    -> ``(mutable_leaves, action)``: inputs shaped (seeds, envs, ...), host arrays are fine; the key
+    of step ``t`` is ``fold_in(key, t)``, so one key serves a whole rollout.
+    """
+
+    def __init__(self, agent, step_all):
+        self._agent, self._step_all = agent, step_all
+        self._compiled = {}
+        self._current = None
+
+    def flatten(self, state, loop):
+        agent = self._agent
+        frozen, mutable, skeleton = agent.rollout_split(state)
+        ff, tf = jax.tree.flatten(frozen)
+        fm, tm = jax.tree.flatten((mutable, loop))
+        key = (tf, tm, jax.tree.structure(skeleton))
+        if key not in self._compiled:
+            def flat(ff, fm, *args):
+                mut, lp = jax.tree.unflatten(tm, fm)
+                st = agent.rollout_join(skeleton, jax.tree.unflatten(tf, ff), mut)
+                st, lp, action = self._step_all(st, lp, *args)
+                return jax.tree.leaves((agent.rollout_split(st)[1], lp)), action
+
+            self._compiled[key] = jax.jit(flat, donate_argnums=(1,))
+        self._current = (key, state, tm)
+        return ff, fm
+
+    def unflatten(self, fm):
+        _, state, tm = self._current
+        mutable, loop = jax.tree.unflatten(tm, fm)
+        return self._agent.rollout_merge(state, mutable), loop
+
+    def __call__(self, ff, fm, *args):
+        return self._compiled[self._current[0]](ff, fm, *args)
 
 
 def _check(cfg: RunConfig):
@@ -155,7 +203,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
     logger = RunLogger(run_dir, cfg.tensorboard)
     start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T)
-    shaped = lambda x: jnp.asarray(np.asarray(x).reshape(S, E, *np.shape(x)[1:]))  # noqa: E731
+    shaped = lambda x: np.asarray(x).reshape(S, E, *np.shape(x)[1:])  # noqa: E731
 
     if resume:
         path = checkpoint.latest(run_dir)
@@ -163,7 +211,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
         (state, loop, key), host, _ = checkpoint.load(path, (state, loop, key))
         env, action, step = host["env"], jnp.asarray(host["action"]), host["step"]
-        episode_log, next_eval, next_log, phase = host["episode_log"], host["next_eval"], host["next_log"], host["phase"]
+        episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
+        phase = host["phase"]
         logger.truncate_after(step)
         if getattr(env, "restored_fresh", False):  # a backend that cannot pickle its simulator restarted
             key, k = jax.random.split(key)
@@ -201,8 +250,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     try:
         while step < end:
             consistent = False
+            key, k_roll = jax.random.split(key)
+            ff, fm = step_fn.flatten(state, loop)
             for t in range(T):
                 if step >= next_eval:
+                    state, loop = step_fn.unflatten(fm)
                     last_eval = evaluate(step)
                     next_eval += cfg.eval_every
                 new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
@@ -211,11 +263,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 if counter is not None and a.ns_reset_norm:
                     now = env.global_phase()
                     if now != phase:
-                        state, loop = reset_norm_fn(state, loop)
+                        state, loop = reset_norm_fn(*step_fn.unflatten(fm))
+                        ff, fm = step_fn.flatten(state, loop)
                     phase = now
-                key, k = jax.random.split(key)
-                state, loop, action = step_fn(state, loop, jnp.int32(t), shaped(reward), shaped(terminated),
-                                              shaped(truncated), shaped(next_obs), shaped(new_obs), k)
+                fm, action = step_fn(ff, fm, np.int32(t), shaped(reward), shaped(terminated), shaped(truncated),
+                                     shaped(next_obs), shaped(new_obs), k_roll)
                 for i, ret, length in env.pop_finished():
                     episode_log[i // E].append((ret, length))
                 if step >= next_log:
@@ -225,6 +277,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                     next_log += cfg.log_every
                     bar(step, sps, last_return, last_eval)
                     t_log, steps_log = time.perf_counter(), 0
+            state, loop = step_fn.unflatten(fm)
             key, k = jax.random.split(key)
             state, loop, action, metrics, finite = iterate_fn(state, loop, k)
             if not bool(finite):
