@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import VectorEnv
+from envs import make_vector_env, nonstationary
 from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
@@ -123,7 +123,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                         ("checkpoint_every", cfg.checkpoint_every), ("eval_episodes", cfg.eval_episodes)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    env = VectorEnv(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
+    env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
     evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
     obs_dim, act_dim = env.obs_dim, env.act_dim
     state, buffer, key = init_state(agent, cfg, obs_dim, act_dim)
@@ -160,6 +160,10 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         updates_done, pending = 0, None
         key, k0 = jax.random.split(key)
         action = jax.random.uniform(k0, (S, E, act_dim), minval=-1.0, maxval=1.0)
+    counter = getattr(env, "step_counter", None)  # ns: envs share one step counter; evaluation follows it
+    if counter is not None:
+        env.steps_per_call = E  # the counter counts per-seed env steps, the unit of --total-steps
+        nonstationary.follow(evaluator.env, counter)
     next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
 
