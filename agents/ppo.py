@@ -68,6 +68,7 @@ from jax.flatten_util import ravel_pytree
 from networks import Net, TrunkSpec, build
 from networks.blocks import Trunk
 from networks.distributions import gaussian_log_prob
+from plasticity.sigreg import regularized
 from training.config import NetworkConfig
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
@@ -224,7 +225,7 @@ class PPOActor(nnx.Module):
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
         mean = self.out(h)
-        return (mean, jnp.broadcast_to(self.log_std[...], mean.shape)), taps
+        return (mean, jnp.broadcast_to(self.log_std[...], mean.shape)), {**taps, "features": h}
 
 
 class PPOCritic(nnx.Module):
@@ -238,7 +239,7 @@ class PPOCritic(nnx.Module):
 
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
-        return self.out(h)[..., 0], taps
+        return self.out(h)[..., 0], {**taps, "features": h}
 
 
 def _adam(cfg: PPOConfig):
@@ -451,10 +452,12 @@ def critic_loss(critic_params, state: PPOState, mb: Minibatch):
     return value_loss(v, mb.values, mb.returns, state.cfg.clip_coef, state.cfg.clip_vloss)
 
 
-def _loss(params, state: PPOState, mb: Minibatch, weights):
+def _loss(params, state: PPOState, mb: Minibatch, weights, key):
+    """Actor and critic losses; with --plasticity.sigreg-coef each adds SIGReg of its own features."""
     actor_params, critic_params = params
-    a_loss, aux = actor_loss(actor_params, state, mb, weights)
-    v_loss = critic_loss(critic_params, state, mb)
+    k_actor, k_critic = jax.random.split(key)
+    a_loss, aux = regularized(actor_loss, "actor")(actor_params, state, mb, weights, reg_key=k_actor)
+    v_loss = regularized(critic_loss, "critic")(critic_params, state, mb, reg_key=k_critic)
     aux["losses/value"] = v_loss
     return a_loss + state.cfg.vf_coef * v_loss, aux
 
@@ -507,6 +510,25 @@ def _diagnostics(state: PPOState, new_actor_params):
     return state.replace(snapshots=snaps, snapshot_count=count), metrics
 
 
+def flat_samples(cfg: PPOConfig, batch: Rollout) -> dict:
+    """GAE over one seed's rollout, flattened to T*E samples (obs, actions, logp, values, advantages, returns)."""
+    T, E = batch.rewards.shape
+    values = batch.values[:T]
+    adv, returns = gae(batch.rewards, values, batch.terminated, batch.truncated, batch.final_values,
+                       batch.values[T], cfg.gamma, cfg.gae_lambda)
+    flat = lambda x: x.reshape(T * E, *x.shape[2:])  # noqa: E731
+    return {"obs": flat(batch.obs[:T]), "actions": flat(batch.actions[:T]), "logp": flat(batch.logp[:T]),
+            "values": flat(values), "advantages": flat(adv), "returns": flat(returns)}
+
+
+def sample_batch(batch: Rollout, key, size: int, cfg: PPOConfig) -> Minibatch:
+    """``size`` distinct samples of the latest rollout (for plasticity metrics and resets)."""
+    data = flat_samples(cfg, batch)
+    n = data["obs"].shape[0]
+    idx = jax.random.permutation(key, n)[:min(size, n)]
+    return Minibatch(**jax.tree.map(lambda x: x[idx], data))
+
+
 def update(state: PPOState, batch: Rollout, key):
     """One PPO iteration on one seed's rollout: GAE, then epochs x minibatches in one scan."""
     cfg = state.cfg
@@ -515,12 +537,7 @@ def update(state: PPOState, batch: Rollout, key):
     if n % cfg.num_minibatches:
         raise ValueError(f"batch {T} x {E} = {n} is not divisible by num_minibatches={cfg.num_minibatches}")
     mb_size = n // cfg.num_minibatches
-    values = batch.values[:T]
-    adv, returns = gae(batch.rewards, values, batch.terminated, batch.truncated, batch.final_values,
-                       batch.values[T], cfg.gamma, cfg.gae_lambda)
-    flat = lambda x: x.reshape(n, *x.shape[2:])  # noqa: E731
-    data = {"obs": flat(batch.obs[:T]), "actions": flat(batch.actions[:T]), "logp": flat(batch.logp[:T]),
-            "values": flat(values), "advantages": flat(adv), "returns": flat(returns)}
+    data = flat_samples(cfg, batch)
     weights = None
     gtr = cfg.trust_region == "gtr"
     if gtr:
@@ -531,10 +548,11 @@ def update(state: PPOState, batch: Rollout, key):
     tx = _adam(cfg)
     old_actor = state.actor_params
 
-    def minibatch_step(carry, idx):
+    def minibatch_step(carry, xs):
+        idx, k_mb = xs
         params, opts, stopped = carry
         mb = Minibatch(**jax.tree.map(lambda x: x[idx], data))
-        (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(params, state, mb, weights)
+        (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(params, state, mb, weights, k_mb)
         gnorm = optax.global_norm(grads)
         scale = jnp.minimum(1.0, cfg.max_grad_norm / (gnorm + 1e-6))
         grads = jax.tree.map(lambda g: g * scale, grads)
@@ -548,8 +566,10 @@ def update(state: PPOState, batch: Rollout, key):
         return (params, opts, stopped), aux
 
     def epoch(carry, k):
-        perm = jax.random.permutation(k, n).reshape(cfg.num_minibatches, mb_size)
-        (params, opts, stopped), aux = jax.lax.scan(minibatch_step, carry, perm)
+        k_perm, k_mb = jax.random.split(k)
+        perm = jax.random.permutation(k_perm, n).reshape(cfg.num_minibatches, mb_size)
+        (params, opts, stopped), aux = jax.lax.scan(minibatch_step, carry,
+                                                    (perm, jax.random.split(k_mb, cfg.num_minibatches)))
         if cfg.target_kl is not None:
             stopped = stopped | (aux["charts/approx_kl"][-1] > cfg.target_kl)
         return (params, opts, stopped), aux
@@ -584,6 +604,7 @@ def update(state: PPOState, batch: Rollout, key):
 
 CONFIG = PPOConfig
 KIND = "onpolicy"
+SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
 
 
 def plastic_params(state: PPOState) -> dict:

@@ -174,3 +174,23 @@ def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
     fractions = [float(r["plasticity/critic/reset_fraction"]) for r in rows if r.get("plasticity/critic/reset_fraction")]
     assert fractions and all(0.0 <= f <= 1.0 for f in fractions)
     assert np.all(np.isfinite(jax.tree.leaves(out["state"].critic_params)[0]))
+
+
+def test_flags_work_on_ppo_and_least_is_refused(tmp_path):
+    import dataclasses
+
+    from agents import ppo
+    from training.config import NetworkConfig, RunConfig
+    from training.onpolicy import train as train_onpolicy
+
+    agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
+    pcfg = PlasticityConfig(metrics_every=8, regrama=True, reset_every=8, sigreg_coef=0.2)
+    cfg = RunConfig(env="Pendulum-v1", total_steps=256, num_envs=2, eval_every=256, eval_episodes=1, log_every=64,
+                    checkpoint_every=256, progress=False, network=NetworkConfig(width=16), plasticity=pcfg,
+                    agent_name="ppo", agent=agent_cfg)
+    train_onpolicy(cfg, ppo, tmp_path / "r")
+    rows = [r for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv")) if r.get("plasticity/actor/dormant_0.0")]
+    assert rows and all(0.0 <= float(r["plasticity/critic/grama_0.01"]) <= 1.0 for r in rows)
+    assert all(0.0 <= float(r["plasticity/actor/reset_fraction"]) <= 1.0 for r in rows)
+    with pytest.raises(ValueError, match="least does not apply to agent 'ppo'"):
+        train_onpolicy(dataclasses.replace(cfg, plasticity=PlasticityConfig(least=True)), ppo, tmp_path / "s")

@@ -41,6 +41,8 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
+from plasticity import sigreg as sigreg_lib
+from plasticity.hooks import Hooks, sigreg_spec
 from training.offpolicy import _progress, _raise_non_finite
 
 
@@ -70,7 +72,7 @@ def _write_policy_slot(buffer, i, obs_n, action, logp, value):
 
 
 @functools.lru_cache(maxsize=16)
-def make_fns(agent, T: int):
+def make_fns(agent, T: int, sigreg=None):
     """(start, step, iterate, reset_norm, eval_act): jitted, vmapped over the leading seed axis.
 
     Cached per (agent, T), so runs in one process (e.g. a resumed run, tests) reuse the compilations.
@@ -94,7 +96,8 @@ def make_fns(agent, T: int):
 
     def iterate(state, loop, key):
         k_update, k_act = jax.random.split(key)
-        state, metrics = agent.update(state, loop.buffer, k_update)
+        with sigreg_lib.active(sigreg):
+            state, metrics = agent.update(state, loop.buffer, k_update)
         obs_n = loop.buffer.obs[T]
         action, logp, v = agent.sample_action(state, obs_n, k_act)
         return state, loop._replace(buffer=_write_policy_slot(loop.buffer, 0, obs_n, action, logp, v)), action, metrics
@@ -202,7 +205,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     obs_dim, act_dim = env.obs_dim, env.act_dim
     state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
     logger = RunLogger(run_dir, cfg.tensorboard)
-    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T)
+    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T, sigreg_spec(cfg.plasticity))
+    # plasticity metrics and resets on samples of the latest rollout; periods count gradient updates
+    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, partial(agent.sample_batch, cfg=a))
+    state = hooks.start(state)
+    updates_per_iteration = a.update_epochs * a.num_minibatches
     shaped = lambda x: np.asarray(x).reshape(S, E, *np.shape(x)[1:])  # noqa: E731
 
     if resume:
@@ -212,7 +219,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         (state, loop, key), host, _ = checkpoint.load(path, (state, loop, key))
         env, action, step = host["env"], jnp.asarray(host["action"]), host["step"]
         episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
-        phase = host["phase"]
+        phase, updates_done, pending = host["phase"], host["updates_done"], host["pending"]
+        hooks.restore(host["plasticity"])
         logger.truncate_after(step)
         if getattr(env, "restored_fresh", False):  # a backend that cannot pickle its simulator restarted
             key, k = jax.random.split(key)
@@ -223,6 +231,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         key, k = jax.random.split(key)
         state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
         step, next_eval, next_log, phase = 0, 0, cfg.log_every, 0
+        updates_done, pending = 0, None
         episode_log = [[] for _ in range(S)]
     state = state.replace(num_iterations=jnp.full((S,), num_iterations, jnp.int32))
     counter = getattr(env, "step_counter", None)  # ns: envs on the sync backend share one counter
@@ -240,7 +249,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
 
     def save(step):
         host = {"env": env, "action": np.asarray(action), "step": step, "episode_log": episode_log,
-                "next_eval": next_eval, "next_log": next_log, "phase": phase}
+                "next_eval": next_eval, "next_log": next_log, "phase": phase,
+                "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state()}
         return checkpoint.save(run_dir, step, (state, loop, key), host, {"config": to_json(cfg)})
 
     bar = _progress(cfg, step)
@@ -282,6 +292,14 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             state, loop, action, metrics, finite = iterate_fn(state, loop, k)
             if not bool(finite):
                 _raise_non_finite({k: v for k, v in metrics.items() if k.startswith("losses/")}, step, run_dir)
+            state, rows = hooks.after_updates(updates_done, updates_done + updates_per_iteration, state,
+                                              loop.buffer, jax.random.fold_in(k, 1))
+            updates_done += updates_per_iteration
+            if rows is not None:  # logged with the next metrics row
+                pending = rows if pending is None else [{**p, **r} for p, r in zip(pending, rows)]
+            if pending is not None and metrics is not None:
+                metrics = {**metrics, **{k: np.array([row[k] for row in pending]) for k in pending[0]}}
+                pending = None
             consistent = True
             if step >= next_ckpt or step >= end:
                 save(step)
