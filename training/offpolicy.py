@@ -241,13 +241,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 next_ckpt += cfg.checkpoint_every
             consistent = True
     except KeyboardInterrupt:
-        if consistent:
-            where = f"saved a checkpoint at step {step} ({save(step)})"
-        else:
-            where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
-        bar(None)
-        logger.close()
-        print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
+        report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
     if step >= cfg.total_steps and next_eval - cfg.eval_every < step:
         last_eval = evaluate(step)
@@ -269,6 +263,17 @@ def _least_step(least, signals, state, transition, new_obs, env, step, key, S, E
     for i in np.flatnonzero(stop):
         new_obs[i] = env.stop(int(i))
     return transition._replace(truncated=truncated), new_obs
+
+
+def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
+    """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
+    if consistent:
+        where = f"saved a checkpoint at step {step} ({save(step)})"
+    else:
+        where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
+    bar(None)
+    logger.close()
+    print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
 
 
 def _raise_non_finite(metrics, step, run_dir):

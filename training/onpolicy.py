@@ -43,7 +43,7 @@ from training.evaluation import Evaluator
 from training.logger import RunLogger
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, sigreg_spec
-from training.offpolicy import _progress, _raise_non_finite
+from training.offpolicy import _progress, _raise_non_finite, report_interrupt
 
 
 class LoopState(NamedTuple):
@@ -305,13 +305,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 save(step)
                 next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
     except KeyboardInterrupt:
-        if consistent:
-            where = f"saved a checkpoint at step {step} ({save(step)})"
-        else:
-            where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
-        bar(None)
-        logger.close()
-        print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
+        report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
     if step >= last_step and next_eval - cfg.eval_every < step:
         last_eval = evaluate(step)
