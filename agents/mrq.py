@@ -44,11 +44,13 @@ Design notes.
 * The encoder is two plastic networks, ``state_encoder`` (f) and ``sa_encoder`` (z_a
   embedding, g and m), each with its own AdamW state: AdamW is per-parameter and the
   encoder has no gradient clipping, so this equals the reference's single optimizer.
-* The networks' LayerNorms come from ``networks.Trunk`` and carry scale/bias parameters;
-  their optimizer zeroes those updates (and exempts them from weight decay), so they stay
-  at 1 / 0: exactly the reference's affine-free LayerNorm.  The value network's global-norm
-  clip therefore covers the same parameters as the reference.  LN epsilon is Flax's 1e-6
-  (PyTorch: 1e-5).
+* Hidden layers are ``networks.Trunk`` (instrumented for the plasticity code), whose
+  LayerNorms carry scale/bias parameters; the optimizers zero those updates (and exempt them
+  from weight decay), so they stay at 1 / 0: exactly the reference's affine-free LayerNorm,
+  and the value network's global-norm clip covers the same parameters as the reference.
+  Their epsilon is Flax's 1e-6 (PyTorch 1e-5; f's output LayerNorm, built here, uses 1e-5).
+* Plasticity hooks: ``PLASTIC`` names four networks; each module reports ``features`` (z_s
+  for f, z_sa for g); ``sample_batch`` draws metric / reset batches from the LAP buffer.
 * ``--network.width W`` multiplies every MR.Q width by W / 512 (``MRQConfig`` docstring).
 * Vector observations and continuous actions only (the env layer provides nothing else):
   the pixel CNN encoder and the discrete-action Gumbel-softmax policy are not implemented.
@@ -59,10 +61,10 @@ Deviations from the reference code (facebookresearch/MRQ), each deliberate:
 
 * Multi-step return: the spec's corrected formula (E4, spec section 9), not the reference's.
 * Priority: by default the TD error of the *sampled* action, |Q_k(s_t, a_t) - y| (the
-  spec's and LAP's definition).  In the stored reference version (commit 0f0ed0e) the
-  variable holding Q is overwritten by the policy's Q(s, pi(s)) before the priority is
-  computed; ``priority_from_policy_q=True`` reproduces that (UNVERIFIED whether the latest
-  commit still does it).
+  spec's and LAP's definition).  In the reference ``MRQ.py`` we could read (commit 0f0ed0e,
+  apparently older than the spec's 8a44a7d) ``train_RL`` returns the Q of the *policy*
+  action, Q(s, pi(s)), because the variable is reused for the policy loss, so its priority is
+  |Q(s, pi(s)) - y|; ``priority_from_policy_q=True`` reproduces that (UNVERIFIED for 8a44a7d).
 * A window may be sampled only once all its transitions are stored (the reference can read
   a just-written terminal window before the next episode's first steps exist; masked
   anyway).  The validity mask uses max(H_enc, H_Q) for both samplers, as the reference does.
@@ -79,6 +81,8 @@ import optax
 from flax import nnx, struct
 
 from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
+from networks.blocks import ACTIVATIONS
+from plasticity import optim as optim_lib
 from training import lap
 from training.config import NetworkConfig, OffPolicyConfig
 from training.lap import Window
@@ -88,15 +92,16 @@ from training.lap import Window
 
 @dataclass(frozen=True)
 class MRQConfig(OffPolicyConfig):
-    """MR.Q hyperparameters; defaults are the paper's Table 3 (spec section 5).
+    """MR.Q hyperparameters; defaults are the paper's Table 3 (spec section 5), with the
+    inherited batch 256, buffer 1M and replay ratio 1 (``updates_per_step``).
 
     Width scaling: ``--network.width W`` multiplies every MR.Q width by W / 512 (rounded,
     at least 1): hidden widths 512 -> W, z_s and z_sa 512 -> W, z_a 256 -> W / 2.  The
-    paper's model is W = 512 (the default, ``None``).  ``--network.depth D`` sets each
-    trunk's hidden depth (paper: f 2 + its LN-ELU output layer, g 2, Q 3, pi 2);
-    ``--network.activation`` replaces ELU and ReLU alike; ``--network.block`` /
-    ``--network.layer-norm`` apply to the trunks of f, g, Q and pi (not to the action
-    embedding, which stays Linear -> ELU).
+    paper's model is W = 512 (the default, ``None``; 3.86M parameters on HalfCheetah).
+    ``--network.depth D`` sets each trunk's hidden depth (paper: f 2 plus its LN-ELU output
+    layer, g 2, Q 3, pi 2); ``--network.activation`` replaces ELU and ReLU alike;
+    ``--network.block`` / ``--network.layer-norm`` apply to the hidden trunks of f, g, Q and pi
+    (f's output LayerNorm and the action embedding Linear -> ELU stay as they are).
     """
 
     learning_starts: int = 10_000
@@ -186,29 +191,31 @@ def two_hot_cross_entropy(logits, x, bins):
 # ----------------------------------------------------------------------------- networks (spec 1)
 
 
-def _sub(trunk: Trunk, x, probes, prefix: str):
-    """Run a sub-trunk whose taps (and probes) are named ``prefix + tap``."""
-    sub = None if probes is None else {k[len(prefix):]: v for k, v in probes.items() if k.startswith(prefix)}
-    h, taps = trunk(x, sub)
-    return h, {prefix + k: v for k, v in taps.items()}
-
-
 class StateEncoder(nnx.Module):
-    """f: s -> z_s = ELU(LN(W h)) after the hidden LN-ELU layers (vector observations)."""
+    """f: s -> z_s = ELU(LN(W_out h)), h the hidden LN-ELU trunk (vector observations).
+
+    The output layer's LayerNorm has no parameters (eps 1e-5 as in PyTorch); its output z_s
+    is the encoder's representation (``features``).  ``trunk`` + ``out`` is the layout the
+    plasticity resets understand (the output layer is never reset).
+    """
 
     def __init__(self, obs_dim: int, spec: TrunkSpec, zs_dim: int, *, rngs: nnx.Rngs):
         self.trunk = Trunk(obs_dim, spec, rngs=rngs)
-        out = dataclasses.replace(spec, width=zs_dim, depth=1, block="mlp", layer_norm=True)
-        self.out = Trunk(spec.width, out, rngs=rngs)
+        self.out = nnx.Linear(spec.width, zs_dim, rngs=rngs)
+        self.out_norm = nnx.LayerNorm(zs_dim, use_scale=False, use_bias=False, epsilon=1e-5, rngs=rngs)
+        self.activation = spec.activation
 
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
-        zs, out_taps = _sub(self.out, h, probes, "out/")
-        return zs, {**taps, **out_taps}
+        zs = ACTIVATIONS[self.activation](self.out_norm(self.out(h)))
+        return zs, {**taps, "features": zs}
 
 
 class StateActionEncoder(nnx.Module):
-    """Input [z_s, a] -> (z_sa, m(z_sa)): z_a = ELU(W_a a); z_sa = W_o g_hidden([z_s, z_a]); m linear."""
+    """Input [z_s, a] -> (z_sa, m(z_sa)): z_a = ELU(W_a a); z_sa = W_out g([z_s, z_a]); m linear.
+
+    ``features`` is z_sa, the representation the MDP predictor (and the value) reads.
+    """
 
     def __init__(self, zs_dim: int, act_dim: int, za_spec: TrunkSpec, spec: TrunkSpec, zsa_dim: int,
                  model_dim: int, *, rngs: nnx.Rngs):
@@ -220,10 +227,11 @@ class StateActionEncoder(nnx.Module):
 
     def __call__(self, x, probes=None):
         zs, a = x[..., :self.zs_dim], x[..., self.zs_dim:]
-        za, a_taps = _sub(self.action, a, probes, "action/")
+        sub = None if probes is None else {k[len("action/"):]: v for k, v in probes.items() if k.startswith("action/")}
+        za, a_taps = self.action(a, sub)
         h, taps = self.trunk(jnp.concatenate([zs, za], axis=-1), probes)
         zsa = self.out(h)
-        return (zsa, self.model(zsa)), {**a_taps, **taps}
+        return (zsa, self.model(zsa)), {**{f"action/{k}": v for k, v in a_taps.items()}, **taps, "features": zsa}
 
 
 def _keys(path) -> list:
@@ -235,17 +243,35 @@ def _is_frozen(path) -> bool:
     return "norms" in _keys(path)
 
 
-def _xavier_relu(params, key):
-    """Xavier-uniform kernels with ReLU gain sqrt(2) (per ensemble member); biases stay 0."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, x), k in zip(leaves, keys):
-        if _keys(path)[-1] == "kernel":
+def _build(name: str, make_module, key, ensemble: int = 0):
+    """``networks.build`` traced abstractly (no default init), then MR.Q's init: -> (Net, params).
+
+    Xavier-uniform kernels with ReLU gain sqrt(2) (per ensemble member), zero biases,
+    LayerNorm gains 1 (spec section 1).  All kernels come from one uniform draw, which keeps
+    ``init`` cheap to trace, compile and run eagerly.
+    """
+    made = {}
+
+    def abstract(k):
+        made["net"], params = build(name, make_module, k, ensemble=ensemble)
+        return params
+
+    shapes = jax.eval_shape(abstract, key)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    kernels = [x.size for path, x in leaves if _keys(path)[-1] == "kernel"]
+    u = jax.random.uniform(key, (sum(kernels),), jnp.float32, -1.0, 1.0)
+    out, offset = [], 0
+    for path, x in leaves:
+        leaf = _keys(path)[-1]
+        if leaf == "kernel":
             limit = math.sqrt(2.0) * math.sqrt(6.0 / (x.shape[-2] + x.shape[-1]))
-            x = jax.random.uniform(k, x.shape, x.dtype, -limit, limit)
-        out.append(x)
-    return jax.tree_util.tree_unflatten(treedef, out)
+            out.append(limit * u[offset:offset + x.size].reshape(x.shape).astype(x.dtype))
+            offset += x.size
+        elif leaf in ("bias", "scale"):
+            out.append(jnp.full(x.shape, 1.0 if leaf == "scale" else 0.0, x.dtype))
+        else:
+            raise ValueError(f"MR.Q init: unexpected parameter {jax.tree_util.keystr(path)} in {name}")
+    return made["net"], jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _adamw(lr: float, wd: float, clip: float | None = None):
@@ -260,9 +286,19 @@ def _adamw(lr: float, wd: float, clip: float | None = None):
 
 
 def _optimizers(cfg: MRQConfig):
-    """(state encoder, state-action encoder, value, policy) optimizers (spec 2.1-2.3)."""
-    enc = _adamw(cfg.enc_lr, cfg.enc_wd)
-    return enc, enc, _adamw(cfg.value_lr, cfg.value_wd, cfg.value_grad_clip), _adamw(cfg.policy_lr, cfg.policy_wd)
+    """(state encoder, state-action encoder, value, policy) optimizers (spec 2.1-2.3).
+
+    Built through ``plasticity.optim.optimizer`` so the loop can switch Kron / NE masks on;
+    by default each is ``_adamw``.  (Kron replaces the whole chain: LN freezing and the
+    value clip then do not apply.)
+    """
+    def make(name, lr, wd, clip=None):
+        return optim_lib.optimizer(lr, name, make=lambda lr, **_: _adamw(lr, wd, clip), ensemble=name == "value",
+                                   weight_decay=wd)
+
+    return (make("state_encoder", cfg.enc_lr, cfg.enc_wd), make("sa_encoder", cfg.enc_lr, cfg.enc_wd),
+            make("value", cfg.value_lr, cfg.value_wd, cfg.value_grad_clip),
+            make("policy", cfg.policy_lr, cfg.policy_wd))
 
 
 def dims(cfg: MRQConfig, network: NetworkConfig) -> dict:
@@ -314,11 +350,10 @@ _ENCODER_METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losse
 
 
 def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig = NetworkConfig()) -> MRQState:
-    for name in ("enc_horizon", "q_horizon", "target_update_freq", "batch_size", "num_bins"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.num_bins < 2:
-        raise ValueError(f"--num-bins must be >= 2, got {cfg.num_bins}")
+    for name, least in (("enc_horizon", 1), ("q_horizon", 1), ("target_update_freq", 1), ("batch_size", 1),
+                        ("num_bins", 2)):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
     w = dims(cfg, network)
     over = dataclasses.replace(network, width=None)  # widths are scaled by ``dims``, not replaced
 
@@ -330,23 +365,21 @@ def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig
     value_spec, policy_spec = spec(w["value"], 3, cfg.value_activ), spec(w["policy"], 2, cfg.policy_activ)
     model_dim = 1 + w["zs"] + cfg.num_bins
 
-    k = jax.random.split(key, 8)
-    state_encoder, f_params = build("state_encoder", lambda r: StateEncoder(obs_dim, enc_spec, w["zs"], rngs=r), k[0])
-    sa_encoder, g_params = build("sa_encoder", lambda r: StateActionEncoder(
+    k = jax.random.split(key, 4)
+    state_encoder, f_params = _build("state_encoder", lambda r: StateEncoder(obs_dim, enc_spec, w["zs"], rngs=r), k[0])
+    sa_encoder, g_params = _build("sa_encoder", lambda r: StateActionEncoder(
         w["zs"], act_dim, za_spec, sa_spec, w["zsa"], model_dim, rngs=r), k[1])
-    value, v_params = build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2)
-    policy, p_params = build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3])
-    f_params, g_params, v_params, p_params = (_xavier_relu(p, kk) for p, kk in
-                                              zip((f_params, g_params, v_params, p_params), k[4:]))
+    value, v_params = _build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2)
+    policy, p_params = _build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3])
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (distinct buffers: the loop donates state)
     tx_f, tx_g, tx_v, tx_p = _optimizers(cfg)
-    zero = jnp.zeros((), jnp.float32)
+    zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731  (a fresh buffer per leaf: the loop donates state)
     return MRQState(
         f_params, g_params, v_params, p_params, copy(f_params), copy(g_params), copy(v_params), copy(p_params),
         tx_f.init(f_params), tx_g.init(g_params), tx_v.init(v_params), tx_p.init(p_params),
-        reward_scale=jnp.ones((), jnp.float32), target_reward_scale=zero,  # reference: 1 and 0 until the first sync
+        reward_scale=jnp.ones((), jnp.float32), target_reward_scale=zero(),  # reference: 1 and 0 until the first sync
         updates=jnp.zeros((), jnp.int32), syncs=jnp.zeros((), jnp.int32), encoder_updates=jnp.zeros((), jnp.int32),
-        encoder_metrics={m: zero for m in _ENCODER_METRICS},
+        encoder_metrics={m: zero() for m in _ENCODER_METRICS},
         cfg=cfg, state_encoder=state_encoder, sa_encoder=sa_encoder, value=value, policy=policy,
         zs_dim=w["zs"], act_dim=act_dim)
 
@@ -565,10 +598,13 @@ def buffer_init(capacity: int, obs_dim: int, act_dim: int) -> lap.LAPBuffer:
 buffer_add = lap.add
 
 
-def sample(buffer: lap.LAPBuffer, key, cfg: MRQConfig, horizon: int | None = None):
-    """A batch of windows as training samples them (e.g. a held-out batch for plasticity metrics)."""
-    return lap.sample(buffer, key, cfg.batch_size, horizon or cfg.enc_horizon, cfg.prioritized,
-                      mask_horizon=max(cfg.enc_horizon, cfg.q_horizon))[1]
+def sample_batch(buffer: lap.LAPBuffer, key, batch_size: int) -> Window:
+    """Windows for plasticity metrics / resets: uniform over valid windows of the default H_enc.
+
+    The loop's hooks pass no config, so this uses ``MRQConfig``'s default horizons.
+    """
+    h = MRQConfig.enc_horizon
+    return lap.sample(buffer, key, batch_size, h, prioritized=False, mask_horizon=max(h, MRQConfig.q_horizon))[1]
 
 
 # ----------------------------------------------------------------------------- plasticity hooks

@@ -68,7 +68,8 @@ def test_sampled_windows_stay_in_one_env_and_never_cross_a_truncation():
     np.testing.assert_array_equal(np.asarray(win.action)[..., 0], np.repeat(env[:, None], horizon, 1))
     assert not np.asarray(win.truncated)[:, :-1].any()  # never runs past a truncation
     # next_obs of step k is the true successor of obs at step k
-    np.testing.assert_array_equal(np.asarray(win.next_obs)[:, :, 1], np.asarray(win.obs)[:, None, 1] + 1 + np.arange(horizon))
+    successor = np.asarray(win.obs)[:, None, 1] + 1 + np.arange(horizon)
+    np.testing.assert_array_equal(np.asarray(win.next_obs)[:, :, 1], successor)
     assert np.asarray(win.terminated)[:, :-1].any()  # windows do run past terminations
     assert np.asarray(lap.window_mask(buf, horizon))[np.asarray(idx)].all()
 
