@@ -65,6 +65,73 @@ def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | N
     return {"seeds": seeds, "env_steps_per_s": steps * seeds / dt, "per_seed": steps / dt, "compile_s": compile_s}
 
 
+def plasticity_overhead(agent_name: str, env_id: str, width: int | None, updates: int = 200):
+    """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods."""
+    from plasticity.hooks import Hooks, sigreg_spec
+    from training.config import PlasticityConfig
+
+    agent = agents.get(agent_name)
+    acfg = dataclasses.replace(agent.CONFIG(), buffer_size=10_000, learning_starts=0)
+    env = VectorEnv(env_id, 1, 0)
+    rng = np.random.default_rng(0)
+
+    def timed(fn, *args, repeat=3):
+        jax.block_until_ready(fn(*args))  # compile
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / repeat
+
+    def setup(pcfg):
+        cfg = RunConfig(env=env_id, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width),
+                        plasticity=pcfg)
+        state, buffer, key = init_state(agent, cfg, env.obs_dim, env.act_dim)
+        n = 2000
+        tr = replay.Transition(rng.normal(size=(1, n, env.obs_dim)), rng.uniform(-1, 1, (1, n, env.act_dim)),
+                               rng.normal(size=(1, n)), rng.normal(size=(1, n, env.obs_dim)),
+                               np.zeros((1, n), bool), np.zeros((1, n), bool))
+        buffer = jax.vmap(replay.add)(buffer, jax.tree.map(jnp.asarray, tr))
+        return cfg, state, buffer, key
+
+    from training.offpolicy import make_train_block
+    from plasticity import sigreg as sigreg_lib
+
+    results = {}
+    for label, pcfg in (("plain", PlasticityConfig(metrics_every=0)),
+                        ("sigreg", PlasticityConfig(metrics_every=0, sigreg_coef=0.2))):
+        cfg, state, buffer, key = setup(pcfg)
+        block = make_train_block(agent, acfg, updates)
+        spec = sigreg_spec(pcfg)
+
+        def run(state, buffer, key, block=block, spec=spec):
+            with sigreg_lib.active(spec):
+                return jax.vmap(block)(state, buffer, key[None])
+
+        fn = jax.jit(run)
+        results[label] = timed(fn, state, buffer, key) / updates
+    t_update = results["plain"]
+    pcfg = PlasticityConfig(metrics_every=10_000, regrama=True)
+    cfg, state, buffer, key = setup(pcfg)
+    hooks = Hooks(pcfg, agent, agent_name, getattr(agent, "sample_batch", replay.sample), total_updates=10**6)
+    state = hooks.start(state)
+    keys = jax.random.split(key, 1)
+    batch = hooks._sample(buffer, keys)
+    t_metrics = timed(lambda: hooks._metrics(state, batch, hooks.init_params, keys))
+    from plasticity.hooks import reset_step
+    from functools import partial
+    rows = {}
+    for method in ("redo", "regrama"):
+        rc = dataclasses.replace(pcfg, regrama=method == "regrama", redo=method == "redo")
+        fn = jax.jit(jax.vmap(partial(reset_step, agent, rc, getattr(agent, "sample_batch", replay.sample))))
+        rows[method] = timed(fn, state, buffer, keys)
+    print(f"per update: {t_update * 1e3:.2f} ms (plain), {results['sigreg'] * 1e3:.2f} ms (SIGReg)")
+    print(f"SIGReg overhead: {100 * (results['sigreg'] / t_update - 1):.1f}% of update time")
+    print(f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% at every 10,000 updates")
+    for method, t in rows.items():
+        print(f"{method} event: {t * 1e3:.1f} ms = {100 * t / (1_000 * t_update):.2f}% at every 1,000 updates")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agent", default="sac", choices=sorted(agents.AGENTS))
@@ -72,7 +139,11 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 4])
     p.add_argument("--steps", type=int, default=1000, help="timed env steps per seed")
     p.add_argument("--width", type=int, default=None, help="hidden width (default: the agent's paper value)")
+    p.add_argument("--plasticity", action="store_true",
+                   help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time")
     args = p.parse_args(argv)
+    if args.plasticity:
+        return plasticity_overhead(args.agent, args.env, args.width)
     print(f"agent={args.agent} env={args.env} backend={jax.default_backend()} devices={jax.devices()}")
     print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'compile s':>10}")
     rows = []
