@@ -51,6 +51,13 @@ Design notes.
   Their epsilon is Flax's 1e-6 (PyTorch 1e-5; f's output LayerNorm, built here, uses 1e-5).
 * Plasticity hooks: ``PLASTIC`` names four networks; each module reports ``features`` (z_s
   for f, z_sa for g); ``sample_batch`` draws metric / reset batches from the LAP buffer.
+  SIGReg (``SIGREG_NETWORKS``) regularises z_s = f(s_0) inside L_enc; LEAST reads
+  ``least_signals`` (online min-Q and a 1-step TD proxy, see there); the four optimizers come
+  from ``plasticity.optim.optimizer`` (Kron / NE, see ``_optimizers``).  With NE the target
+  networks take the masks at each hard sync (they are copies of masked params); between syncs
+  they keep the previous topology, like every other part of the lagged target.  NE's experience
+  review is refused (MR.Q samples its own LAP replay in ``train_block``): pass
+  ``--plasticity.no-ne-review``.
 * ``--network.width W`` multiplies every MR.Q width by W / 512 (``MRQConfig`` docstring).
 * Vector observations and continuous actions only (the env layer provides nothing else):
   the pixel CNN encoder and the discrete-action Gumbel-softmax policy are not implemented.
@@ -83,9 +90,11 @@ from flax import nnx, struct
 from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
 from networks.blocks import ACTIVATIONS
 from plasticity import optim as optim_lib
+from plasticity.sigreg import regularized
 from training import lap
 from training.config import NetworkConfig, OffPolicyConfig
 from training.lap import Window
+from training.replay import Transition
 
 # ----------------------------------------------------------------------------- config
 
@@ -274,13 +283,16 @@ def _build(name: str, make_module, key, ensemble: int = 0):
     return made["net"], jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _adamw(lr: float, wd: float, clip: float | None = None):
-    """AdamW (decoupled weight decay, torch defaults), LayerNorm params frozen, optional global clip."""
+def _freeze():
+    """Zero the updates of every mlp-trunk LayerNorm scale/bias (affine-free LN, spec 1)."""
     frozen = lambda t: jax.tree_util.tree_map_with_path(lambda p, _: _is_frozen(p), t)  # noqa: E731
+    return optax.masked(optax.set_to_zero(), frozen)
+
+
+def _adamw(lr: float, wd: float, clip: float | None = None):
+    """Optional global-norm clip, then AdamW (decoupled weight decay, torch defaults; no decay on LN params)."""
     trainable = lambda t: jax.tree_util.tree_map_with_path(lambda p, _: not _is_frozen(p), t)  # noqa: E731
-    chain = [optax.masked(optax.set_to_zero(), frozen)]
-    if clip is not None:
-        chain.append(optax.clip_by_global_norm(clip))
+    chain = [] if clip is None else [optax.clip_by_global_norm(clip)]
     chain.append(optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd, mask=trainable))
     return optax.chain(*chain)
 
@@ -288,13 +300,20 @@ def _adamw(lr: float, wd: float, clip: float | None = None):
 def _optimizers(cfg: MRQConfig):
     """(state encoder, state-action encoder, value, policy) optimizers (spec 2.1-2.3).
 
-    Built through ``plasticity.optim.optimizer`` so the loop can switch Kron / NE masks on;
-    by default each is ``_adamw``.  (Kron replaces the whole chain: LN freezing and the
-    value clip then do not apply.)
+    Each is ``chain(freeze LN, plasticity.optim.optimizer(...), freeze LN)``: the shared factory
+    (so the loop can switch Kron / NE masks on) between two LayerNorm freezes.  By default the
+    factory's transformation is ``_adamw`` (the value net's global-norm clip 20 included), so the
+    chain equals the reference's AdamW on affine-free LayerNorms.  With ``--plasticity.kron`` it
+    is PSGD-Kron (lr / 3, MR.Q's weight decay) and the LayerNorm params still stay at 1 / 0 (the
+    outer freezes), but the value net's gradient clip does not apply (it is part of the Adam
+    path the factory replaces).  With ``--plasticity.ne`` the factory wraps that transformation
+    in the NE mask (gradients masked *before* the clip), and the last freeze only touches
+    LayerNorm params, which are never masked, so pruned weights still stay exactly 0.
     """
     def make(name, lr, wd, clip=None):
-        return optim_lib.optimizer(lr, name, make=lambda lr, **_: _adamw(lr, wd, clip), ensemble=name == "value",
-                                   weight_decay=wd)
+        tx = optim_lib.optimizer(lr, name, make=lambda lr, **_: _adamw(lr, wd, clip), ensemble=name == "value",
+                                 weight_decay=wd)
+        return optax.chain(_freeze(), tx, _freeze())
 
     return (make("state_encoder", cfg.enc_lr, cfg.enc_wd), make("sa_encoder", cfg.enc_lr, cfg.enc_wd),
             make("value", cfg.value_lr, cfg.value_wd, cfg.value_grad_clip),
@@ -504,11 +523,17 @@ def rl_update(state: MRQState, win: Window, key):
     return state, priorities, metrics
 
 
-def encoder_update(state: MRQState, win: Window, use_terminal):
-    """One AdamW step of f and g/m on L_enc (E1-E3)."""
+def encoder_update(state: MRQState, win: Window, use_terminal, reg_key=None):
+    """One AdamW step of f and g/m on L_enc (E1-E3).
+
+    With ``--plasticity.sigreg-coef`` L_enc adds SIGReg of z_s = f(s_0), the online state
+    encoder's output (its first call in ``encoder_loss``): the representation the policy reads
+    and g turns into the value's z_sa.  ``reg_key`` draws its random directions.
+    """
     tx_f, tx_g, _, _ = _optimizers(state.cfg)
-    (loss, parts), (g_f, g_g) = jax.value_and_grad(encoder_loss, argnums=(0, 1), has_aux=True)(
-        state.encoder_params, state.sa_encoder_params, state, win, use_terminal)
+    (loss, parts), (g_f, g_g) = jax.value_and_grad(regularized(encoder_loss, "state_encoder"), argnums=(0, 1),
+                                                   has_aux=True)(
+        state.encoder_params, state.sa_encoder_params, state, win, use_terminal, reg_key=reg_key)
     upd, encoder_opt = tx_f.update(g_f, state.encoder_opt, state.encoder_params)
     encoder_params = optax.apply_updates(state.encoder_params, upd)
     upd, sa_opt = tx_g.update(g_g, state.sa_encoder_opt, state.sa_encoder_params)
@@ -535,8 +560,9 @@ def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, valid, key) -
     use_terminal = buffer.ever_terminated.astype(jnp.float32)
 
     def step(state, k):
-        win = lap.window(buffer, lap.draw(cdf, k, cfg.batch_size), cfg.enc_horizon)
-        return encoder_update(state, win, use_terminal)
+        k_draw, k_reg = jax.random.split(k)
+        win = lap.window(buffer, lap.draw(cdf, k_draw, cfg.batch_size), cfg.enc_horizon)
+        return encoder_update(state, win, use_terminal, k_reg)
 
     state, logs = jax.lax.scan(step, state, jax.random.split(key, cfg.target_update_freq))
     logs = logs.mean(axis=0)
@@ -631,3 +657,24 @@ def plastic_losses(state: MRQState, batch: Window, key):
             "sa_encoder": lambda p: encoder_loss(state.encoder_params, p, state, batch, 1.0)[0],
             "value": lambda p: value_loss(p, state, zsa, y)[0],
             "policy": lambda p: policy_loss(p, state, zs, state.value_params)[0]}
+
+
+SIGREG_NETWORKS = ("state_encoder",)  # L_enc is wrapped with plasticity.sigreg.regularized (encoder_update)
+
+
+def least_signals(state: MRQState, transition: Transition, key):
+    """LEAST's per-step signals for a batch of single transitions (leading axis: the envs).
+
+    q: the online min_k Q_k(g(f(s), a), the same min over the twin heads that MR.Q's target
+    (E5) uses.  td_loss: mean over the two heads of (Q_k - y)^2 against a *1-step* proxy of the
+    3-step target (E4-E5): y = (r + gamma (1 - terminated) rbar' min_k Q'_k(g'(f'(s'), a'))) / rbar,
+    a' the target policy's noisy action; a single transition has no H_Q-step window.  Both are in
+    MR.Q's reward-scaled value units (divided by rbar), as its value net is trained.
+    """
+    win = Window(transition.obs, transition.action[:, None], transition.reward[:, None],
+                 transition.next_obs[:, None], transition.terminated[:, None], transition.truncated[:, None])
+    y = value_target(state, win, key)
+    zs = state.state_encoder(state.encoder_params, transition.obs)
+    zsa, _ = state.sa_encoder(state.sa_encoder_params, zs, transition.action)
+    q = state.value(state.value_params, zsa)  # (2, B)
+    return q.min(axis=0), ((q - y[None]) ** 2).mean(axis=0)

@@ -10,6 +10,8 @@ iteration collects ``num_steps`` x ``num_envs`` transitions (the loop, ``trainin
   value  L_V  = 0.5 E[max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)]  (value clipping)
   loss   L_pi - c_ent H + c_V L_V (+ the GTR penalty below)
   Adam(eps 1e-5) on actor and critic, lr annealed linearly to 0, one global grad-norm clip (0.5).
+  (Built with ``plasticity.optim.optimizer``: ``--plasticity.kron`` / ``--plasticity.ne`` switch it;
+  see ``_optimizers``.)
 
 Advantages: GAE(gamma, lambda) with ``terminated`` and ``truncated`` kept apart
 (shared/specs/ecosystem.md section 5.2): at a termination the next value is 0; at a truncation the
@@ -68,6 +70,7 @@ from jax.flatten_util import ravel_pytree
 from networks import Net, TrunkSpec, build
 from networks.blocks import Trunk
 from networks.distributions import gaussian_log_prob
+from plasticity import optim as optim_lib
 from plasticity.sigreg import regularized
 from training.config import NetworkConfig
 
@@ -242,8 +245,18 @@ class PPOCritic(nnx.Module):
         return self.out(h)[..., 0], {**taps, "features": h}
 
 
-def _adam(cfg: PPOConfig):
-    return optax.scale_by_adam(eps=cfg.adam_eps)
+def _optimizers(cfg: PPOConfig):
+    """Actor and critic optimizers from ``plasticity.optim.optimizer`` (Kron / NE when the loop says so).
+
+    Built with learning rate 1 as *descent* directions (Adam: ``scale_by_adam`` then ``scale(-1)``;
+    Kron: PSGD-Kron at lr 1/3, i.e. Adam lr / 3 after the scaling below); ``update`` multiplies
+    the result by the annealed learning rate itself.  NE's masked transform returns ``-params`` on
+    pruned weights so that ``apply_updates`` zeroes them; after the manual lr scaling that no
+    longer holds, so ``update`` re-applies the masks to the new params (and masks the gradients
+    before the global-norm clip, so pruned weights do not shrink the clip scale).
+    """
+    make = lambda lr, **_: optax.chain(optax.scale_by_adam(eps=cfg.adam_eps), optax.scale(-lr))  # noqa: E731
+    return optim_lib.optimizer(1.0, "actor", make=make), optim_lib.optimizer(1.0, "critic", make=make)
 
 
 def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig = NetworkConfig()) -> PPOState:
@@ -258,14 +271,14 @@ def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: PPOActor(obs_dim, act_dim, spec, rngs=r), k_actor)
     critic, critic_params = build("critic", lambda r: PPOCritic(obs_dim, spec, rngs=r), k_critic)
-    tx = _adam(cfg)
+    tx_a, tx_c = _optimizers(cfg)
     if cfg.trust_region == "gtr":
         anchors = jax.tree.map(lambda p: jnp.broadcast_to(p, (cfg.gtr_anchors, *p.shape)).copy(), actor_params)
     else:
         anchors = None
     flat = ravel_pytree(actor_params)[0]
     snapshots = jnp.zeros((cfg.diag_window + 1, flat.size), jnp.float32).at[0].set(flat)
-    return PPOState(actor_params, critic_params, tx.init(actor_params), tx.init(critic_params),
+    return PPOState(actor_params, critic_params, tx_a.init(actor_params), tx_c.init(critic_params),
                     rms_init((obs_dim,)), rms_init(), anchors, jnp.zeros((), jnp.int32), snapshots,
                     jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32),
                     cfg, actor, critic, act_dim)
@@ -545,7 +558,7 @@ def update(state: PPOState, batch: Rollout, key):
         data.update(_anchor_stats(state, data["obs"], data["actions"]))
         weights = anchor_weights(state.anchor_count, cfg.gtr_anchors, cfg.gtr_weights, cfg.gtr_decay)
     lr = learning_rate(state)
-    tx = _adam(cfg)
+    tx_a, tx_c = _optimizers(cfg)
     old_actor = state.actor_params
 
     def minibatch_step(carry, xs):
@@ -553,13 +566,15 @@ def update(state: PPOState, batch: Rollout, key):
         params, opts, stopped = carry
         mb = Minibatch(**jax.tree.map(lambda x: x[idx], data))
         (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(params, state, mb, weights, k_mb)
+        grads = (optim_lib.apply_mask(opts[0], grads[0]), optim_lib.apply_mask(opts[1], grads[1]))  # NE only
         gnorm = optax.global_norm(grads)
         scale = jnp.minimum(1.0, cfg.max_grad_norm / (gnorm + 1e-6))
         grads = jax.tree.map(lambda g: g * scale, grads)
-        ua, oa = tx.update(grads[0], opts[0], params[0])
-        uc, oc = tx.update(grads[1], opts[1], params[1])
-        new = (optax.apply_updates(params[0], jax.tree.map(lambda u: -lr * u, ua)),
-               optax.apply_updates(params[1], jax.tree.map(lambda u: -lr * u, uc)))
+        ua, oa = tx_a.update(grads[0], opts[0], params[0])
+        uc, oc = tx_c.update(grads[1], opts[1], params[1])
+        # descent directions scaled by the annealed lr; NE: pruned weights back to exactly 0
+        new = (optim_lib.apply_mask(oa, optax.apply_updates(params[0], jax.tree.map(lambda u: lr * u, ua))),
+               optim_lib.apply_mask(oc, optax.apply_updates(params[1], jax.tree.map(lambda u: lr * u, uc))))
         keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(stopped, x, y), a, b)  # noqa: E731
         params, opts = keep(params, new), keep(opts, (oa, oc))
         aux = {**aux, "losses/total": loss, "charts/grad_norm": gnorm, "executed": 1.0 - stopped.astype(jnp.float32)}

@@ -79,7 +79,9 @@ class PlasticityConfig:
     ne_prune: Literal["redo", "magnitude"] = "redo"
     """NE pruning (0.4 x the grown count): ReDo-dormant units' incoming connections first, or smallest |w|"""
     ne_review: bool = True
-    """NE experience review: sample from the oldest 30% of the buffer while the critic's FAU < 0.4"""
+    """NE experience review: sample from the oldest 30% of the buffer while the critic's FAU < 0.4
+    (off-policy agents on the shared uniform replay; refused for agents with their own ``train_block``,
+    e.g. MR.Q: pass --plasticity.no-ne-review; ignored by on-policy agents, which have no replay)"""
     kron: bool = False
     """PSGD-Kron optimizer instead of Adam (lr / 3; needs the kron extra: psgdax)"""
 

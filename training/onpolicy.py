@@ -25,6 +25,7 @@ sets the learning-rate annealing horizon.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -41,8 +42,9 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
+from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
-from plasticity.hooks import Hooks, sigreg_spec
+from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
 from training.offpolicy import _progress, _raise_non_finite, report_interrupt
 
 
@@ -60,7 +62,9 @@ def empty_loop(agent, T: int, E: int, obs_dim: int, act_dim: int) -> LoopState:
 
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
-    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
+    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:  # Kron / NE masks in the opt states
+        state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
     loop = jax.vmap(lambda _: empty_loop(agent, cfg.agent.num_steps, cfg.num_envs, obs_dim, act_dim))(
         jnp.arange(cfg.seeds))
     return state, loop, keys[0]
@@ -72,10 +76,12 @@ def _write_policy_slot(buffer, i, obs_n, action, logp, value):
 
 
 @functools.lru_cache(maxsize=16)
-def make_fns(agent, T: int, sigreg=None):
+def make_fns(agent, T: int, sigreg=None, optim=None):
     """(start, step, iterate, reset_norm, eval_act): jitted, vmapped over the leading seed axis.
 
-    Cached per (agent, T), so runs in one process (e.g. a resumed run, tests) reuse the compilations.
+    ``sigreg`` (a ``SIGRegSpec``) and ``optim`` (an ``OptimSpec``: Kron / NE masks) are switched on
+    around the trace of ``agent.update``, as the off-policy loop does.
+    Cached per (agent, T, sigreg, optim), so runs in one process (e.g. a resumed run, tests) reuse the compilations.
     """
 
     def start(state, loop, raw_obs, key):
@@ -96,7 +102,7 @@ def make_fns(agent, T: int, sigreg=None):
 
     def iterate(state, loop, key):
         k_update, k_act = jax.random.split(key)
-        with sigreg_lib.active(sigreg):
+        with sigreg_lib.active(sigreg), optim_lib.active(optim):
             state, metrics = agent.update(state, loop.buffer, k_update)
         obs_n = loop.buffer.obs[T]
         action, logp, v = agent.sample_action(state, obs_n, k_act)
@@ -203,13 +209,17 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend)
     evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
     obs_dim, act_dim = env.obs_dim, env.act_dim
+    # NE experience review replays old data; an on-policy agent has no replay, so it is switched
+    # off here (the default is on) rather than refused: growth and pruning still run.
+    pc = dataclasses.replace(cfg.plasticity, ne_review=False)
     state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
     logger = RunLogger(run_dir, cfg.tensorboard)
-    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T, sigreg_spec(cfg.plasticity))
-    # plasticity metrics and resets on samples of the latest rollout; periods count gradient updates
-    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, partial(agent.sample_batch, cfg=a))
-    state = hooks.start(state)
+    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T, sigreg_spec(pc), optim_spec(pc, agent))
+    # plasticity metrics, resets and NE events on samples of the latest rollout; periods count gradient updates
     updates_per_iteration = a.update_epochs * a.num_minibatches
+    hooks = Hooks(pc, agent, cfg.agent_name, partial(agent.sample_batch, cfg=a),
+                  total_updates=num_iterations * updates_per_iteration)
+    state = hooks.start(state)
     shaped = lambda x: np.asarray(x).reshape(S, E, *np.shape(x)[1:])  # noqa: E731
 
     if resume:

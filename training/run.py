@@ -28,10 +28,6 @@ def run(cfg: RunConfig, stop_at: int | None = None) -> dict:
         run_dir, resume = (Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)), False
         if (run_dir / "ckpt").exists():
             raise SystemExit(f"run directory {run_dir} already holds a run; use --resume {run_dir} to continue it")
-    pc = cfg.plasticity
-    if agent.KIND != "offpolicy" and (pc.ne or pc.kron):  # only the off-policy loop opens plasticity.optim
-        raise ValueError(f"--plasticity.ne / --plasticity.kron do not apply to {agent.KIND} agent "
-                         f"{cfg.agent_name!r} yet: its loop does not open plasticity.optim.active")
     if agent.KIND == "offpolicy":
         from training.offpolicy import train
     elif agent.KIND == "onpolicy":
