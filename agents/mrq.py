@@ -351,6 +351,7 @@ class MRQState:
     syncs: jax.Array  # target syncs (each followed by an encoder burst)
     encoder_updates: jax.Array
     encoder_metrics: dict  # means over the last encoder burst
+    exploration_noise: jax.Array  # sigma of the Gaussian exploration noise (cfg value; LEAST may raise it)
     cfg: MRQConfig = struct.field(pytree_node=False)
     state_encoder: Net = struct.field(pytree_node=False)
     sa_encoder: Net = struct.field(pytree_node=False)
@@ -399,6 +400,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig
         reward_scale=jnp.ones((), jnp.float32), target_reward_scale=zero(),  # reference: 1 and 0 until the first sync
         updates=jnp.zeros((), jnp.int32), syncs=jnp.zeros((), jnp.int32), encoder_updates=jnp.zeros((), jnp.int32),
         encoder_metrics={m: zero() for m in _ENCODER_METRICS},
+        exploration_noise=jnp.asarray(cfg.exploration_noise, jnp.float32),
         cfg=cfg, state_encoder=state_encoder, sa_encoder=sa_encoder, value=value, policy=policy,
         zs_dim=w["zs"], act_dim=act_dim)
 
@@ -415,12 +417,17 @@ def param_count(state: MRQState) -> dict:
 # ----------------------------------------------------------------------------- acting (spec 4, exploration)
 
 
+def with_exploration_noise(state: MRQState, sigma) -> MRQState:
+    """Set the exploration noise's standard deviation (LEAST's optional noise increase)."""
+    return state.replace(exploration_noise=jnp.asarray(sigma, jnp.float32))
+
+
 def act(state: MRQState, obs, key, explore: bool):
-    """pi(f(s)); exploring adds N(0, 0.2^2) and clips to [-1, 1]."""
+    """pi(f(s)); exploring adds N(0, sigma^2) (sigma = 0.2 unless LEAST raised it) and clips to [-1, 1]."""
     zs = state.state_encoder(state.encoder_params, obs)
     action, _ = state.policy(state.policy_params, zs)
     if explore:
-        noise = state.cfg.exploration_noise * jax.random.normal(key, action.shape, action.dtype)
+        noise = state.exploration_noise * jax.random.normal(key, action.shape, action.dtype)
         action = jnp.clip(action + noise, -1.0, 1.0)
     return action
 

@@ -47,6 +47,11 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     if cfg.least and (getattr(agent, "KIND", None) != "offpolicy" or not hasattr(agent, "least_signals")):
         raise ValueError(f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "
                          "online off-policy agents from their Q and TD-loss histories (not on-policy or offline)")
+    if cfg.least_noise_max > 0 and not hasattr(agent, "with_exploration_noise"):
+        raise ValueError(f"--plasticity.least-noise-max does not apply to agent {agent_name!r}: it has no "
+                         "explicit exploration noise to raise (SAC explores through its entropy term)")
+    if cfg.least_noise_max > 0 and not cfg.least:
+        raise ValueError("--plasticity.least-noise-max is part of LEAST: add --plasticity.least")
     if cfg.sigreg_coef > 0 and not getattr(agent, "SIGREG_NETWORKS", ()):
         raise ValueError(f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
                          "expose no representation to regularise")

@@ -13,8 +13,10 @@ scaling the weight, which makes the rule lenient; with c = 1 it stops about half
 episodes at every step (Q below its running median), which cannot be the paper's behaviour.
 
 An early stop is a truncation, not a termination: the transition is stored with
-``truncated=True`` and bootstraps.  Not implemented: the entropy-aware window growth and the
-exploration-noise increase of spec 5.3 (SAC has no separate exploration noise).
+``truncated=True`` and bootstraps.  The optional
+exploration-noise increase of spec 5.3 is ``LEAST.noise`` (for agents with an explicit exploration
+noise, e.g. MR.Q; SAC explores through its entropy term and refuses it).  Not implemented: the
+entropy-aware window growth (the spec's [2nd] description is too vague to rebuild).
 Off-policy agents only: the agent provides ``least_signals(state, transition, key) -> (q, td_loss)``.
 """
 from __future__ import annotations
@@ -70,6 +72,13 @@ class LEAST:
         self.aligned = np.zeros(seeds * envs_per_seed, bool)
         self.warmup_steps, self.min_episodes, self.coef = warmup_steps, min_episodes, coef
         self.stops = 0
+        self.ended: list[list[bool]] = [[] for _ in range(seeds)]  # per seed: was each episode stopped early
+
+    def noise(self, base: float, high: float, recent: int = 20, slope: float = 10.0) -> np.ndarray:
+        """Per-seed exploration sigma rising from ``base`` toward ``high`` as more of the last ``recent``
+        episodes were stopped early: base + (high - base) * sigmoid(slope * (p - 0.5)) [INFERRED shape]."""
+        p = np.array([np.mean(e[-recent:]) if e else 0.0 for e in self.ended])
+        return base + (high - base) / (1.0 + np.exp(-slope * (p - 0.5)))
 
     def decide(self, step: int, q: np.ndarray, g: np.ndarray, done: np.ndarray) -> np.ndarray:
         """Record this step's signals; return a bool mask of envs LEAST stops (ended episodes excluded)."""
@@ -85,6 +94,7 @@ class LEAST:
                 stop[i] = should_stop(qs[-1], gs[-1], *hist.column(len(qs) - 1), coef=self.coef)
             if done[i] or stop[i]:
                 hist.push(np.asarray(qs), np.asarray(gs))
+                self.ended[i // self.envs_per_seed].append(bool(stop[i]))
                 self.current[i] = ([], [])
         self.stops += int(stop.sum())
         return stop

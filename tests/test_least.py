@@ -79,3 +79,21 @@ def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_
     # every LEAST stop is a stored transition marked truncated and not terminated
     assert np.sum(data.truncated[:n] & ~data.terminated[:n]) >= stops
     assert host["least"].stops == stops
+
+
+def test_noise_rises_with_the_share_of_early_stops():
+    least = LEAST(seeds=2, envs_per_seed=1)
+    least.ended = [[False] * 20, [True] * 20]
+    low, high = least.noise(0.2, 0.3)
+    assert low == pytest.approx(0.2, abs=1e-3) and high == pytest.approx(0.3, abs=1e-3)
+    least.ended = [[True, False] * 10, []]
+    assert least.noise(0.2, 0.3)[0] == pytest.approx(0.25)
+
+
+def test_noise_increase_is_refused_without_exploration_noise():
+    from agents import sac
+    from plasticity.hooks import check_applicable
+    from training.config import PlasticityConfig
+
+    with pytest.raises(ValueError, match="no explicit exploration noise"):
+        check_applicable(PlasticityConfig(least=True, least_noise_max=0.3), sac, "sac")

@@ -48,7 +48,7 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
     from training.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=20, metrics_batch=32, sigreg_coef=0.2, least=True, least_max_len=5,
-                            least_window=8, least_warmup=0.0)
+                            least_window=8, least_warmup=0.0, least_noise_max=0.3)
     out = train(_mrq_cfg(pcfg, env="ToyChain-v0", total_steps=160), mrq, tmp_path / "r")
     st = out["state"]
     assert _finite(mrq.plastic_params(st)) and int(st.encoder_updates[0]) > 0
@@ -59,6 +59,10 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
             assert 0.0 <= float(r[f"plasticity/{name}/dormant_0.0"]) <= 1.0, name
     stops = _rows(tmp_path / "r", "plasticity/least_stops")
     assert stops and all(float(r["plasticity/least_stops"]) >= 0 for r in stops)
+    # LEAST's optional noise increase: sigma between MR.Q's 0.2 and sigma-bar 0.3, and in the state
+    noise = [float(r["plasticity/least_noise"]) for r in _rows(tmp_path / "r", "plasticity/least_noise")]
+    assert noise and all(0.2 <= n <= 0.3 for n in noise)
+    assert float(st.exploration_noise[0]) == pytest.approx(noise[-1], rel=1e-5)
     assert all(np.isfinite(float(r["losses/encoder"])) for r in _rows(tmp_path / "r", "losses/encoder"))
 
 

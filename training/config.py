@@ -64,6 +64,8 @@ class PlasticityConfig:
     """share of total steps before LEAST may stop episodes (spec: 10-20% MuJoCo, 5-15% DMC)"""
     least_max_len: int = 1000
     """longest episode the histories track"""
+    least_noise_max: float = 0.0
+    """sigma-bar: raise the exploration noise toward this as more episodes stop early (0: off; spec 0.25-0.35 TD3)"""
     least_coef: float = 0.5
     """the 'omega coefficient' c scaling the TD-loss weight (spec: 0.3-0.6)"""
     ne: bool = False

@@ -139,6 +139,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
              if pc.least else None)
     least_signals = jax.jit(jax.vmap(getattr(agent, "least_signals", None))) if pc.least else None
+    set_noise = jax.jit(jax.vmap(agent.with_exploration_noise)) if pc.least_noise_max > 0 else None
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
 
     if resume:
@@ -215,11 +216,16 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 episode_log[i // E].append((ret, length))
             if step >= next_log or step == cfg.total_steps:
                 sps = steps_log * S / (time.perf_counter() - t_log)  # env steps/s, all seeds
+                if least is not None and pc.least_noise_max > 0:  # LEAST's optional noise increase
+                    sigma = least.noise(a.exploration_noise, pc.least_noise_max).astype(np.float32)
+                    state = set_noise(state, jnp.asarray(sigma))
                 rows = []
                 for j in range(S):
                     row = {"perf/sps": sps}
                     if least is not None:
                         row["plasticity/least_stops"] = least.stops
+                        if pc.least_noise_max > 0:
+                            row["plasticity/least_noise"] = float(sigma[j])
                     if episode_log[j]:
                         row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
                         row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
