@@ -90,6 +90,7 @@ from flax import nnx, struct
 from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
 from networks.blocks import ACTIVATIONS
 from plasticity import optim as optim_lib
+from plasticity.hooks import declared_params
 from plasticity.sigreg import regularized
 from training import lap
 from training.config import NetworkConfig, OffPolicyConfig
@@ -649,10 +650,7 @@ def _first(win: Window, h: int) -> Window:
                         terminated=win.terminated[:, :h], truncated=win.truncated[:, :h])
 
 
-def plastic_params(state: MRQState) -> dict:
-    """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
-    return {"state_encoder": state.encoder_params, "sa_encoder": state.sa_encoder_params,
-            "value": state.value_params, "policy": state.policy_params}
+plastic_params = declared_params(PLASTIC)
 
 
 def plastic_losses(state: MRQState, batch: Window, key):

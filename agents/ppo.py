@@ -71,6 +71,7 @@ from networks import Net, TrunkSpec, build
 from networks.blocks import Trunk
 from networks.distributions import gaussian_log_prob
 from plasticity import optim as optim_lib
+from plasticity.hooks import declared_params
 from plasticity.sigreg import regularized
 from training.config import NetworkConfig
 
@@ -622,9 +623,7 @@ KIND = "onpolicy"
 SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
 
 
-def plastic_params(state: PPOState) -> dict:
-    """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
-    return {"actor": state.actor_params, "critic": state.critic_params}
+plastic_params = declared_params(PLASTIC)
 
 
 def plastic_losses(state: PPOState, batch: Minibatch, key):

@@ -31,6 +31,7 @@ from flax import struct
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from plasticity import optim as optim_lib
+from plasticity.hooks import declared_params
 from plasticity.sigreg import regularized
 from training.config import NetworkConfig, OffPolicyConfig
 from training.replay import Transition
@@ -194,9 +195,7 @@ KIND = "offpolicy"
 SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
 
 
-def plastic_params(state: SACState) -> dict:
-    """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
-    return {"actor": state.actor_params, "critic": state.critic_params}
+plastic_params = declared_params(PLASTIC)
 
 
 def plastic_losses(state: SACState, batch: Transition, key):

@@ -33,6 +33,16 @@ from training.config import PlasticityConfig
 DECLARATIONS = ("PLASTIC", "plastic_params", "plastic_losses")
 
 
+def declared_params(plastic: dict):
+    """``plastic_params(state)`` built from an agent's ``PLASTIC`` declaration: {name: params}."""
+
+    def plastic_params(state) -> dict:
+        """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
+        return {name: getattr(state, params_field) for name, (params_field, _) in plastic.items()}
+
+    return plastic_params
+
+
 def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     """Raise a clear error for any requested intervention the agent cannot take."""
     cfg.validate()
