@@ -621,6 +621,13 @@ def update(state: MRQState, batch: Window, key):
     return state, metrics
 
 
+def work_per_env_step(state: MRQState, batch: Window, key):
+    """The average training work of one env step, for FLOP counting (scripts/benchmark.py):
+    one value + policy update and one encoder step (the 250-step burst runs every 250 steps)."""
+    state, _ = update(state, batch, key)
+    return encoder_update(state, batch, jnp.ones((), jnp.float32), key)[0]
+
+
 # ----------------------------------------------------------------------------- replay hooks for the loop
 
 

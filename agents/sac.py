@@ -38,8 +38,8 @@ from training.replay import Transition
 
 
 @dataclass(frozen=True)
-class SACConfig(OffPolicyConfig):
-    """SAC hyperparameters (defaults: Haarnoja et al. 2018 / CleanRL)."""
+class SACHyperparams:
+    """SAC's learning hyperparameters (defaults: Haarnoja et al. 2018 / CleanRL); RAVL reuses them."""
 
     critics: int = 2
     """number of Q networks N (2 = SAC's clipped double Q; >2 = SAC-N)"""
@@ -55,6 +55,11 @@ class SACConfig(OffPolicyConfig):
     """None: -|A|"""
     edac_init: bool = False
     """EDAC initialisation: hidden biases 0.1, output layers U(+-1e-3) actor / U(+-3e-3) critic"""
+
+
+@dataclass(frozen=True)
+class SACConfig(OffPolicyConfig, SACHyperparams):
+    """Online SAC: the hyperparameters plus replay and schedule settings."""
 
 
 # Paper default: 2 x 256 ReLU for actor and critics (EDAC uses --network.depth 3).

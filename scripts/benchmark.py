@@ -65,6 +65,58 @@ def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | N
     return {"seeds": seeds, "env_steps_per_s": steps * seeds / dt, "per_seed": steps / dt, "compile_s": compile_s}
 
 
+def matmul_peak(n: int = 2048, repeat: int = 20) -> float:
+    """The machine's measured float32 matmul throughput (FLOP/s) on the default JAX device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            out = f(a)
+        jax.block_until_ready(out)
+        best = max(best, 2 * n**3 * repeat / (time.perf_counter() - t0))
+    return best
+
+
+def flops_per_env_step(agent_name: str, env_id: str, width: int | None) -> float:
+    """XLA's FLOP count of one env step's training work for one seed: the agent's
+    ``work_per_env_step`` (MR.Q: value/policy update + one amortised encoder step) or one
+    ``update`` x ``updates_per_step``, plus the exploration forward pass."""
+    agent = agents.get(agent_name)
+    acfg = dataclasses.replace(agent.CONFIG(), buffer_size=10_000, learning_starts=0)
+    cfg = RunConfig(env=env_id, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width))
+    env = VectorEnv(env_id, 1, 0)
+    state, buffer, key = init_state(agent, cfg, env.obs_dim, env.act_dim)
+    state, buffer = jax.tree.map(lambda x: x[0], (state, buffer))
+    rng = np.random.default_rng(0)
+    n = 600
+    tr = replay.Transition(rng.normal(size=(n, env.obs_dim)).astype(np.float32),
+                           rng.uniform(-1, 1, (n, env.act_dim)).astype(np.float32), rng.normal(size=n).astype(np.float32),
+                           rng.normal(size=(n, env.obs_dim)).astype(np.float32), np.zeros(n, bool), np.zeros(n, bool))
+    buffer = _fill(agent, buffer, tr)
+    batch = getattr(agent, "sample_batch", replay.sample)(buffer, key, acfg.batch_size)
+    work = getattr(agent, "work_per_env_step", None)
+    if work is None:
+        work = lambda s, b, k: agent.update(s, b, k)[0]  # noqa: E731
+        repeats = acfg.updates_per_step
+    else:
+        repeats = 1
+    cost = jax.jit(work).lower(state, batch, key).compile().cost_analysis()
+    act = jax.jit(lambda s, o, k: agent.act(s, o, k, explore=True)).lower(
+        state, jnp.zeros((1, env.obs_dim)), key).compile().cost_analysis()
+    return repeats * float(cost["flops"]) + float(act["flops"])
+
+
+def _fill(agent, buffer, tr):
+    """Add transitions one env step at a time (the agent's own buffer may track per-env streams)."""
+    add = jax.jit(getattr(agent, "buffer_add", replay.add))
+    for i in range(tr.reward.shape[0]):
+        buffer = add(buffer, jax.tree.map(lambda x: jnp.asarray(x[i:i + 1]), tr))
+    return buffer
+
+
 def plasticity_overhead(agent_name: str, env_id: str, width: int | None, updates: int = 200):
     """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods."""
     from plasticity.hooks import Hooks, sigreg_spec
@@ -145,12 +197,19 @@ def main(argv=None):
     if args.plasticity:
         return plasticity_overhead(args.agent, args.env, args.width)
     print(f"agent={args.agent} env={args.env} backend={jax.default_backend()} devices={jax.devices()}")
-    print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'compile s':>10}")
+    flops = flops_per_env_step(args.agent, args.env, args.width)
+    peak = matmul_peak()
+    print(f"model FLOPs per env step (one seed, XLA count): {flops / 1e9:.3f} GFLOP; "
+          f"measured float32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'compile s':>10} {'GFLOP/s':>8} {'of peak':>8}")
     rows = []
     for s in args.seeds:
         r = measure(args.agent, args.env, s, args.steps, args.width)
+        r["flops_per_step"], r["achieved_flops"] = flops, flops * r["env_steps_per_s"]
+        r["fraction_of_peak"] = r["achieved_flops"] / peak
         rows.append(r)
-        print(f"{r['seeds']:>5} {r['env_steps_per_s']:>24.1f} {r['per_seed']:>9.1f} {r['compile_s']:>10.2f}", flush=True)
+        print(f"{r['seeds']:>5} {r['env_steps_per_s']:>24.1f} {r['per_seed']:>9.1f} {r['compile_s']:>10.2f} "
+              f"{r['achieved_flops'] / 1e9:>8.1f} {100 * r['fraction_of_peak']:>7.1f}%", flush=True)
     return rows
 
 

@@ -82,15 +82,17 @@ class RunLogger:
                 for k, v in m.items():
                     self.tb.add_scalar(f"seed{j}/{k}", float(v), step)
 
-    def log_eval(self, step: int, returns):
-        """``returns``: per seed, the list of evaluation episode returns."""
+    def log_eval(self, step: int, returns, extra: list[dict] | None = None):
+        """``returns``: per seed, the list of evaluation episode returns; ``extra``: per seed, more
+        columns (e.g. normalised scores)."""
         import numpy as np
 
         rows = []
         for j, r in enumerate(returns):
             r = np.asarray(r, float)
             rows.append({"step": step, "seed": j, "return_mean": _fmt(r.mean()), "return_std": _fmt(r.std()),
-                         "episode_returns": " ".join(_fmt(x) for x in r)})
+                         "episode_returns": " ".join(_fmt(x) for x in r),
+                         **{k: _fmt(v) for k, v in (extra[j] if extra else {}).items()}})
             if self.tb is not None:
                 self.tb.add_scalar(f"seed{j}/eval/return", float(r.mean()), step)
         self.evals.append(rows)

@@ -111,10 +111,14 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{env}__{cfg.agent_name}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
+def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None,
+          on_eval=None) -> dict:
     """Train (or resume) a run.  ``stop_at`` ends early at that step, as an interruption would.
 
     Steps count env steps per seed (each loop iteration steps ``num_envs`` envs per seed).
+    ``on_eval(step, state, returns)``, if given, runs right after each evaluation with the vmapped
+    agent state and the per-seed lists of returns (e.g. to keep policy snapshots); the next step
+    donates the state's buffers, so copy what you keep.
     """
     a = cfg.agent
     S, E = cfg.seeds, cfg.num_envs
@@ -171,6 +175,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     def evaluate(step):
         returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
         logger.log_eval(step, returns)
+        if on_eval is not None:
+            on_eval(step, state, returns)
         return float(np.mean(returns))
 
     def save(step):

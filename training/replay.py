@@ -47,6 +47,21 @@ def add(buffer: Buffer, batch: Transition) -> Buffer:
     return Buffer(data, (buffer.ptr + n) % cap, jnp.minimum(buffer.size + n, cap))
 
 
+def add_masked(buffer: Buffer, batch: Transition, valid) -> Buffer:
+    """Append only the rows of ``batch`` where ``valid`` is true, in order, overwriting the oldest.
+
+    Static shapes under jit: invalid rows are scattered out of bounds and dropped.  The number of
+    valid rows must not exceed the capacity (a model-rollout FIFO is sized for several batches).
+    """
+    cap = capacity(buffer)
+    valid = valid.astype(bool)
+    n = valid.sum().astype(jnp.int32)
+    slot = jnp.cumsum(valid) - 1
+    idx = jnp.where(valid, (buffer.ptr + slot) % cap, cap)
+    data = jax.tree.map(lambda d, x: d.at[idx].set(x.astype(d.dtype), mode="drop"), buffer.data, batch)
+    return Buffer(data, (buffer.ptr + n) % cap, jnp.minimum(buffer.size + n, cap))
+
+
 def sample(buffer: Buffer, key, batch_size: int) -> Transition:
     """Uniform sample of ``batch_size`` stored transitions (with replacement)."""
     idx = jax.random.randint(key, (batch_size,), 0, jnp.maximum(buffer.size, 1))
