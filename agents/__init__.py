@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo"}
+AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo", "ravl": "agents.ravl"}
 
 
 def get(name: str):

@@ -131,7 +131,9 @@ def diversity_loss(critic: Net, critic_params, obs, action):
     """EDAC's ensemble similarity: mean over states of sum_{i!=j} cos(grad_a Q_i, grad_a Q_j) / (N-1)."""
     n = critic.ensemble
     grads = jax.jacrev(lambda a: critic.apply(critic_params, obs, a)[0].sum(axis=1))(action)  # (N, B, A)
-    unit = grads / (jnp.linalg.norm(grads, axis=-1, keepdims=True) + 1e-10)
+    # ||g|| as sqrt(sum g^2 + 1e-20): jnp.linalg.norm's gradient is NaN at g = 0 (a ReLU critic can
+    # have exactly zero action-gradient), torch.norm's is 0; this matches the latter.
+    unit = grads / (jnp.sqrt(jnp.sum(grads**2, axis=-1, keepdims=True) + 1e-20) + 1e-10)
     cos = jnp.einsum("nba,mba->bnm", unit, unit)
     off_diagonal = cos.sum(axis=(1, 2)) - jnp.trace(cos, axis1=1, axis2=2)
     return off_diagonal.mean() / (n - 1)

@@ -30,8 +30,34 @@ class ToyChain(gym.Env):
         return obs, 1.0, self.x >= 3.0, False, {}
 
 
+class ToyReach(gym.Env):
+    """Offline-learning toy: obs = [x], x' = clip(x + 0.2 a, -2, 2), reward = x'; never terminates.
+
+    Starts at x ~ U(-0.5, 0.5); a policy that pushes right earns about +30 in 20 steps, one that
+    does nothing about 0.  Random data covers it well, and its dynamics are linear.
+    """
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x = float(self.np_random.uniform(-0.5, 0.5))
+        return np.array([self.x], np.float32), {}
+
+    def step(self, action):
+        self.x = float(np.clip(self.x + 0.2 * float(np.clip(action[0], -1, 1)), -2.0, 2.0))
+        return np.array([self.x], np.float32), self.x, False, False, {}
+
+
 if "ToyChain-v0" not in gym.registry:
     gym.register("ToyChain-v0", entry_point=ToyChain, max_episode_steps=5)
+if "ToyReach-v0" not in gym.registry:
+    gym.register("ToyReach-v0", entry_point=ToyReach, max_episode_steps=20)
+    from agents import dynamics as _dynamics
+
+    _dynamics.register_termination("toyreach", _dynamics.never_done)
 
 
 @pytest.fixture

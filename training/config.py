@@ -181,13 +181,16 @@ def dump(cfg: RunConfig) -> str:
 
 
 def cli_type(agent_name: str, agent_cls):
-    """The run-config dataclass tyro parses for one agent: agent options become top-level flags."""
+    """The run-config dataclass tyro parses for one agent: agent options become top-level flags
+    (nested agent options keep their own prefix, e.g. RAVL's ``--dynamics.members``)."""
+    from typing import Annotated
+
     import tyro
 
     return dataclasses.make_dataclass(
         f"{agent_name.upper()}Run",
         [("agent_name", tyro.conf.Suppress[str], field(default=agent_name)),
-         ("agent", tyro.conf.OmitArgPrefixes[agent_cls], field(default_factory=agent_cls))],
+         ("agent", Annotated[agent_cls, tyro.conf.arg(name="")], field(default_factory=agent_cls))],
         bases=(RunConfig,))
 
 

@@ -288,11 +288,11 @@ def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
 
 
-def _raise_non_finite(metrics, step, run_dir):
+def _raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
     bad = sorted(k for k, v in metrics.items() if not np.all(np.isfinite(np.asarray(v))))
     last = checkpoint.latest(run_dir)
     kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-    raise NonFiniteLossError(f"non-finite {', '.join(bad) or 'loss'} at env step {step}; "
+    raise NonFiniteLossError(f"non-finite {', '.join(bad) or 'loss'} at {unit} {step}; "
                              f"training stopped, {kept}")
 
 

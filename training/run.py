@@ -32,6 +32,8 @@ def run(cfg: RunConfig, stop_at: int | None = None) -> dict:
         from training.offpolicy import train
     elif agent.KIND == "onpolicy":
         from training.onpolicy import train
+    elif agent.KIND == "offline":
+        from training.offline import train
     else:
         raise ValueError(f"agent {cfg.agent_name!r} has unknown kind {agent.KIND!r}")
     print(f"run directory: {run_dir}")

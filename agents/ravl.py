@@ -1,0 +1,201 @@
+"""RAVL: SAC-N with EDAC's diversity term, trained on real data mixed with short model rollouts.
+
+Sims, Lu, Foerster, Teh, "The Edge-of-Reach Problem in Offline Model-Based RL", NeurIPS 2024
+(arXiv 2402.12527); shared/specs/offline.md sections 3-5.  Rollouts truncated at k steps reach
+"edge-of-reach" states that are bootstrapped from but never updated; RAVL drops the dynamics
+penalty of MOPO/MOBILE and lets the pessimism of a Q-ensemble (min over N critics, EDAC's
+gradient diversity) absorb the resulting overestimation.
+
+Algorithm (one epoch; the paper runs 3000 epochs of 1000 updates):
+
+  0. once: fit the probabilistic dynamics ensemble on the dataset's true next observations
+     (``agents/dynamics.py``; 7 members, 5 elites) -- cached next to the dataset and reused
+  1. sample ``rollout_batch`` (50k) states uniformly from the dataset
+  2. roll the *stochastic* current policy out for k (5) steps in the model, a random elite per
+     row; a branch stops after its first termination (the terminating transition is kept)
+  3. push the valid transitions into a FIFO of ``retain_epochs`` (5) epochs of rollouts
+  4. ``updates_per_epoch`` (1000) SAC-N/EDAC updates (agents/sac.py: temperature, actor,
+     critics with min over N target critics + eta * diversity, Polyak), each on a batch of
+     int(r * 256) dataset transitions and the rest from the model FIFO (r = 0.05 -> 12 real)
+
+No reward penalty: the rollouts' rewards are the model's sampled rewards.
+
+Defaults are the reference README's halfcheetah-medium setting (N = 10, eta = 1, k = 5,
+r = 0.05); the paper tunes N, eta, k, r per task (its table is an image; not transcribed).
+Networks are 3 x 256 ReLU with EDAC's initialisation (spec section 4).  ``--network.*`` flags
+change them as for every agent.  The dataset is given by ``--dataset PATH`` (D4RL HDF5
+layout, envs/datasets.py) or ``--env hopper --kind medium`` (looked up in the dataset cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agents import dynamics as dynamics_lib
+from agents import sac
+from agents.dynamics import DynamicsConfig
+from training import replay
+from training.config import NetworkConfig
+from training.replay import Transition
+
+
+@dataclass(frozen=True)
+class RAVLConfig(sac.SACHyperparams):
+    """RAVL (spec 5.4): SAC-N/EDAC hyperparameters, the data mix and the model rollouts."""
+
+    critics: int = 10
+    """N: critics in the Q-ensemble (the paper tunes over {10, 50})"""
+    eta: float = 1.0
+    """EDAC gradient-diversity coefficient"""
+    edac_init: bool = True
+    dataset: Optional[str] = None
+    """a D4RL-layout HDF5 file (envs/datasets.py); or give --env and --kind to use the cache"""
+    kind: Optional[str] = None
+    """dataset kind looked up in the cache with --env: random, medium, medium-replay, expert, medium-expert"""
+    dataset_root: Optional[str] = None
+    """dataset cache directory (default: $RLZOO_DATASETS or ~/.cache/rlzoo/datasets)"""
+    model: Optional[str] = None
+    """a trained dynamics model (.npz from agents/dynamics.py); default: <dataset>.dynamics-<seed>.npz,
+    trained on first use and then reused"""
+    batch_size: int = 256
+    horizon: int = 5
+    """k: model rollout length"""
+    dataset_ratio: float = 0.05
+    """r: share of each batch drawn from the real dataset (int(r * batch_size) rows)"""
+    rollout_batch: int = 50_000
+    """dataset states rolled out per epoch"""
+    retain_epochs: int = 5
+    """epochs of rollouts the model FIFO keeps (capacity rollout_batch * horizon * retain_epochs)"""
+    updates_per_epoch: int = 1000
+    dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
+    """the dynamics ensemble (spec 3.1), as --dynamics.<field>"""
+
+    def __post_init__(self):
+        if isinstance(self.dynamics, dict):  # from config.json
+            object.__setattr__(self, "dynamics", DynamicsConfig(**self.dynamics))
+
+
+CONFIG = RAVLConfig
+KIND = "offline"
+
+
+class Data(NamedTuple):
+    """What one seed learns from: the dataset and the FIFO of model rollouts."""
+
+    real: Transition
+    model: replay.Buffer
+
+
+def init(key, obs_dim: int, act_dim: int, cfg: RAVLConfig, network: NetworkConfig = NetworkConfig()):
+    """SAC-N/EDAC state with the spec's 3 x 256 networks (unless ``--network.depth`` says otherwise)."""
+    _check(cfg)
+    network = dataclasses.replace(network, depth=3 if network.depth is None else network.depth)
+    return sac.init(key, obs_dim, act_dim, cfg, network)
+
+
+def _check(cfg: RAVLConfig):
+    for name in ("horizon", "rollout_batch", "retain_epochs", "updates_per_epoch", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if not 0.0 <= cfg.dataset_ratio <= 1.0:
+        raise ValueError(f"--dataset-ratio must be in [0, 1], got {cfg.dataset_ratio}")
+
+
+act = sac.act
+update = sac.update
+PLASTIC = sac.PLASTIC
+plastic_params = sac.plastic_params
+plastic_losses = sac.plastic_losses
+SIGREG_NETWORKS = sac.SIGREG_NETWORKS
+
+
+def model_capacity(cfg: RAVLConfig) -> int:
+    return cfg.rollout_batch * cfg.horizon * cfg.retain_epochs
+
+
+def data_init(real: Transition, cfg: RAVLConfig) -> Data:
+    obs_dim, act_dim = real.obs.shape[-1], real.action.shape[-1]
+    return Data(real, replay.init(model_capacity(cfg), obs_dim, act_dim))
+
+
+def real_count(cfg: RAVLConfig, batch_size: int | None = None) -> int:
+    """Rows of a batch taken from the dataset: int(r * batch) (spec 5.3; 12 of 256 at r = 0.05)."""
+    return int(cfg.dataset_ratio * (cfg.batch_size if batch_size is None else batch_size))
+
+
+def sample_batch(data: Data, key, batch_size: int, cfg: RAVLConfig) -> Transition:
+    """int(r * batch) uniform dataset rows followed by the rest from the model FIFO."""
+    n_real = real_count(cfg, batch_size)
+    k_real, k_model = jax.random.split(key)
+    idx = jax.random.randint(k_real, (n_real,), 0, data.real.reward.shape[0])
+    real = jax.tree.map(lambda x: x[idx], data.real)
+    if n_real == batch_size:
+        return real
+    model = replay.sample(data.model, k_model, batch_size - n_real)
+    return jax.tree.map(lambda a, b: jnp.concatenate([a.astype(b.dtype), b]), real, model)
+
+
+def prepare(key, dataset, dataset_path, cfg: RAVLConfig, seed: int, log=print):
+    """Step 0: the dynamics ensemble for this dataset (loaded from ``cfg.model`` / the cache or trained)."""
+    path = Path(cfg.model) if cfg.model else model_path(dataset_path, seed)
+    if path.exists():
+        log(f"dynamics model: {path}")
+        return dynamics_lib.load(path)
+    if cfg.model:
+        raise FileNotFoundError(f"--model {path}: no such file")
+    log(f"training the dynamics ensemble on {len(dataset)} transitions (cached at {path}) ...")
+    t = dataset.transitions()
+
+    def progress(epoch, row):
+        if epoch % 25 == 0 or row.get("action") not in (None, "", "continue"):
+            log(f"  dynamics epoch {epoch}: train loss {row['train_loss']:.4f}, "
+                f"best validation MSE {np.min(row['best_val_mse']):.5f} {row.get('action') or ''}")
+
+    model, info = dynamics_lib.train(key, t.obs, t.action, t.reward, t.next_obs, cfg.dynamics, log=progress)
+    dynamics_lib.save(path, model)
+    val = np.asarray(info["val_mse"])
+    log(f"dynamics: {info['epochs']} epochs, validation MSE per member {np.round(val, 4).tolist()}, "
+        f"elites {np.asarray(info['elites']).tolist()}")
+    return model
+
+
+def model_path(dataset_path, seed: int) -> Path:
+    return Path(f"{dataset_path}.dynamics-{seed}.npz")
+
+
+def rollouts(state, data: Data, model, key, cfg: RAVLConfig, done_fn):
+    """Steps 1-3: k-step rollouts of the stochastic policy from dataset states into the FIFO."""
+    k_start, k_roll = jax.random.split(key)
+    idx = jax.random.randint(k_start, (cfg.rollout_batch,), 0, data.real.reward.shape[0])
+    policy = lambda obs, k: sac.act(state, obs, k, explore=True)  # noqa: E731
+    batch, valid = dynamics_lib.flatten(*dynamics_lib.rollout(model, policy, data.real.obs[idx], cfg.horizon,
+                                                              k_roll, done_fn))
+    stats = {"rollout/valid_fraction": valid.mean(),
+             "rollout/terminated_fraction": (batch.terminated & valid).sum() / cfg.rollout_batch,
+             "rollout/reward_mean": (batch.reward * valid).sum() / jnp.maximum(valid.sum(), 1)}
+    return data._replace(model=replay.add_masked(data.model, batch, valid)), stats
+
+
+def train_epoch(state, data: Data, model, key, cfg: RAVLConfig, done_fn):
+    """One RAVL epoch for one seed: rollouts, then ``updates_per_epoch`` SAC-N/EDAC updates (one scan)."""
+    k_roll, k_train = jax.random.split(key)
+    data, stats = rollouts(state, data, model, k_roll, cfg, done_fn)
+
+    def one(state, k):
+        k_sample, k_update = jax.random.split(k)
+        return update(state, sample_batch(data, k_sample, cfg.batch_size, cfg), k_update)
+
+    state, metrics = jax.lax.scan(one, state, jax.random.split(k_train, cfg.updates_per_epoch))
+    return state, data, {**jax.tree.map(lambda m: m.mean(), metrics), **stats}
+
+
+def make_epoch(cfg: RAVLConfig, env_id: str):
+    """The loop's per-seed epoch function, with the env's termination function (spec 3.1) bound."""
+    done_fn = dynamics_lib.termination_fn(env_id)
+    return lambda state, data, model, key: train_epoch(state, data, model, key, cfg, done_fn)

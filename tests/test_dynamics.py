@@ -1,0 +1,381 @@
+"""Probabilistic dynamics ensemble (agents/dynamics.py; shared/specs/offline.md section 3)."""
+from dataclasses import replace
+
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import dynamics as dyn
+
+OBS, ACT = 3, 2
+# Small but real: 4 members, 2 x 32 SiLU, per-layer weight decay, bootstrap, early-stopping rule active.
+CFG = dyn.DynamicsConfig(members=4, elites=2, width=32, depth=2, weight_decay=(2.5e-5, 5e-5, 1e-4),
+                         batch_size=64, min_epochs=5, max_epochs=25)
+
+
+def linear_system(n, seed=0, noise=0.01):
+    """s' = s + A s + B a + noise, r = c . s."""
+    rng = np.random.default_rng(seed)
+    p = np.random.default_rng(123)
+    a_mat, b_mat, c = 0.1 * p.normal(size=(OBS, OBS)), 0.5 * p.normal(size=(ACT, OBS)), p.normal(size=OBS)
+    s = rng.normal(size=(n, OBS)).astype(np.float32)
+    a = rng.uniform(-1, 1, (n, ACT)).astype(np.float32)
+    s2 = (s + s @ a_mat + a @ b_mat + noise * rng.normal(size=(n, OBS))).astype(np.float32)
+    return s, a, (s @ c).astype(np.float32), s2
+
+
+@pytest.fixture(scope="module")
+def data():
+    return linear_system(1000)
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    return dyn.train(jax.random.key(0), *data, CFG)
+
+
+def named(params):
+    return dyn._named_leaves(params)
+
+
+def edit(params, fn):
+    """Map ``fn(name, array)`` over the param leaves (name like 'trunk/layers/0/kernel')."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn("/".join(map(str, dyn._path_names(p))), x), params)
+
+
+# ----------------------------------------------------------------------------- fitting and elites
+
+
+def test_fits_linear_system(data, trained):
+    model, info = trained
+    s, a, r, s2 = data
+    target_var = np.concatenate([s2 - s, r[:, None]], 1).var(0).mean()
+    assert info["val_mse"].min() < 0.05 * target_var, (info["val_mse"], target_var)
+    assert info["val_mse"].max() < 0.2 * target_var
+    assert info["train_loss"][-1] < info["train_loss"][0]  # the Gaussian NLL went down
+    assert info["val_curve"].shape == (info["epochs"] + 1, CFG.members)
+    assert info["train_loss_members"].shape == (info["epochs"], CFG.members)
+    assert len(info["holdout_idx"]) == 200 and len(set(info["holdout_idx"]) & set(info["train_idx"])) == 0
+    mean, logvar = dyn.predict(model, jnp.asarray(s[:7]), jnp.asarray(a[:7]))
+    assert mean.shape == logvar.shape == (CFG.members, 7, OBS + 1)
+    elite_mean = np.asarray(mean)[np.asarray(model.elites)]  # (E, 7, D): Δs, r of the elites
+    np.testing.assert_allclose(elite_mean[..., :OBS] + s[:7], np.broadcast_to(s2[:7], (CFG.elites, 7, OBS)),
+                               atol=0.1)
+    np.testing.assert_allclose(elite_mean[..., OBS], np.broadcast_to(r[:7], (CFG.elites, 7)), atol=0.1)
+    next_obs, reward = dyn.step(model, jnp.asarray(s[:200]), jnp.asarray(a[:200]), jax.random.key(1))
+    assert next_obs.shape == (200, OBS) and reward.shape == (200,)
+    # samples: mean + learned std * noise; the learned std is small once fitted
+    assert np.abs(np.asarray(next_obs) - s2[:200]).mean() < 0.1
+    assert np.abs(np.asarray(reward) - r[:200]).mean() < 0.2
+    assert float(jnp.exp(0.5 * logvar).mean()) < 0.2
+
+
+def test_elites_are_lowest_val_mse_and_val_mse_is_of_kept_params(data, trained):
+    model, info = trained
+    s, a, r, s2 = data
+    np.testing.assert_array_equal(info["elites"], np.argsort(info["val_mse"])[:CFG.elites])
+    np.testing.assert_array_equal(np.asarray(model.elites), info["elites"])
+    h = info["holdout_idx"]
+    recomputed = dyn.validation_mse(model, s[h], a[h], r[h], s2[h])
+    np.testing.assert_allclose(recomputed, info["val_mse"], rtol=1e-4)
+    # the best weights are kept: the final val MSE is the minimum the rule recorded per member
+    assert np.all(info["val_mse"] <= info["val_curve"].min(0) * (1 + CFG.improvement) + 1e-12)
+
+
+def test_corrupted_members_are_not_elites(data, trained):
+    model, info = trained
+    s, a, r, s2 = data
+    bad = info["elites"]  # corrupt the two best members: they must drop out
+    bumped = edit(model.params, lambda n, x: x.at[bad].add(0.5) if n == "mean/bias" else x)
+    h = info["holdout_idx"]
+    val = dyn.validation_mse(model.replace(params=bumped), s[h], a[h], r[h], s2[h])
+    new = dyn.with_elites(model.replace(params=bumped), val)
+    assert not set(np.asarray(new.elites)) & set(bad)
+    np.testing.assert_array_equal(np.asarray(new.elites), np.argsort(val)[:CFG.elites])
+
+
+def test_same_key_same_model_different_key_different(data, trained):
+    model, _ = trained
+    again, _ = dyn.train(jax.random.key(0), *data, CFG)
+    other, _ = dyn.train(jax.random.key(1), *data, CFG)
+    for k, v in named(model.params).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(named(again.params)[k]))
+    assert any(not np.allclose(v, named(other.params)[k]) for k, v in named(model.params).items())
+    # members differ from each other (own init and own bootstrap)
+    k0 = np.asarray(named(model.params)["trunk/layers/0/kernel"])
+    assert not np.allclose(k0[0], k0[1])
+
+
+def test_bad_inputs_are_refused(data):
+    s, a, r, s2 = data
+    with pytest.raises(ValueError, match="expected obs"):
+        dyn.train(jax.random.key(0), s, a[:10], r, s2, CFG)
+    with pytest.raises(ValueError, match="non-finite"):
+        dyn.train(jax.random.key(0), s, a, np.full_like(r, np.nan), s2, CFG)
+    with pytest.raises(ValueError, match="weight_decay"):
+        dyn.DynamicsConfig(depth=2)
+    with pytest.raises(ValueError, match="elite_sampling"):
+        dyn.DynamicsConfig(elite_sampling="member")
+    # configs round-trip through JSON (lists for tuples), and the Unifloral preset (spec 3.2)
+    assert dyn.DynamicsConfig(weight_decay=[2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4]) == dyn.DynamicsConfig()
+    u = dyn.unifloral_config()
+    assert (u.activation, u.normalize_inputs, u.min_epochs, u.max_epochs, u.elite_sampling) == \
+        ("relu", False, 400, 400, "step") and u.adamw_weight_decay == 2.5e-5
+
+
+# ----------------------------------------------------------------------------- loss and bounds
+
+
+def test_soft_clamp_bounds_and_hand_values():
+    lv = jnp.array([-1e4, -50.0, -10.0, -3.0, 0.0, 0.5, 3.0, 1e4])
+    hi, lo = 0.5, -10.0
+    out = np.asarray(dyn.soft_clamp(lv, hi, lo))
+    sp = lambda z: np.logaddexp(0.0, z)  # noqa: E731
+    x = np.asarray(lv, np.float64)
+    hand = lo + sp((hi - sp(hi - x)) - lo)
+    np.testing.assert_allclose(out, hand, rtol=1e-5, atol=1e-5)
+    # within [lo, hi + log1p(exp(lo - hi))]: the second softplus can lift a value at hi by 2.7e-5
+    assert np.all(out >= lo) and np.all(out <= hi + np.log1p(np.exp(lo - hi)) + 1e-6)
+    assert np.all(np.diff(out) >= 0)  # monotone
+    np.testing.assert_allclose(out[3], -3.0, atol=0.1)  # well inside: near identity
+
+
+def test_gaussian_nll_hand_case():
+    mean = jnp.array([[0.0, 1.0]])
+    logvar = jnp.array([[0.0, np.log(2.0)]])
+    target = jnp.array([[1.0, 3.0]])
+    # (0 + 1 * 1 + log 2 + 4 / 2) / 2
+    np.testing.assert_allclose(float(dyn.gaussian_nll(mean, logvar, target)), (1 + np.log(2) + 2) / 2, rtol=1e-6)
+
+
+def test_ensemble_loss_matches_numpy():
+    # CFG's network (cached) with larger weight decays and range coefficient, so every term shows
+    cfg = replace(CFG, weight_decay=(0.1, 0.2, 0.3), logvar_range_coef=0.05)
+    model = dyn.init_model(jax.random.key(3), OBS, ACT, cfg)
+    rng = np.random.default_rng(0)
+    params = edit(model.params, lambda n, x: x + jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
+                  if n.endswith("logvar") or n.endswith("bias") else x)
+    x = rng.normal(size=(CFG.members, 4, OBS + ACT)).astype(np.float32)
+    y = rng.normal(size=(CFG.members, 4, OBS + 1)).astype(np.float32)
+    loss = jax.jit(dyn.ensemble_loss, static_argnames=("net", "cfg"))
+    total, nll = loss(params, model.net, jnp.asarray(x), jnp.asarray(y), cfg)
+
+    p = {k: np.asarray(v, np.float64) for k, v in named(params).items()}
+    sp = lambda z: np.logaddexp(0.0, z)  # noqa: E731
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    ref_total, ref_nll = 0.0, []
+    for m in range(CFG.members):
+        h = x[m].astype(np.float64)
+        for i in range(2):
+            h = silu(h @ p[f"trunk/layers/{i}/kernel"][m] + p[f"trunk/layers/{i}/bias"][m])
+        mu = h @ p["mean/kernel"][m] + p["mean/bias"][m]
+        raw = h @ p["logvar/kernel"][m] + p["logvar/bias"][m]
+        hi, lo = p["max_logvar"][m], p["min_logvar"][m]
+        lv = lo + sp((hi - sp(hi - raw)) - lo)
+        n = np.mean(lv + (y[m] - mu) ** 2 * np.exp(-lv))
+        ref_nll.append(n)
+        wd = sum(0.5 * c * (p[k][m] ** 2).sum() for c, k in
+                 [(0.1, "trunk/layers/0/kernel"), (0.2, "trunk/layers/1/kernel"), (0.3, "mean/kernel"),
+                  (0.3, "logvar/kernel")])
+        ref_total += n + 0.05 * (hi.sum() - lo.sum()) + wd
+    np.testing.assert_allclose(np.asarray(nll), ref_nll, rtol=1e-5)
+    np.testing.assert_allclose(float(total), ref_total, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- early stopping rule
+
+
+def test_early_stopping_rule():
+    cfg = dyn.DynamicsConfig(patience=2, min_epochs=6, max_epochs=20, improvement=0.01, lr_cut=0.3)
+    stop = dyn.EarlyStopping(cfg, 2)
+    seq = [([1.0, 1.0], "continue"),    # epoch 0: sets the bests
+           ([0.9, 1.0], "continue"),    # 1: member 0 improves 10%
+           ([0.895, 1.0], "continue"),  # 2: 0.6% is no progress (stall 1)
+           ([0.895, 0.995], "cut_lr"),  # 3: stall 2 before min_epochs -> cut the lr once
+           ([0.9, 1.0], "continue"),    # 4: stall 1
+           ([0.9, 1.0], "continue"),    # 5: stall 2, lr already cut -> go on
+           ([0.9, 1.0], "stop")]        # 6: epoch >= min_epochs and stalled -> stop
+    for epoch, (val, want) in enumerate(seq):
+        _, action = stop.update(epoch, val)
+        assert action == want, (epoch, action)
+    np.testing.assert_allclose(stop.best, [0.9, 1.0])  # sub-threshold gains never replace the best
+    assert stop.lr_cut_at == 3
+
+    stop = dyn.EarlyStopping(dyn.DynamicsConfig(min_epochs=0, max_epochs=3, patience=5), 1)
+    actions = [stop.update(e, [1.0 / (e + 1)])[1] for e in range(4)]
+    assert actions == ["continue", "continue", "continue", "stop"]  # max_epochs despite progress
+
+    stop = dyn.EarlyStopping(dyn.DynamicsConfig(min_epochs=10, max_epochs=20, patience=1, lr_cut=1.0), 1)
+    assert [stop.update(e, [1.0])[1] for e in range(12)] == ["continue"] * 10 + ["stop", "stop"]
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+def constant_model(sampling, elites=(1, 3)):
+    """Near-deterministic 4-member model: member m maps s -> s + [1, m, 0], r = 10 + m (std e^-15)."""
+    cfg = dyn.DynamicsConfig(members=4, elites=len(elites), width=8, depth=1, weight_decay=0.0,
+                             elite_sampling=sampling)
+    model = dyn.init_model(jax.random.key(0), 3, 1, cfg)
+    members = jnp.arange(4.0)
+    bias = jnp.stack([jnp.ones(4), members, jnp.zeros(4), 10 + members], 1)
+
+    def set_leaf(n, x):
+        if n == "mean/bias":
+            return bias
+        if n == "logvar/bias":
+            return jnp.full_like(x, -30.0)
+        if n == "min_logvar":
+            return jnp.full_like(x, -40.0)
+        return jnp.zeros_like(x) if n.endswith("kernel") else x
+
+    return model.replace(params=edit(model.params, set_leaf), elites=jnp.asarray(elites, jnp.int32))
+
+
+def uniform_policy(obs, key):
+    return jax.random.uniform(key, (obs.shape[0], 1), minval=-1.0, maxval=1.0)
+
+
+def done_above_3(next_obs):
+    return next_obs[:, 0] > 3.0
+
+
+_rollout = jax.jit(lambda m, s, k: dyn.rollout(m, uniform_policy, s, 6, k, done_above_3))
+
+
+def run_rollout(model, start, key=0):
+    """A 6-step rollout of 16 rows (one compile per sampling mode)."""
+    start = np.concatenate([start, np.tile([[-100.0, 0, 0]], (16 - len(start), 1))])
+    batch, valid = _rollout(model, jnp.asarray(start, jnp.float32), jax.random.key(key))
+    return jax.tree.map(np.asarray, batch), np.asarray(valid)
+
+
+def test_rollout_stops_at_first_termination():
+    start = [[-0.5, 0, 0], [2.5, 0, 0], [5, 0, 0], [-10, 0, 0]]
+    batch, valid = run_rollout(constant_model("row"), start)
+    assert batch.obs.shape == (6, 16, 3) and batch.action.shape == (6, 16, 1) and batch.reward.shape == (6, 16)
+    assert valid[:, 4:].all()  # padding rows never terminate
+    batch, valid = jax.tree.map(lambda a: a[:, :4], batch), valid[:, :4]
+    want = np.array([[1, 1, 1, 1, 0, 0],   # 0.5, 1.5, 2.5, 3.5 > 3: terminates at step 3
+                     [1, 0, 0, 0, 0, 0],   # 3.5 > 3 at step 0
+                     [1, 0, 0, 0, 0, 0],   # already past: terminates at step 0
+                     [1, 1, 1, 1, 1, 1]], bool).T  # never
+    np.testing.assert_array_equal(valid, want)
+    term = batch.terminated & valid
+    np.testing.assert_array_equal(term.T, [[0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0],
+                                           [0] * 6])
+    assert not batch.truncated.any()
+    for row in range(4):  # no valid transition after a terminated one
+        t_end = np.flatnonzero(term[:, row])
+        if len(t_end):
+            assert not valid[t_end[0] + 1:, row].any()
+    # valid steps chain: obs_t = next_obs_{t-1}; s' = s + [1, m, 0], r = 10 + m for an elite m
+    np.testing.assert_allclose(batch.obs[1:][valid[1:]], batch.next_obs[:-1][valid[1:]], atol=1e-5)
+    delta = batch.next_obs - batch.obs
+    np.testing.assert_allclose(delta[..., 0][valid], 1.0, atol=1e-4)
+    member = np.rint(delta[..., 1]).astype(int)
+    assert set(member[valid]) <= {1, 3}
+    np.testing.assert_allclose(batch.reward[valid], 10 + member[valid], atol=1e-4)
+    assert np.all(np.abs(batch.action) <= 1)
+    flat, mask = dyn.flatten(jax.tree.map(jnp.asarray, batch), jnp.asarray(valid))
+    assert flat.obs.shape == (24, 3) and mask.shape == (24,) and int(mask.sum()) == valid.sum()
+
+
+@pytest.mark.parametrize("sampling", ["row", "step", "trajectory"])
+def test_elite_sampling_modes(sampling):
+    batch, valid = run_rollout(constant_model(sampling), np.zeros((0, 3)), key=1)  # 16 rows at -100: never done
+    assert valid.all()
+    member = np.rint(batch.next_obs[..., 1] - batch.obs[..., 1]).astype(int)  # (H, B)
+    assert set(member.ravel()) == {1, 3}  # only elites, and both used
+    per_step_const = (member == member[:, :1]).all()
+    per_row_const = (member == member[:1, :]).all()
+    assert per_step_const == (sampling == "step")
+    assert per_row_const == (sampling == "trajectory")
+
+
+def test_step_with_given_member():
+    model = constant_model("row")
+    obs = jnp.zeros((3, 3))
+    next_obs, reward = dyn.step(model, obs, jnp.zeros((3, 1)), jax.random.key(0), jnp.array([0, 2, 3]))
+    np.testing.assert_allclose(np.asarray(next_obs[:, 1]), [0, 2, 3], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(reward), [10, 12, 13], atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- termination functions
+
+
+def random_episodes(env_id, episodes, max_steps=300):
+    env = gym.make(env_id)
+    env.action_space.seed(0)
+    next_obs, terminated = [], []
+    for ep in range(episodes):
+        env.reset(seed=ep)
+        for _ in range(max_steps):
+            o, _, term, trunc, _ = env.step(env.action_space.sample())
+            next_obs.append(o)
+            terminated.append(term)
+            if term or trunc:
+                break
+    env.close()
+    return np.stack(next_obs), np.array(terminated)
+
+
+@pytest.mark.parametrize("env_id,episodes", [("Hopper-v5", 6), ("Walker2d-v5", 6), ("HalfCheetah-v5", 0)])
+def test_termination_matches_gymnasium_v5(env_id, episodes):
+    fn = dyn.termination_fn(env_id)
+    if episodes == 0:  # HalfCheetah: a short stretch, never terminated
+        next_obs, terminated = random_episodes(env_id, 1, max_steps=30)
+        assert not terminated.any() and not np.asarray(fn(jnp.asarray(next_obs))).any()
+        return
+    next_obs, terminated = random_episodes(env_id, episodes)
+    assert terminated.sum() >= episodes - 1 and (~terminated).sum() > episodes  # both outcomes seen
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(next_obs))), terminated)
+
+
+def test_termination_fn_names_and_edge_cases():
+    assert dyn.termination_fn("hopper") is dyn.termination_fn("Hopper-v5") is dyn.termination_fn("hopper-medium-v2")
+    assert dyn.termination_fn("walker2d-medium-replay-v2") is dyn.walker2d_done
+    assert dyn.termination_fn("HalfCheetah-v5") is dyn.halfcheetah_done
+    for bad in ("Ant-v5", "dmc:walker-walk", "walker"):
+        with pytest.raises(ValueError, match="supported: Hopper, Walker2d and HalfCheetah"):
+            dyn.termination_fn(bad)
+    healthy = np.array([1.2, 0.0] + [0.0] * 9, np.float32)
+    cases = {"healthy": (healthy, False), "low": (np.r_[0.7, healthy[1:]], True),
+             "tilted": (np.r_[healthy[:1], 0.2, healthy[2:]], True),
+             "huge": (np.r_[healthy[:5], 100.0, healthy[6:]], True),
+             "nan": (np.r_[healthy[:5], np.nan, healthy[6:]], True)}
+    for name, (o, want) in cases.items():
+        assert bool(dyn.hopper_done(jnp.asarray(o[None]))[0]) == want, name
+    w = jnp.array([[1.0, 0.5], [2.0, 0.0], [0.8, 0.0], [1.0, -1.0], [np.nan, 0.0]])
+    np.testing.assert_array_equal(np.asarray(dyn.walker2d_done(w)), [False, True, True, True, True])
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def test_save_load_round_trip(tmp_path, data, trained):
+    model, _ = trained
+    s, a, _, _ = data
+    path = tmp_path / "dyn.npz"
+    dyn.save(path, model)
+    back = dyn.load(path)
+    assert back.cfg == model.cfg and back.obs_dim == OBS and back.act_dim == ACT
+    for f in ("input_mean", "input_std", "elites", "val_mse"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(model, f)))
+    for x, y in zip(dyn.predict(model, s[:50], a[:50]), dyn.predict(back, s[:50], a[:50])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    k = jax.random.key(5)
+    np.testing.assert_array_equal(np.asarray(dyn.step(model, s[:9], a[:9], k)[0]),
+                                  np.asarray(dyn.step(back, s[:9], a[:9], k)[0]))
+
+    stored = dict(np.load(path))
+    stored["params/mean/kernel"] = stored["params/mean/kernel"][:, :-1]
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **stored)
+    with pytest.raises(ValueError, match="mean/kernel: shape"):
+        dyn.load(bad)
+    np.savez(bad, x=np.zeros(3))
+    with pytest.raises(ValueError, match="not a saved dynamics model"):
+        dyn.load(bad)

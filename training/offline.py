@@ -1,0 +1,213 @@
+"""The offline loop: a fixed dataset, N vmapped seeds, epochs of updates, evaluation in the real env.
+
+Time is counted in gradient updates (``--total-steps``, ``--eval-every``, ``--log-every`` and
+``--checkpoint-every`` are update counts, applied at epoch boundaries).  Per epoch the host makes
+one jitted call, vmapped over seeds, that runs the agent's whole epoch (for RAVL: model rollouts
+and ``updates_per_epoch`` updates in one scan).
+
+An offline agent module provides, beside ``CONFIG`` (with ``dataset``, ``kind``, ``dataset_root``
+and ``updates_per_epoch`` fields), ``init`` and ``act``:
+
+- ``prepare(key, dataset, dataset_path, cfg, seed, log) -> aux``: once per run, e.g. fit or load
+  a dynamics model; ``aux`` is a pytree shared by all seeds (not checkpointed: it is cached on disk);
+- ``data_init(real_transitions, cfg) -> data``: what one seed learns from, a NamedTuple whose field
+  ``real`` holds the dataset (the other fields, e.g. rollout buffers, are checkpointed);
+- ``make_epoch(cfg, env_id) -> epoch(state, data, aux, key) -> (state, data, metrics)``;
+- ``sample_batch(data, key, n, cfg)``: a training batch (plasticity metrics and resets use it).
+
+Checkpoints hold the agent states, the agent's buffers (``data`` without the dataset, which is
+re-read and checked against a fingerprint on resume) and the rng, so ``--resume`` continues exactly.
+Evaluation rows carry normalised scores: ``score_d4rl`` (D4RL constants, hopper / halfcheetah /
+walker2d) and ``score_dataset`` (the dataset's own random / expert references), when known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from envs import datasets
+from plasticity import optim as optim_lib
+from plasticity import sigreg as sigreg_lib
+from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
+from training import checkpoint
+from training.config import RunConfig, to_json
+from training.evaluation import Evaluator
+from training.logger import RunLogger
+from training.offpolicy import _progress, _raise_non_finite, report_interrupt
+
+DEFAULT_ENV = RunConfig.env
+
+
+def resolve_dataset(cfg: RunConfig):
+    """-> (path, Dataset, env id for evaluation), from ``--dataset PATH`` or ``--env E --kind K``."""
+    a = cfg.agent
+    if a.dataset:
+        path = Path(a.dataset).expanduser()
+    elif a.kind:
+        if cfg.env == DEFAULT_ENV:
+            raise SystemExit("--kind needs --env (e.g. --env hopper --kind medium) to find the dataset in the cache")
+        path = datasets.find(cfg.env, a.kind, a.dataset_root)
+    else:
+        raise SystemExit(f"agent {cfg.agent_name!r} is offline: give --dataset PATH or --env ENV --kind KIND "
+                         f"(kinds: {', '.join(datasets.KINDS)}; make one with scripts/make_dataset.py)")
+    if not path.exists():
+        raise SystemExit(f"--dataset {path}: no such file")
+    stored = datasets.load(path, validate=False).env_id
+    given = None if cfg.env == DEFAULT_ENV else cfg.env
+    if stored and given and datasets.d4rl_name(given) != datasets.d4rl_name(stored) and given != stored:
+        raise SystemExit(f"--env {given} does not match the dataset's env {stored} ({path})")
+    env_id = stored or (gymnasium_id(given) if given else None)
+    if env_id is None:
+        raise SystemExit(f"{path} does not record its environment: pass --env (e.g. Hopper-v5)")
+    return path, datasets.load(path, env_id=env_id), env_id
+
+
+def gymnasium_id(name: str) -> str:
+    """'hopper' / 'hopper-medium-v2' -> 'Hopper-v5'; Gymnasium ids pass through."""
+    short = datasets.d4rl_name(name)
+    ids = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
+    if short in ids and name.lower().startswith(short):
+        return ids[short]
+    return name
+
+
+def scores(returns, env_id: str, metadata: dict) -> dict:
+    """Normalised scores of a mean return under each reference that is known for this dataset."""
+    out = {}
+    for ref in ("d4rl", "dataset"):
+        try:
+            out[f"score_{ref}"] = float(datasets.normalized_score(returns, env_id=env_id, metadata=metadata,
+                                                                  reference=ref))
+        except (ValueError, KeyError):
+            pass
+    return out
+
+
+def fingerprint(dataset) -> dict:
+    return {"rows": len(dataset), "reward_sum": float(np.sum(dataset.rewards, dtype=np.float64)),
+            "obs_sum": float(np.sum(dataset.observations, dtype=np.float64))}
+
+
+def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Train (or resume) an offline run.  ``stop_at`` ends early at that update count."""
+    a = cfg.agent
+    S, U = cfg.seeds, a.updates_per_epoch
+    for name, value in (("seeds", S), ("total_steps", cfg.total_steps), ("eval_every", cfg.eval_every),
+                        ("log_every", cfg.log_every), ("checkpoint_every", cfg.checkpoint_every),
+                        ("eval_episodes", cfg.eval_episodes)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if cfg.total_steps % U:
+        raise ValueError(f"--total-steps ({cfg.total_steps}) must be a multiple of --updates-per-epoch ({U})")
+    if cfg.num_envs != 1:
+        raise ValueError("--num-envs does not apply to offline agents (they collect no data)")
+    if cfg.plasticity.least:
+        raise ValueError(f"--plasticity.least does not apply to agent {cfg.agent_name!r}: offline agents "
+                         "collect no episodes to stop")
+    path, dataset, env_id = resolve_dataset(cfg)
+    cfg = dataclasses.replace(cfg, env=env_id)  # config.json (and plots) name the env evaluated on
+    evaluator = Evaluator(env_id, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+    obs_dim, act_dim = dataset.obs_dim, dataset.act_dim
+    keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
+    k_prepare, key = keys[0], keys[1]
+    aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
+
+    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:
+        state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, a, cfg.network))(keys[2:])
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
+    real = jax.tree.map(jnp.asarray, dataset.transitions())
+    data = jax.vmap(lambda _: agent.data_init(real, a))(jnp.arange(S))  # the dataset is copied per seed
+    del real
+    pc = dataclasses.replace(cfg.plasticity, ne_review=False)  # NE's experience review needs an online stream
+    hooks = Hooks(pc, agent, cfg.agent_name, lambda d, k, n: agent.sample_batch(d, k, n, a),
+                  total_updates=cfg.total_steps)
+    state = hooks.start(state)
+    logger = RunLogger(run_dir, cfg.tensorboard)
+    epoch_fn = jax.jit(jax.vmap(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
+    sigreg, optim = sigreg_spec(pc), optim_spec(pc, agent)
+    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+    meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
+
+    if resume:
+        ckpt = checkpoint.latest(run_dir)
+        if ckpt is None:
+            raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
+        (state, model_buffers, key), host, _ = checkpoint.load(ckpt, (state, _buffers(data), key))
+        if host["dataset"] != meta["fingerprint"]:
+            raise SystemExit(f"--resume {run_dir}: the dataset {path} changed since the run started "
+                             f"({host['dataset']} != {meta['fingerprint']})")
+        data = _with_buffers(data, model_buffers)
+        step, next_eval, next_log = host["step"], host["next_eval"], host["next_log"]
+        hooks.restore(host["plasticity"])
+        logger.truncate_after(step)
+        print(f"resumed {run_dir} at update {step} from {ckpt.name}")
+    else:
+        logger.write_config({**to_json(cfg), "offline": meta})
+        step, next_eval, next_log = 0, 0, cfg.log_every
+    next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+    end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+
+    def evaluate(step):
+        returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
+        logger.log_eval(step, returns, [scores(np.mean(r), env_id, dataset.metadata) for r in returns])
+        return float(np.mean(returns))
+
+    def save(step):
+        host = {"step": step, "next_eval": next_eval, "next_log": next_log, "plasticity": hooks.host_state(),
+                "dataset": meta["fingerprint"]}
+        return checkpoint.save(run_dir, step, (state, _buffers(data), key), host, {"config": to_json(cfg)})
+
+    bar = _progress(cfg, step)
+    last_eval = math.nan
+    t_log, updates_log = time.perf_counter(), 0
+    consistent = True
+    try:
+        while step < end:
+            consistent = False
+            if step >= next_eval:
+                last_eval = evaluate(step)
+                next_eval += cfg.eval_every
+            key, k = jax.random.split(key)
+            with sigreg_lib.active(sigreg), optim_lib.active(optim):
+                state, data, metrics = epoch_fn(state, data, aux, jax.random.split(k, S))
+            if not all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics)):
+                _raise_non_finite(metrics, step + U, run_dir, unit="update")
+            state, rows = hooks.after_updates(step, step + U, state, data, jax.random.fold_in(k, 1))
+            step += U
+            updates_log += U
+            if step >= next_log or step >= end:
+                ups = updates_log / (time.perf_counter() - t_log)
+                per_seed = [{"perf/updates_per_s": ups, **{m: float(v[j]) for m, v in metrics.items()},
+                             **(rows[j] if rows else {})} for j in range(S)]
+                logger.log_metrics(step, per_seed)
+                next_log += cfg.log_every
+                bar(step, ups, last_eval, last_eval)
+                t_log, updates_log = time.perf_counter(), 0
+            if step >= next_ckpt or step >= end:
+                save(step)
+                next_ckpt += cfg.checkpoint_every
+            consistent = True
+    except KeyboardInterrupt:
+        report_interrupt(consistent, save, step, run_dir, bar, logger)
+        raise
+    if step >= cfg.total_steps and next_eval - cfg.eval_every < step:
+        last_eval = evaluate(step)
+    bar(None)
+    logger.close()
+    return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "env_id": env_id}
+
+
+def _buffers(data):
+    """The checkpointed part of ``data``: everything but the dataset itself (field ``real``)."""
+    return data._replace(real=None)
+
+
+def _with_buffers(data, buffers):
+    return buffers._replace(real=data.real)
