@@ -130,7 +130,10 @@ def td_target(reward, terminated, next_q_min, next_log_prob, alpha, gamma):
 def diversity_loss(critic: Net, critic_params, obs, action):
     """EDAC's ensemble similarity: mean over states of sum_{i!=j} cos(grad_a Q_i, grad_a Q_j) / (N-1)."""
     n = critic.ensemble
-    grads = jax.jacrev(lambda a: critic.apply(critic_params, obs, a)[0].sum(axis=1))(action)  # (N, B, A)
+    # One backward pass: each member gets its own copy of the actions, so d(sum of all Q)/d(copy i)
+    # is grad_a Q_i (a jacrev over members would cost N backward passes through the whole ensemble).
+    x = jnp.broadcast_to(jnp.concatenate([obs, action], axis=-1), (n, *obs.shape[:-1], obs.shape[-1] + action.shape[-1]))
+    grads = jax.grad(lambda x: critic.apply(critic_params, x, member_inputs=True)[0].sum())(x)[..., obs.shape[-1]:]
     # ||g|| as sqrt(sum g^2 + 1e-20): jnp.linalg.norm's gradient is NaN at g = 0 (a ReLU critic can
     # have exactly zero action-gradient), torch.norm's is 0; this matches the latter.
     unit = grads / (jnp.sqrt(jnp.sum(grads**2, axis=-1, keepdims=True) + 1e-20) + 1e-10)

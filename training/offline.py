@@ -53,7 +53,7 @@ def resolve_dataset(cfg: RunConfig):
     elif a.kind:
         if cfg.env == DEFAULT_ENV:
             raise SystemExit("--kind needs --env (e.g. --env hopper --kind medium) to find the dataset in the cache")
-        path = datasets.find(cfg.env, a.kind, a.dataset_root)
+        path = datasets.find(gymnasium_id(cfg.env), a.kind, a.dataset_root)
     else:
         raise SystemExit(f"agent {cfg.agent_name!r} is offline: give --dataset PATH or --env ENV --kind KIND "
                          f"(kinds: {', '.join(datasets.KINDS)}; make one with scripts/make_dataset.py)")
