@@ -146,11 +146,20 @@ def prepare(key, dataset, dataset_path, cfg: RAVLConfig, seed: int, log=print):
     path = Path(cfg.model) if cfg.model else model_path(dataset_path, seed)
     if path.exists():
         log(f"dynamics model: {path}")
-        return dynamics_lib.load(path)
+        model = dynamics_lib.load(path)
+        if (model.obs_dim, model.act_dim) != (dataset.obs_dim, dataset.act_dim):
+            raise SystemExit(f"dynamics model {path} is for obs/act dims {model.obs_dim}/{model.act_dim}, the "
+                             f"dataset has {dataset.obs_dim}/{dataset.act_dim}")
+        if not cfg.model and model.cfg != cfg.dynamics:
+            changed = [f.name for f in dataclasses.fields(DynamicsConfig)
+                       if getattr(model.cfg, f.name) != getattr(cfg.dynamics, f.name)]
+            raise SystemExit(f"the cached dynamics model {path} was trained with other --dynamics settings "
+                             f"({', '.join(changed)}): delete it to retrain, or pass --model {path} to use it")
+        return model
     if cfg.model:
-        raise FileNotFoundError(f"--model {path}: no such file")
+        raise SystemExit(f"--model {path}: no such file")
     log(f"training the dynamics ensemble on {len(dataset)} transitions (cached at {path}) ...")
-    t = dataset.transitions()
+    t = dataset.transitions(unit_actions=True)
 
     def progress(epoch, row):
         if epoch % 25 == 0 or row.get("action") not in (None, "", "continue"):

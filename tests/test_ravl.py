@@ -145,3 +145,25 @@ def test_offline_cli_errors(toy_dataset, tmp_path):
         main(["ravl", "--dataset", str(toy_dataset), "--plasticity.least", "--run-dir", str(tmp_path / "z")])
     with pytest.raises(SystemExit, match="no such file"):
         main(["ravl", "--dataset", str(tmp_path / "missing.hdf5"), "--run-dir", str(tmp_path / "w")])
+
+
+def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset, tmp_path):
+    from agents import dynamics
+    from envs import datasets
+
+    ds = datasets.load(toy_dataset)
+    path = tmp_path / "model.npz"
+    small = dynamics.DynamicsConfig(members=2, elites=1, width=8, depth=1)
+    dynamics.save(path, dynamics.init_model(jax.random.key(0), 1, 1, small))
+    cfg = ravl.RAVLConfig(dynamics=small)
+    model = ravl.prepare(jax.random.key(0), ds, tmp_path / "data.hdf5", dataclasses.replace(cfg, model=str(path)), 0,
+                         log=lambda *_: None)
+    assert model.cfg == small
+    # the default cache location holds a model trained with other settings -> refuse, say which
+    dynamics.save(ravl.model_path(tmp_path / "data.hdf5", 0), dynamics.init_model(jax.random.key(0), 1, 1, small))
+    with pytest.raises(SystemExit, match="other --dynamics settings .*members"):
+        ravl.prepare(jax.random.key(0), ds, tmp_path / "data.hdf5", ravl.RAVLConfig(), 0, log=lambda *_: None)
+    dynamics.save(path, dynamics.init_model(jax.random.key(0), 3, 1, small))
+    with pytest.raises(SystemExit, match="obs/act dims 3/1"):
+        ravl.prepare(jax.random.key(0), ds, tmp_path / "x.hdf5", dataclasses.replace(cfg, model=str(path)), 0,
+                     log=lambda *_: None)

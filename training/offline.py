@@ -66,7 +66,9 @@ def resolve_dataset(cfg: RunConfig):
     env_id = stored or (gymnasium_id(given) if given else None)
     if env_id is None:
         raise SystemExit(f"{path} does not record its environment: pass --env (e.g. Hopper-v5)")
-    return path, datasets.load(path, env_id=env_id), env_id
+    dataset = datasets.load(path, env_id=env_id)
+    dataset.metadata.setdefault("env_id", env_id)  # a real D4RL file names no env: action bounds come from it
+    return path, dataset, env_id
 
 
 def gymnasium_id(name: str) -> str:
@@ -122,7 +124,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:
         state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, a, cfg.network))(keys[2:])
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
-    real = jax.tree.map(jnp.asarray, dataset.transitions())
+    real = jax.tree.map(jnp.asarray, dataset.transitions(unit_actions=True))  # the agent acts in [-1, 1]
     data = jax.vmap(lambda _: agent.data_init(real, a))(jnp.arange(S))  # the dataset is copied per seed
     del real
     pc = dataclasses.replace(cfg.plasticity, ne_review=False)  # NE's experience review needs an online stream
