@@ -169,7 +169,7 @@ def prepare(key, dataset, dataset_path, cfg: RAVLConfig, seed: int, log=print):
     model, info = dynamics_lib.train(key, t.obs, t.action, t.reward, t.next_obs, cfg.dynamics, log=progress)
     dynamics_lib.save(path, model)
     val = np.asarray(info["val_mse"])
-    log(f"dynamics: {info['epochs']} epochs, validation MSE per member {np.round(val, 4).tolist()}, "
+    log(f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "
         f"elites {np.asarray(info['elites']).tolist()}")
     return model
 
