@@ -70,7 +70,8 @@ def _changed(new, old, prefix=""):
 def main(argv=None):
     cfg = parse(sys.argv[1:] if argv is None else list(argv))
     out = run(cfg)
-    print(f"done: {out['step']} steps, last evaluation return {out['last_eval']:.1f}; run directory: {out['run_dir']}")
+    unit = "updates" if agents.get(cfg.agent_name).KIND == "offline" else "steps"
+    print(f"done: {out['step']} {unit}, last evaluation return {out['last_eval']:.1f}; run directory: {out['run_dir']}")
     return out
 
 
