@@ -191,6 +191,7 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 4])
     p.add_argument("--steps", type=int, default=1000, help="timed env steps per seed")
     p.add_argument("--width", type=int, default=None, help="hidden width (default: the agent's paper value)")
+    p.add_argument("--warmup", type=int, default=300, help="untimed training steps after compilation")
     p.add_argument("--plasticity", action="store_true",
                    help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time")
     args = p.parse_args(argv)
@@ -204,7 +205,7 @@ def main(argv=None):
     print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'compile s':>10} {'GFLOP/s':>8} {'of peak':>8}")
     rows = []
     for s in args.seeds:
-        r = measure(args.agent, args.env, s, args.steps, args.width)
+        r = measure(args.agent, args.env, s, args.steps, args.width, args.warmup)
         r["flops_per_step"], r["achieved_flops"] = flops, flops * r["env_steps_per_s"]
         r["fraction_of_peak"] = r["achieved_flops"] / peak
         rows.append(r)
