@@ -115,7 +115,10 @@ def test_bad_inputs_are_refused(data):
     with pytest.raises(ValueError, match="non-finite"):
         dyn.train(jax.random.key(0), s, a, np.full_like(r, np.nan), s2, CFG)
     with pytest.raises(ValueError, match="weight_decay"):
-        dyn.DynamicsConfig(depth=2)
+        dyn.DynamicsConfig(depth=2, weight_decay=(1e-4, 1e-4))
+    # the spec's default 4-layer values adapt to another depth: first hidden values, then the heads'
+    assert dyn.DynamicsConfig(depth=2).weight_decay == (2.5e-5, 5e-5, 1e-4)
+    assert dyn.DynamicsConfig(depth=5).weight_decay == (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 7.5e-5, 1e-4)
     with pytest.raises(ValueError, match="elite_sampling"):
         dyn.DynamicsConfig(elite_sampling="member")
     # configs round-trip through JSON (lists for tuples), and the Unifloral preset (spec 3.2)
@@ -339,8 +342,11 @@ def test_termination_fn_names_and_edge_cases():
     assert dyn.termination_fn("walker2d-medium-replay-v2") is dyn.walker2d_done
     assert dyn.termination_fn("HalfCheetah-v5") is dyn.halfcheetah_done
     for bad in ("Ant-v5", "dmc:walker-walk", "walker"):
-        with pytest.raises(ValueError, match="supported: Hopper, Walker2d and HalfCheetah"):
+        with pytest.raises(ValueError, match="supported: halfcheetah, hopper, pendulum, .*walker2d"):
             dyn.termination_fn(bad)
+    dyn.register_termination("myenv", dyn.never_done)
+    assert dyn.termination_fn("MyEnv-v1") is dyn.never_done
+    del dyn.TERMINATION_FNS["myenv"]
     healthy = np.array([1.2, 0.0] + [0.0] * 9, np.float32)
     cases = {"healthy": (healthy, False), "low": (np.r_[0.7, healthy[1:]], True),
              "tilted": (np.r_[healthy[:1], 0.2, healthy[2:]], True),
