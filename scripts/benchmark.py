@@ -2,6 +2,10 @@
 
     python scripts/benchmark.py                       # SAC on HalfCheetah-v5, 1 and 4 vmapped seeds
     python scripts/benchmark.py --env dmc:cheetah-run --seeds 1 2 4 8 --steps 500
+    python scripts/benchmark.py --agent mrq --steps 250 --warmup 1   # MR.Q: time whole 250-step sync periods
+
+MR.Q's encoder burst runs once every 250 steps, so its timed window must span a multiple of 250
+steps, or the rate (and the share of peak, which counts the burst amortised) is overstated.
 
 Each measurement times the real loop body (env step on the host, transfer, one jitted call
 that stores the transition, does the gradient step(s) and picks the next action) after the
