@@ -129,6 +129,9 @@ def test_offline_resume_equals_uninterrupted(toy_dataset, tmp_path):
                                                    checkpoint_every=200, eval_every=200), resume=str(tmp_path / "b")))
     for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    from training.run import load_config  # what `train.py --resume DIR` reads
+
+    assert load_config(tmp_path / "b").agent.dataset == str(toy_dataset)
     ea = (tmp_path / "a" / "eval.csv").read_text()
     eb = (tmp_path / "b" / "eval.csv").read_text()
     assert ea == eb

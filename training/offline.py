@@ -15,6 +15,7 @@ and ``updates_per_epoch`` fields), ``init`` and ``act``:
 - ``make_epoch(cfg, env_id) -> epoch(state, data, aux, key) -> (state, data, metrics)``;
 - ``sample_batch(data, key, n, cfg)``: a training batch (plasticity metrics and resets use it).
 
+``dataset.json`` in the run directory records the dataset path, env and fingerprint.
 Checkpoints hold the agent states, the agent's buffers (``data`` without the dataset, which is
 re-read and checked against a fingerprint on resume) and the rng, so ``--resume`` continues exactly.
 Evaluation rows carry normalised scores: ``score_d4rl`` (D4RL constants, hopper / halfcheetah /
@@ -23,6 +24,7 @@ walker2d) and ``score_dataset`` (the dataset's own random / expert references), 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from functools import partial
@@ -151,7 +153,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         logger.truncate_after(step)
         print(f"resumed {run_dir} at update {step} from {ckpt.name}")
     else:
-        logger.write_config({**to_json(cfg), "offline": meta})
+        logger.write_config(to_json(cfg))
+        (Path(run_dir) / "dataset.json").write_text(json.dumps(meta, indent=2))
         step, next_eval, next_log = 0, 0, cfg.log_every
     next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
