@@ -47,6 +47,22 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_p
             assert [r["return_mean"] for r in rows_full] == [r["return_mean"] for r in rows_res]
 
 
+def test_extending_a_finished_run_redoes_its_final_evaluation_once(tiny_sac_config, tmp_path):
+    """A run finished at 300 steps (final evaluation at 300) and extended to 600 with --resume
+    has the same eval.csv rows and parameters as a 600-step run: the evaluation at 300 is not doubled."""
+    full = train(tiny_sac_config(total_steps=600), sac, tmp_path / "full")
+    train(tiny_sac_config(total_steps=300), sac, tmp_path / "ext")
+    short = [r["step"] for r in csv.DictReader(open(tmp_path / "ext" / "eval.csv"))]
+    assert short == ["0", "300"]  # one seed: the evaluation at 0 and the final one at 300
+    extended = train(tiny_sac_config(total_steps=600), sac, tmp_path / "ext", resume=True)
+    rows_full = list(csv.DictReader(open(tmp_path / "full" / "eval.csv")))
+    rows_ext = list(csv.DictReader(open(tmp_path / "ext" / "eval.csv")))
+    assert [r["step"] for r in rows_ext] == [r["step"] for r in rows_full] == ["0", "300", "600"]
+    assert [r["return_mean"] for r in rows_ext] == [r["return_mean"] for r in rows_full]
+    for x, y in zip(leaves(full["state"]), leaves(extended["state"])):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
     cfg = tiny_sac_config(total_steps=300)
     train(cfg, sac, tmp_path / "r")

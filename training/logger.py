@@ -3,7 +3,7 @@
 ``metrics.csv`` has one row per log step per seed; ``eval.csv`` one row per evaluation per
 seed (``step,seed,return_mean,return_std,episode_returns``).  Files are append-only; when a
 new metric name appears the metrics file is rewritten with the wider header, so no row is
-ever lost.  ``truncate_after(step)`` drops rows past a checkpoint when a run resumes.
+ever lost.  ``truncate_after`` drops the rows a resumed run will write again.
 """
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ class CSVTable:
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, self.header, extrasaction="ignore").writerows(rows)
 
-    def truncate_after(self, step: int):
+    def truncate_after(self, step: int, before: int | None = None):
+        """Keep the rows at or before ``step`` (and, if given, strictly before ``before``)."""
         header, rows = _read(self.path)
-        _write(self.path, header, [r for r in rows if int(float(r["step"])) <= step])
+        last = step if before is None else min(step, before - 1)
+        _write(self.path, header, [r for r in rows if int(float(r["step"])) <= last])
 
 
 class RunLogger:
@@ -97,9 +99,11 @@ class RunLogger:
                 self.tb.add_scalar(f"seed{j}/eval/return", float(r.mean()), step)
         self.evals.append(rows)
 
-    def truncate_after(self, step: int):
+    def truncate_after(self, step: int, evals_before: int | None = None):
+        """Drop metric rows after ``step`` and evaluation rows after it or at/after ``evals_before``
+        (the evaluations a resumed run will redo)."""
         self.metrics.truncate_after(step)
-        self.evals.truncate_after(step)
+        self.evals.truncate_after(step, evals_before)
 
     def close(self):
         if self.tb is not None:

@@ -42,7 +42,7 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
-from training.offpolicy import _progress, _raise_non_finite, report_interrupt
+from training.loop import Schedule, check_positive, progress, raise_non_finite, report_interrupt, restore, run_counts
 
 DEFAULT_ENV = RunConfig.env
 
@@ -103,11 +103,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     """Train (or resume) an offline run.  ``stop_at`` ends early at that update count."""
     a = cfg.agent
     S, U = cfg.seeds, a.updates_per_epoch
-    for name, value in (("seeds", S), ("total_steps", cfg.total_steps), ("eval_every", cfg.eval_every),
-                        ("log_every", cfg.log_every), ("checkpoint_every", cfg.checkpoint_every),
-                        ("eval_episodes", cfg.eval_episodes)):
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_positive(**run_counts(cfg))
     if cfg.total_steps % U:
         raise ValueError(f"--total-steps ({cfg.total_steps}) must be a multiple of --updates-per-epoch ({U})")
     if cfg.num_envs != 1:
@@ -140,23 +136,18 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
 
     if resume:
-        ckpt = checkpoint.latest(run_dir)
-        if ckpt is None:
-            raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
-        (state, model_buffers, key), host, _ = checkpoint.load(ckpt, (state, _buffers(data), key))
+        (state, model_buffers, key), host, _ = restore(run_dir, (state, _buffers(data), key), logger, unit="update")
         if host["dataset"] != meta["fingerprint"]:
             raise SystemExit(f"--resume {run_dir}: the dataset {path} changed since the run started "
                              f"({host['dataset']} != {meta['fingerprint']})")
         data = _with_buffers(data, model_buffers)
-        step, next_eval, next_log = host["step"], host["next_eval"], host["next_log"]
+        step = host["step"]
         hooks.restore(host["plasticity"])
-        logger.truncate_after(step)
-        print(f"resumed {run_dir} at update {step} from {ckpt.name}")
     else:
         logger.write_config(to_json(cfg))
         (Path(run_dir) / "dataset.json").write_text(json.dumps(meta, indent=2))
-        step, next_eval, next_log = 0, 0, cfg.log_every
-    next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+        step, host = 0, None
+    schedule = Schedule(cfg, step, host)
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
 
     def evaluate(step):
@@ -165,44 +156,41 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         return float(np.mean(returns))
 
     def save(step):
-        host = {"step": step, "next_eval": next_eval, "next_log": next_log, "plasticity": hooks.host_state(),
+        host = {"step": step, **schedule.host(), "plasticity": hooks.host_state(),
                 "dataset": meta["fingerprint"]}
         return checkpoint.save(run_dir, step, (state, _buffers(data), key), host, {"config": to_json(cfg)})
 
-    bar = _progress(cfg, step)
+    bar = progress(cfg, step)
     last_eval = math.nan
     t_log, updates_log = time.perf_counter(), 0
     consistent = True
     try:
         while step < end:
             consistent = False
-            if step >= next_eval:
+            if schedule.eval_due(step):
                 last_eval = evaluate(step)
-                next_eval += cfg.eval_every
             key, k = jax.random.split(key)
             with sigreg_lib.active(sigreg), optim_lib.active(optim):
                 state, data, metrics = epoch_fn(state, data, aux, jax.random.split(k, S))
             if not all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics)):
-                _raise_non_finite(metrics, step + U, run_dir, unit="update")
+                raise_non_finite(metrics, step + U, run_dir, unit="update")
             state, rows = hooks.after_updates(step, step + U, state, data, jax.random.fold_in(k, 1))
             step += U
             updates_log += U
-            if step >= next_log or step >= end:
+            if schedule.log_due(step, end):
                 ups = updates_log / (time.perf_counter() - t_log)
                 per_seed = [{"perf/updates_per_s": ups, **{m: float(v[j]) for m, v in metrics.items()},
                              **(rows[j] if rows else {})} for j in range(S)]
                 logger.log_metrics(step, per_seed)
-                next_log += cfg.log_every
                 bar(step, ups, last_eval, last_eval)
                 t_log, updates_log = time.perf_counter(), 0
-            if step >= next_ckpt or step >= end:
+            if schedule.checkpoint_due(step, end):
                 save(step)
-                next_ckpt += cfg.checkpoint_every
             consistent = True
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
-    if step >= cfg.total_steps and next_eval - cfg.eval_every < step:
+    if schedule.final_eval_due(step, cfg.total_steps):
         last_eval = evaluate(step)
     bar(None)
     logger.close()

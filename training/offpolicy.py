@@ -24,10 +24,10 @@ from training import checkpoint, replay
 from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
+from training.loop import NonFiniteLossError, Schedule, check_positive, progress, raise_non_finite, \
+    report_interrupt, restore, run_counts
 
-
-class NonFiniteLossError(RuntimeError):
-    """A loss or training statistic became NaN/inf; the run stops and keeps its last checkpoint."""
+__all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
 
 def make_train_block(agent, cfg, num_updates: int):
@@ -106,11 +106,6 @@ def seed_slice(tree, j: int):
     return jax.tree.map(lambda x: x[j], tree)
 
 
-def default_run_dir(cfg: RunConfig) -> Path:
-    env = cfg.env.replace(":", "_").replace("/", "_")
-    return Path("runs") / f"{env}__{cfg.agent_name}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None,
           on_eval=None) -> dict:
     """Train (or resume) a run.  ``stop_at`` ends early at that step, as an interruption would.
@@ -122,11 +117,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     """
     a = cfg.agent
     S, E = cfg.seeds, cfg.num_envs
-    for name, value in (("seeds", S), ("num_envs", E), ("total_steps", cfg.total_steps),
-                        ("eval_every", cfg.eval_every), ("log_every", cfg.log_every),
-                        ("checkpoint_every", cfg.checkpoint_every), ("eval_episodes", cfg.eval_episodes)):
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_positive(**run_counts(cfg))
     env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
     evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
     obs_dim, act_dim = env.obs_dim, env.act_dim
@@ -147,20 +138,14 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
 
     if resume:
-        path = checkpoint.latest(run_dir)
-        if path is None:
-            raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
-        (state, buffer, key), host, _ = checkpoint.load(path, (state, buffer, key))
+        (state, buffer, key), host, _ = restore(run_dir, (state, buffer, key), logger)
         env, obs, action, step = host["env"], host["obs"], jnp.asarray(host["action"]), host["step"]
-        episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
-        updates_done, pending, least = host["updates_done"], host["pending"], host["least"]
+        episode_log, updates_done, pending, least = host["episode_log"], host["updates_done"], host["pending"], host["least"]
         hooks.restore(host["plasticity"])
-        logger.truncate_after(step)
-        print(f"resumed {run_dir} at step {step} from {path.name}")
     else:
         logger.write_config(to_json(cfg))
         obs = env.reset()
-        step, next_eval, next_log = 0, 0, cfg.log_every
+        step, host = 0, None
         episode_log = [[] for _ in range(S)]
         updates_done, pending = 0, None
         key, k0 = jax.random.split(key)
@@ -169,7 +154,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     if counter is not None:
         env.steps_per_call = E  # the counter counts per-seed env steps, the unit of --total-steps
         nonstationary.follow(evaluator.env, counter)
-    next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+    schedule = Schedule(cfg, step, host)
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
 
     def evaluate(step):
@@ -181,20 +166,19 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
 
     def save(step):
         host = {"env": env, "obs": obs, "action": np.asarray(action), "step": step,
-                "episode_log": episode_log, "next_eval": next_eval, "next_log": next_log,
+                "episode_log": episode_log, **schedule.host(),
                 "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state(), "least": least}
         return checkpoint.save(run_dir, step, (state, buffer, key), host, {"config": to_json(cfg)})
 
-    bar = _progress(cfg, step)
+    bar = progress(cfg, step)
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
     consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
     try:
         while step < end:
             consistent = False
-            if step >= next_eval:
+            if schedule.eval_due(step):
                 last_eval = evaluate(step)
-                next_eval += cfg.eval_every
             new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
             transition = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs,
                                            terminated, truncated)
@@ -212,7 +196,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             if learning:
                 metrics = new_metrics
                 if not bool(finite):
-                    _raise_non_finite(metrics, step, run_dir)
+                    raise_non_finite(metrics, step, run_dir)
                 state, rows = hooks.after_updates(updates_done, updates_done + num_updates, state, buffer,
                                                   jax.random.fold_in(k, 1))
                 updates_done += num_updates
@@ -220,7 +204,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                     pending = rows if pending is None else [{**p, **r} for p, r in zip(pending, rows)]
             for i, ret, length in env.pop_finished():
                 episode_log[i // E].append((ret, length))
-            if step >= next_log or step == cfg.total_steps:
+            if schedule.log_due(step, cfg.total_steps):
                 sps = steps_log * S / (time.perf_counter() - t_log)  # env steps/s, all seeds
                 if least is not None and pc.least_noise_max > 0:  # LEAST's optional noise increase
                     sigma = least.noise(a.exploration_noise, pc.least_noise_max).astype(np.float32)
@@ -245,17 +229,15 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 last_return = float(np.mean(recent)) if recent else last_return
                 episode_log = [[] for _ in range(S)]
                 logger.log_metrics(step, rows)
-                next_log += cfg.log_every
                 bar(step, sps, last_return, last_eval)
                 t_log, steps_log = time.perf_counter(), 0
-            if step >= next_ckpt or step == end:
+            if schedule.checkpoint_due(step, end):
                 save(step)
-                next_ckpt += cfg.checkpoint_every
             consistent = True
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
-    if step >= cfg.total_steps and next_eval - cfg.eval_every < step:
+    if schedule.final_eval_due(step, cfg.total_steps):
         last_eval = evaluate(step)
     bar(None)
     logger.close()
@@ -275,41 +257,3 @@ def _least_step(least, signals, state, transition, new_obs, env, step, key, S, E
     for i in np.flatnonzero(stop):
         new_obs[i] = env.stop(int(i))
     return transition._replace(truncated=truncated), new_obs
-
-
-def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
-    """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
-    if consistent:
-        where = f"saved a checkpoint at step {step} ({save(step)})"
-    else:
-        where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
-    bar(None)
-    logger.close()
-    print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
-
-
-def _raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
-    bad = sorted(k for k, v in metrics.items() if not np.all(np.isfinite(np.asarray(v))))
-    last = checkpoint.latest(run_dir)
-    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-    raise NonFiniteLossError(f"non-finite {', '.join(bad) or 'loss'} at {unit} {step}; "
-                             f"training stopped, {kept}")
-
-
-def _progress(cfg: RunConfig, start: int):
-    if not cfg.progress:
-        return lambda *a, **k: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=cfg.total_steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
-    pos = [start]
-
-    def update(step, sps=None, ret=None, ev=None):
-        if step is None:
-            bar.close()
-            return
-        bar.update(step - pos[0])
-        pos[0] = step
-        bar.set_postfix({"sps": f"{sps:.0f}", "return": f"{ret:.1f}", "eval": f"{ev:.1f}"}, refresh=False)
-
-    return update

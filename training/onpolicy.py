@@ -45,7 +45,7 @@ from training.logger import RunLogger
 from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
-from training.offpolicy import _progress, _raise_non_finite, report_interrupt
+from training.loop import Schedule, check_positive, progress, raise_non_finite, report_interrupt, restore, run_counts
 
 
 class LoopState(NamedTuple):
@@ -182,13 +182,8 @@ class FlatStep:
 
 def _check(cfg: RunConfig):
     a = cfg.agent
-    for name, value in (("seeds", cfg.seeds), ("num_envs", cfg.num_envs), ("total_steps", cfg.total_steps),
-                        ("eval_every", cfg.eval_every), ("log_every", cfg.log_every),
-                        ("checkpoint_every", cfg.checkpoint_every), ("eval_episodes", cfg.eval_episodes),
-                        ("num_steps", a.num_steps), ("num_minibatches", a.num_minibatches),
-                        ("update_epochs", a.update_epochs)):
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_positive(**run_counts(cfg), num_steps=a.num_steps, num_minibatches=a.num_minibatches,
+                   update_epochs=a.update_epochs)
     batch = a.num_steps * cfg.num_envs
     if batch % a.num_minibatches:
         raise ValueError(f"the batch (--num-steps {a.num_steps} x --num-envs {cfg.num_envs} = {batch}) must be "
@@ -223,24 +218,18 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     shaped = lambda x: np.asarray(x).reshape(S, E, *np.shape(x)[1:])  # noqa: E731
 
     if resume:
-        path = checkpoint.latest(run_dir)
-        if path is None:
-            raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
-        (state, loop, key), host, _ = checkpoint.load(path, (state, loop, key))
-        env, action, step = host["env"], jnp.asarray(host["action"]), host["step"]
-        episode_log, next_eval, next_log = host["episode_log"], host["next_eval"], host["next_log"]
+        (state, loop, key), host, _ = restore(run_dir, (state, loop, key), logger)
+        env, action, step, episode_log = host["env"], jnp.asarray(host["action"]), host["step"], host["episode_log"]
         phase, updates_done, pending = host["phase"], host["updates_done"], host["pending"]
         hooks.restore(host["plasticity"])
-        logger.truncate_after(step)
         if getattr(env, "restored_fresh", False):  # a backend that cannot pickle its simulator restarted
             key, k = jax.random.split(key)
             state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
-        print(f"resumed {run_dir} at step {step} from {path.name}")
     else:
         logger.write_config(to_json(cfg))
         key, k = jax.random.split(key)
         state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
-        step, next_eval, next_log, phase = 0, 0, cfg.log_every, 0
+        step, phase, host = 0, 0, None
         updates_done, pending = 0, None
         episode_log = [[] for _ in range(S)]
     state = state.replace(num_iterations=jnp.full((S,), num_iterations, jnp.int32))
@@ -248,7 +237,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     if counter is not None:
         env.steps_per_call = E  # the counter counts per-seed env steps, the unit of --total-steps
         nonstationary.follow(evaluator.env, counter)
-    next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+    schedule = Schedule(cfg, step, host)
     last_step = num_iterations * batch
     end = last_step if stop_at is None else min(stop_at, last_step)
 
@@ -259,11 +248,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
 
     def save(step):
         host = {"env": env, "action": np.asarray(action), "step": step, "episode_log": episode_log,
-                "next_eval": next_eval, "next_log": next_log, "phase": phase,
+                **schedule.host(), "phase": phase,
                 "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state()}
         return checkpoint.save(run_dir, step, (state, loop, key), host, {"config": to_json(cfg)})
 
-    bar = _progress(cfg, step)
+    bar = progress(cfg, step)
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
     consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
@@ -273,10 +262,9 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             key, k_roll = jax.random.split(key)
             ff, fm = step_fn.flatten(state, loop)
             for t in range(T):
-                if step >= next_eval:
+                if schedule.eval_due(step):
                     state, loop = step_fn.unflatten(fm)
                     last_eval = evaluate(step)
-                    next_eval += cfg.eval_every
                 new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
                 step += E
                 steps_log += E
@@ -290,18 +278,17 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                                      shaped(next_obs), shaped(new_obs), k_roll)
                 for i, ret, length in env.pop_finished():
                     episode_log[i // E].append((ret, length))
-                if step >= next_log:
+                if schedule.log_due(step):
                     sps = steps_log * S / (time.perf_counter() - t_log)
                     last_return = _log(logger, step, sps, episode_log, metrics, env, S, E, last_return)
                     episode_log = [[] for _ in range(S)]
-                    next_log += cfg.log_every
                     bar(step, sps, last_return, last_eval)
                     t_log, steps_log = time.perf_counter(), 0
             state, loop = step_fn.unflatten(fm)
             key, k = jax.random.split(key)
             state, loop, action, metrics, finite = iterate_fn(state, loop, k)
             if not bool(finite):
-                _raise_non_finite({k: v for k, v in metrics.items() if k.startswith("losses/")}, step, run_dir)
+                raise_non_finite({k: v for k, v in metrics.items() if k.startswith("losses/")}, step, run_dir)
             state, rows = hooks.after_updates(updates_done, updates_done + updates_per_iteration, state,
                                               loop.buffer, jax.random.fold_in(k, 1))
             updates_done += updates_per_iteration
@@ -311,13 +298,12 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 metrics = {**metrics, **{k: np.array([row[k] for row in pending]) for k in pending[0]}}
                 pending = None
             consistent = True
-            if step >= next_ckpt or step >= end:
+            if schedule.checkpoint_due(step, end):
                 save(step)
-                next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
-    if step >= last_step and next_eval - cfg.eval_every < step:
+    if schedule.final_eval_due(step, last_step):
         last_eval = evaluate(step)
     bar(None)
     logger.close()

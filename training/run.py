@@ -23,7 +23,7 @@ def run(cfg: RunConfig, stop_at: int | None = None) -> dict:
     if cfg.resume:
         run_dir, resume = Path(cfg.resume), True
     else:
-        from training.offpolicy import default_run_dir
+        from training.loop import default_run_dir
 
         run_dir, resume = (Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)), False
         if (run_dir / "ckpt").exists():

@@ -1,0 +1,137 @@
+"""Machinery every training loop shares: argument checks, the evaluate / log / checkpoint
+cadence, resuming from the last checkpoint, NaN stops, Ctrl-C and the progress bar.
+
+The loops (``offpolicy``, ``onpolicy``, ``offline``) count time in their own unit (env steps
+per seed, or gradient updates); everything here works in that unit.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from training import checkpoint
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss or training statistic became NaN/inf; the run stops and keeps its last checkpoint."""
+
+
+def check_positive(**values: int):
+    """Raise a ValueError naming the flag of the first value below 1 (``total_steps`` -> ``--total-steps``)."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def run_counts(cfg) -> dict:
+    """The RunConfig counts every loop needs to be positive."""
+    return {name: getattr(cfg, name) for name in ("seeds", "num_envs", "total_steps", "eval_every", "log_every",
+                                                  "checkpoint_every", "eval_episodes")}
+
+
+class Schedule:
+    """When to evaluate, log and checkpoint.
+
+    Evaluations and log rows fall on the grids ``0, eval_every, ...`` and ``log_every, 2 log_every, ...``
+    (at the first loop step at or past each point); checkpoints at the first step past each
+    multiple of ``checkpoint_every`` and at the end.  ``host()`` is what a checkpoint stores, and
+    ``Schedule(cfg, step, host)`` continues from it.
+    """
+
+    def __init__(self, cfg, step: int = 0, host: dict | None = None):
+        self.eval_every, self.log_every, self.checkpoint_every = cfg.eval_every, cfg.log_every, cfg.checkpoint_every
+        self.next_eval = host["next_eval"] if host else 0
+        self.next_log = host["next_log"] if host else cfg.log_every
+        self.next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
+
+    def eval_due(self, step: int) -> bool:
+        if step < self.next_eval:
+            return False
+        self.next_eval += self.eval_every
+        return True
+
+    def log_due(self, step: int, last: int | None = None) -> bool:
+        """Due at each ``log_every`` point, and at ``last`` if given (the run's final step)."""
+        if step < self.next_log and (last is None or step < last):
+            return False
+        if step >= self.next_log:
+            self.next_log += self.log_every
+        return True
+
+    def checkpoint_due(self, step: int, end: int) -> bool:
+        if step < self.next_ckpt and step < end:
+            return False
+        self.next_ckpt = (step // self.checkpoint_every + 1) * self.checkpoint_every
+        return True
+
+    def final_eval_due(self, step: int, last: int) -> bool:
+        """After the loop: evaluate the finished agent unless an evaluation already ran at this step."""
+        return step >= last and self.next_eval - self.eval_every < step
+
+    def host(self) -> dict:
+        return {"next_eval": self.next_eval, "next_log": self.next_log}
+
+
+def restore(run_dir, template, logger, unit: str = "step"):
+    """Load the last checkpoint of ``run_dir`` into ``template``'s structure, and cut the logs back to it.
+
+    Metric rows after the checkpoint are dropped, and so are evaluation rows the resumed run will
+    redo (those at or past the checkpoint's next evaluation: a finished run's final evaluation is
+    redone when the run is extended, not written twice).  Returns ``(tree, host, path)``.
+    """
+    path = checkpoint.latest(run_dir)
+    if path is None:
+        raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
+    tree, host, _ = checkpoint.load(path, template)
+    logger.truncate_after(host["step"], evals_before=host["next_eval"])
+    print(f"resumed {run_dir} at {unit} {host['step']} from {path.name}")
+    return tree, host, path
+
+
+def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
+    """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
+    if consistent:
+        where = f"saved a checkpoint at step {step} ({save(step)})"
+    else:
+        where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
+    bar(None)
+    logger.close()
+    print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
+
+
+def raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
+    """Stop the run naming the non-finite statistics, the step and the last good checkpoint."""
+    bad = sorted(k for k, v in metrics.items() if not np.all(np.isfinite(np.asarray(v))))
+    last = checkpoint.latest(run_dir)
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    raise NonFiniteLossError(f"non-finite {', '.join(bad) or 'loss'} at {unit} {step}; "
+                             f"training stopped, {kept}")
+
+
+def progress(cfg, start: int):
+    """A tqdm bar over ``cfg.total_steps`` (a no-op with ``--no-progress``); call ``bar(None)`` to close."""
+    if not cfg.progress:
+        return lambda *a, **k: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.total_steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+    pos = [start]
+
+    def update(step, sps=None, ret=None, ev=None):
+        if step is None:
+            bar.close()
+            return
+        bar.update(step - pos[0])
+        pos[0] = step
+        bar.set_postfix({"sps": f"{sps:.0f}", "return": f"{ret:.1f}", "eval": f"{ev:.1f}"}, refresh=False)
+
+    return update
+
+
+def default_run_dir(cfg) -> Path:
+    """``runs/<env>__<agent>__<seed>__<time>``."""
+    import time
+
+    env = cfg.env.replace(":", "_").replace("/", "_")
+    return Path("runs") / f"{env}__{cfg.agent_name}__{cfg.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
