@@ -89,6 +89,15 @@ def restore(run_dir, template, logger, unit: str = "step"):
     return tree, host, path
 
 
+def finish(schedule: Schedule, step: int, last: int, evaluate, last_eval: float, bar, logger) -> float:
+    """End of a loop: the final evaluation (if due), close the bar and the logs; the last eval return."""
+    if schedule.final_eval_due(step, last):
+        last_eval = evaluate(step)
+    bar(None)
+    logger.close()
+    return last_eval
+
+
 def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
     if consistent:

@@ -42,7 +42,8 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
-from training.loop import Schedule, check_positive, progress, raise_non_finite, report_interrupt, restore, run_counts
+from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, report_interrupt, restore,
+                           run_counts)
 
 DEFAULT_ENV = RunConfig.env
 
@@ -190,10 +191,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
-    if schedule.final_eval_due(step, cfg.total_steps):
-        last_eval = evaluate(step)
-    bar(None)
-    logger.close()
+    last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "env_id": env_id}
 
 

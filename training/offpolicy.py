@@ -24,8 +24,8 @@ from training import checkpoint, replay
 from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
-from training.loop import NonFiniteLossError, Schedule, check_positive, progress, raise_non_finite, \
-    report_interrupt, restore, run_counts
+from training.loop import (NonFiniteLossError, Schedule, check_positive, finish, progress, raise_non_finite,
+                           report_interrupt, restore, run_counts)
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
@@ -140,7 +140,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     if resume:
         (state, buffer, key), host, _ = restore(run_dir, (state, buffer, key), logger)
         env, obs, action, step = host["env"], host["obs"], jnp.asarray(host["action"]), host["step"]
-        episode_log, updates_done, pending, least = host["episode_log"], host["updates_done"], host["pending"], host["least"]
+        episode_log, updates_done = host["episode_log"], host["updates_done"]
+        pending, least = host["pending"], host["least"]
         hooks.restore(host["plasticity"])
     else:
         logger.write_config(to_json(cfg))
@@ -237,10 +238,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
-    if schedule.final_eval_due(step, cfg.total_steps):
-        last_eval = evaluate(step)
-    bar(None)
-    logger.close()
+    last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir)}
 
 

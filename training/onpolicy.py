@@ -45,7 +45,8 @@ from training.logger import RunLogger
 from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
-from training.loop import Schedule, check_positive, progress, raise_non_finite, report_interrupt, restore, run_counts
+from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, report_interrupt, restore,
+                           run_counts)
 
 
 class LoopState(NamedTuple):
@@ -303,10 +304,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
-    if schedule.final_eval_due(step, last_step):
-        last_eval = evaluate(step)
-    bar(None)
-    logger.close()
+    last_eval = finish(schedule, step, last_step, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "metrics": metrics}
 
 
