@@ -43,5 +43,7 @@ def test_resume_refuses_config_changes(tiny_sac_config, tmp_path):
     train(tiny_sac_config(total_steps=200), sac, tmp_path / "r")
     cfg = train_script.parse(["--resume", str(tmp_path / "r"), "--total-steps", "400"])
     assert cfg.total_steps == 400 and cfg.agent_name == "sac"
+    cfg = train_script.parse(["--resume", str(tmp_path / "r"), "--plasticity.metrics-every", "0"])
+    assert cfg.plasticity.metrics_every == 0  # the metrics hook only reads the state: it may be switched off
     with pytest.raises(SystemExit, match="cannot change agent.critics"):
         train_script.parse(["sac", "--resume", str(tmp_path / "r"), "--critics", "5"])

@@ -194,4 +194,6 @@ def cli_type(agent_name: str, agent_cls):
         bases=(RunConfig,))
 
 
-RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard"}
+# What `train.py --resume` may change: none of these alters the training trajectory (the metrics
+# hook only reads the state, with keys of its own), so an extended or rescued run stays exact.
+RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every"}
