@@ -149,8 +149,8 @@ def alpha_loss(log_alpha, log_prob, entropy_target):
 def actor_loss(actor_params, state: SACState, obs, alpha, key):
     mean, log_std = state.actor(actor_params, obs)
     action, log_prob = tanh_gaussian_sample(key, mean, log_std)
-    q = state.critic(state.critic_params, obs, action).min(axis=0)
-    return (alpha * log_prob - q).mean(), log_prob
+    q = state.critic(state.critic_params, obs, action)
+    return (alpha * log_prob - q.min(axis=0)).mean(), (log_prob, q.std(axis=0).mean())
 
 
 def critic_loss(critic_params, state: SACState, actor_params, batch: Transition, alpha, key):
@@ -163,7 +163,7 @@ def critic_loss(critic_params, state: SACState, actor_params, batch: Transition,
     y = jax.lax.stop_gradient(td_target(batch.reward, batch.terminated, next_q, next_log_prob, alpha, cfg.gamma))
     td = ((q - y[None]) ** 2).mean(axis=1).sum()
     div = diversity_loss(state.critic, critic_params, batch.obs, batch.action) if cfg.eta > 0 else jnp.zeros(())
-    return td + cfg.eta * div, (q, td, div)
+    return td + cfg.eta * div, (q, td, div, next_q.mean())
 
 
 def update(state: SACState, batch: Transition, key):
@@ -179,12 +179,12 @@ def update(state: SACState, batch: Transition, key):
     log_alpha = optax.apply_updates(state.log_alpha, upd)
     alpha = jnp.exp(log_alpha)
 
-    (pi_loss, log_prob), pi_grad = jax.value_and_grad(regularized(actor_loss, "actor"), has_aux=True)(
+    (pi_loss, (log_prob, q_policy_std)), pi_grad = jax.value_and_grad(regularized(actor_loss, "actor"), has_aux=True)(
         state.actor_params, state, batch.obs, alpha, k_actor, reg_key=k_reg_actor)
     upd, actor_opt = tx_a.update(pi_grad, state.actor_opt, state.actor_params)
     actor_params = optax.apply_updates(state.actor_params, upd)
 
-    (q_loss, (q, td, div)), q_grad = jax.value_and_grad(regularized(critic_loss, "critic"), has_aux=True)(
+    (q_loss, (q, td, div, next_q)), q_grad = jax.value_and_grad(regularized(critic_loss, "critic"), has_aux=True)(
         state.critic_params, state, actor_params, batch, alpha, k_critic, reg_key=k_reg_critic)
     upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
@@ -196,8 +196,17 @@ def update(state: SACState, batch: Transition, key):
                         updates=state.updates + 1)
     metrics = {"losses/critic": td, "losses/actor": pi_loss, "losses/alpha": a_loss,
                "losses/diversity": div, "charts/alpha": alpha, "charts/entropy": -log_prob.mean(),
-               "values/q_mean": q.mean(), "values/q_std_ensemble": q.std(axis=0).mean()}
+               "values/q_mean": q.mean(), "values/q_std_ensemble": q.std(axis=0).mean(),
+               "values/q_std_policy": q_policy_std, "values/q_std_random": _q_std_random(new, batch.obs, key),
+               "values/next_q_min": next_q}
     return new, metrics
+
+
+def _q_std_random(state: SACState, obs, key):
+    """Ensemble spread of the updated critics at uniform random actions: the pessimism SAC-N / EDAC
+    can apply away from the data (EDAC's diagnostic).  Its own key (fold_in) leaves the update's keys as they were."""
+    action = jax.random.uniform(jax.random.fold_in(key, 7), (*obs.shape[:-1], state.act_dim), minval=-1.0, maxval=1.0)
+    return jax.lax.stop_gradient(state.critic(state.critic_params, obs, action)).std(axis=0).mean()
 
 
 CONFIG = SACConfig

@@ -37,7 +37,7 @@ def test_critic_loss_uses_min_over_all_target_critics_and_ignores_truncation():
     state = state.replace(target_critic_params=jax.tree.map(lambda x: x * 1.7, state.critic_params))
     batch = _batch()
     key = jax.random.key(5)
-    loss, (q, td, _) = sac.critic_loss(state.critic_params, state, state.actor_params, batch, 0.3, key)
+    loss, (q, td, _, next_q) = sac.critic_loss(state.critic_params, state, state.actor_params, batch, 0.3, key)
     # reference: same next actions (same key), min over the 3 target critics, mask by terminated only
     mean, log_std = state.actor(state.actor_params, batch.next_obs)
     a2, lp2 = sac.tanh_gaussian_sample(key, mean, log_std)
@@ -45,6 +45,7 @@ def test_critic_loss_uses_min_over_all_target_critics_and_ignores_truncation():
     y = np.asarray(batch.reward) + 0.99 * (1 - np.asarray(batch.terminated)) * (q_next.min(0) - 0.3 * np.asarray(lp2))
     q_ref = np.asarray(state.critic(state.critic_params, batch.obs, batch.action))
     np.testing.assert_allclose(td, ((q_ref - y) ** 2).mean(axis=1).sum(), rtol=1e-5)
+    np.testing.assert_allclose(next_q, q_next.min(0).mean(), rtol=1e-5)  # the logged target value
     # flipping `truncated` changes nothing; flipping `terminated` does
     flipped = batch._replace(truncated=~batch.truncated)
     assert float(sac.critic_loss(state.critic_params, state, state.actor_params, flipped, 0.3, key)[0]) == float(loss)
@@ -88,3 +89,16 @@ def test_update_changes_all_parts_and_temperature_moves_toward_target_entropy():
 def test_eta_needs_two_critics():
     with pytest.raises(ValueError, match="at least 2 critics"):
         sac.init(jax.random.key(0), 3, 2, sac.SACConfig(critics=1, eta=1.0))
+
+
+def test_ensemble_spread_metrics_are_zero_for_identical_critics_and_positive_otherwise():
+    """values/q_std_policy and values/q_std_random: the critics' spread at policy / random actions."""
+    state = _state(critics=3)
+    batch = _batch()
+    _, m = sac.update(state, batch, jax.random.key(1))
+    assert float(m["values/q_std_policy"]) > 0 and float(m["values/q_std_random"]) > 0
+    same = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), state.critic_params)
+    state = state.replace(critic_params=same, target_critic_params=same, critic_opt=state.critic_opt)
+    # identical members get identical gradients (same targets), so they stay identical after the update
+    _, m = sac.update(state, batch, jax.random.key(1))
+    assert float(m["values/q_std_policy"]) < 1e-5 and float(m["values/q_std_random"]) < 1e-5
