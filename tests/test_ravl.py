@@ -170,3 +170,45 @@ def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset,
     with pytest.raises(SystemExit, match="obs/act dims 3/1"):
         ravl.prepare(jax.random.key(0), ds, tmp_path / "x.hdf5", dataclasses.replace(cfg, model=str(path)), 0,
                      log=lambda *_: None)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+def test_returns_to_go_restart_at_episode_ends():
+    from training.offline_diagnostics import episode_ends, returns_to_go
+
+    # hand-derived, gamma 0.5: episode [1, 2] -> [1 + 0.5 * 2, 2]; episode [3, 4] -> [5, 4]
+    np.testing.assert_allclose(returns_to_go([1, 2, 3, 4], [False, True, False, True], 0.5), [2, 2, 5, 4])
+
+    class Rows:  # a dataset whose chain breaks after row 1 (no terminal or timeout there) and is cut after row 3
+        observations = np.array([[0.0], [1.0], [5.0], [6.0]])
+        next_observations = np.array([[1.0], [2.0], [6.0], [7.0]])
+        terminals = np.zeros(4, bool)
+        timeouts = np.zeros(4, bool)
+
+    np.testing.assert_array_equal(episode_ends(Rows), [False, True, False, True])
+
+
+def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, tmp_path, capsys):
+    import json
+
+    from scripts.diagnose_offline import main
+    from training.run import run
+
+    run(_ravl_config(toy_dataset, tmp_path / "run", total=200, updates_per_epoch=100, checkpoint_every=200,
+                     eval_every=200))
+    d = main([str(tmp_path / "run"), "--episodes", "2", "--samples", "256"])
+    assert "dataset discounted return-to-go" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "diagnostics.json").read_text()) == json.loads(json.dumps(d))
+    assert d["step"] == 200 and d["env_id"] == "ToyReach-v0" and len(d["seeds"]) == 1
+    s = d["seeds"][0]
+    for where in ("data_actions", "policy_actions", "random_actions"):
+        assert s[where]["q_min"] <= s[where]["q_mean"] and s[where]["q_std"] > 0
+    assert np.isfinite(s["drift_real"]) and np.isfinite(s["drift_model"])
+    assert len(s["episodes"]) == 2 and all(e["length"] >= 1 and np.isfinite(e["model_error"]) for e in s["episodes"])
+    # ToyReach episodes are time-limited: the return-to-go is positive, the model's error on data is small
+    assert d["mc_return"] != 0 and d["model_on_data"]["model_error"] < 1.0
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text((tmp_path / "run" / "config.json").read_text())
+        main([str(tmp_path / "empty")])

@@ -100,6 +100,16 @@ def fingerprint(dataset) -> dict:
             "obs_sum": float(np.sum(dataset.observations, dtype=np.float64))}
 
 
+def initial_state(cfg: RunConfig, agent, dataset, init_keys):
+    """Fresh agent states (one per key, vmapped) and per-seed data (the dataset plus the agent's buffers)."""
+    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:
+        state = jax.vmap(lambda k: agent.init(k, dataset.obs_dim, dataset.act_dim, cfg.agent, cfg.network))(init_keys)
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
+    real = jax.tree.map(jnp.asarray, dataset.transitions(unit_actions=True))  # the agent acts in [-1, 1]
+    data = jax.vmap(lambda _: agent.data_init(real, cfg.agent))(jnp.arange(len(init_keys)))  # copied per seed
+    return state, data
+
+
 def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
     """Train (or resume) an offline run.  ``stop_at`` ends early at that update count."""
     a = cfg.agent
@@ -115,17 +125,11 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     path, dataset, env_id = resolve_dataset(cfg)
     cfg = dataclasses.replace(cfg, env=env_id)  # config.json (and plots) name the env evaluated on
     evaluator = Evaluator(env_id, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
-    obs_dim, act_dim = dataset.obs_dim, dataset.act_dim
     keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
     k_prepare, key = keys[0], keys[1]
     aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
 
-    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:
-        state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, a, cfg.network))(keys[2:])
-    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
-    real = jax.tree.map(jnp.asarray, dataset.transitions(unit_actions=True))  # the agent acts in [-1, 1]
-    data = jax.vmap(lambda _: agent.data_init(real, a))(jnp.arange(S))  # the dataset is copied per seed
-    del real
+    state, data = initial_state(cfg, agent, dataset, keys[2:])
     pc = dataclasses.replace(cfg.plasticity, ne_review=False)  # NE's experience review needs an online stream
     hooks = Hooks(pc, agent, cfg.agent_name, lambda d, k, n: agent.sample_batch(d, k, n, a),
                   total_updates=cfg.total_steps)
