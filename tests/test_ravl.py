@@ -206,6 +206,9 @@ def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, 
         assert s[where]["q_min"] <= s[where]["q_mean"] and s[where]["q_std"] > 0
     assert np.isfinite(s["drift_real"]) and np.isfinite(s["drift_model"])
     assert len(s["episodes"]) == 2 and all(e["length"] >= 1 and np.isfinite(e["model_error"]) for e in s["episodes"])
+    for e in s["episodes"]:  # the max of min-Q along the episode is reached at a step inside it
+        assert 0 <= e["q_min_max_at"] < e["length"] and e["q_min_last"] <= e["q_min_max"]
+        assert e["q_min_first"] <= e["q_min_max"]
     # ToyReach episodes are time-limited: the return-to-go is positive, the model's error on data is small
     assert d["mc_return"] != 0 and d["model_on_data"]["model_error"] < 1.0
     with pytest.raises(SystemExit, match="no checkpoint"):

@@ -157,8 +157,10 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
         for obs, action, reward, next_obs, terminated in _real_episodes(state, run["env_id"], episodes,
                                                                          seed * 1000 + 10_000 + 100 * j):
             q = _q(state, state.critic_params, obs, action)
+            q_min = q.min(0)
             ep = {"return": float(reward.sum()), "length": int(len(reward)), "terminated": bool(terminated[-1]),
-                  "q_min_first": float(q.min(0)[0]), "q_min_max": float(q.min(0).max()),
+                  "q_min_first": float(q_min[0]), "q_min_max": float(q_min.max()),
+                  "q_min_max_at": int(np.argmax(q_min)), "q_min_last": float(q_min[-1]),
                   "q_std": float(q.std(0).mean())}
             if has_model:
                 m = _model_checks(model, obs, action, next_obs)
@@ -189,7 +191,8 @@ def report(d: dict) -> str:
         lines.append("    " + drift)
         for e in s["episodes"]:
             text = (f"    real episode: return {e['return']:.1f}, length {e['length']}, min-Q first {e['q_min_first']:.1f} "
-                    f"max {e['q_min_max']:.1f} (spread {e['q_std']:.2f})")
+                    f"max {e['q_min_max']:.1f} at step {e['q_min_max_at']}, last {e['q_min_last']:.1f} "
+                    f"(spread {e['q_std']:.2f})")
             if "model_error" in e:
                 text += f"; dynamics error {e['model_error']:.4f}, elite spread {e['model_spread']:.4f}"
             if "model_done_at_terminal" in e:
