@@ -120,6 +120,15 @@ def _real_episodes(state, env_id, episodes: int, seed: int):
     return [tuple(np.stack(c) for c in zip(*r)) for r in rows]
 
 
+def episode_values(q) -> dict:
+    """The critics (N, T) along one episode -> min-Q at its first and last step, its maximum and the
+    step where that maximum is, and the mean ensemble spread."""
+    q = np.asarray(q)
+    q_min = q.min(0)
+    return {"q_min_first": float(q_min[0]), "q_min_max": float(q_min.max()), "q_min_max_at": int(np.argmax(q_min)),
+            "q_min_last": float(q_min[-1]), "q_std": float(q.std(0).mean())}
+
+
 def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> dict:
     """The checks above for every seed of the run's last checkpoint -> a JSON-ready dict."""
     run = load_run(run_dir)
@@ -157,11 +166,8 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
         for obs, action, reward, next_obs, terminated in _real_episodes(state, run["env_id"], episodes,
                                                                          seed * 1000 + 10_000 + 100 * j):
             q = _q(state, state.critic_params, obs, action)
-            q_min = q.min(0)
             ep = {"return": float(reward.sum()), "length": int(len(reward)), "terminated": bool(terminated[-1]),
-                  "q_min_first": float(q_min[0]), "q_min_max": float(q_min.max()),
-                  "q_min_max_at": int(np.argmax(q_min)), "q_min_last": float(q_min[-1]),
-                  "q_std": float(q.std(0).mean())}
+                  **episode_values(q)}
             if has_model:
                 m = _model_checks(model, obs, action, next_obs)
                 ep.update(model_error=m["model_error"], model_spread=m["model_spread"])
