@@ -69,7 +69,10 @@ def _changed(new, old, prefix=""):
 
 def main(argv=None):
     cfg = parse(sys.argv[1:] if argv is None else list(argv))
-    out = run(cfg)
+    try:
+        out = run(cfg)
+    except KeyboardInterrupt as stopped:  # the loop has checkpointed and said how to resume
+        raise SystemExit(143 if stopped.args == ("SIGTERM",) else 130) from None
     unit = "updates" if agents.get(cfg.agent_name).KIND == "offline" else "steps"
     print(f"done: {out['step']} {unit}, last evaluation return {out['last_eval']:.1f}; run directory: {out['run_dir']}")
     return out

@@ -1,5 +1,6 @@
 import csv
 import json
+import signal
 import types
 
 import jax
@@ -9,6 +10,8 @@ import pytest
 
 from agents import sac
 from training import checkpoint
+from training.logger import RunLogger
+from training.loop import StopSignals
 from training.offpolicy import NonFiniteLossError, seed_slice, train
 
 
@@ -45,6 +48,48 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_p
         assert [r["step"] for r in rows_full] == [r["step"] for r in rows_res]
         if name == "eval.csv":
             assert [r["return_mean"] for r in rows_full] == [r["return_mean"] for r in rows_res]
+
+
+def test_stop_signals_defer_sigterm_to_the_iteration_end_and_a_second_ctrl_c_stops_at_once():
+    before = {s: signal.getsignal(s) for s in StopSignals.SIGNALS}
+    stop = StopSignals.install()
+    try:
+        stop.check()  # nothing requested: a no-op
+        signal.raise_signal(signal.SIGTERM)  # a scheduler's SIGTERM only records itself ...
+        assert stop.requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            stop.check()  # ... and stops the loop at its next iteration boundary
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # once a stop is pending, Ctrl-C stops at once
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
+
+
+def test_sigterm_mid_run_checkpoints_the_finished_iteration_and_resumes_exactly(tiny_sac_config, tmp_path, monkeypatch):
+    """SIGTERM during the evaluation at step 300, with no periodic checkpoint before the end: the loop
+    finishes that iteration, saves at 301 and stops; resuming from there reproduces the full run."""
+    cfg = tiny_sac_config(total_steps=600, checkpoint_every=1000)
+    full = train(cfg, sac, tmp_path / "full")
+    log_eval = RunLogger.log_eval
+
+    def log_eval_then_sigterm(self, step, *args, **kw):
+        log_eval(self, step, *args, **kw)
+        if step == 300:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(RunLogger, "log_eval", log_eval_then_sigterm)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        train(cfg, sac, tmp_path / "part")
+    assert checkpoint.latest(tmp_path / "part") == checkpoint.path_for(tmp_path / "part", 301)
+    monkeypatch.setattr(RunLogger, "log_eval", log_eval)
+    resumed = train(cfg, sac, tmp_path / "part", resume=True)
+    assert resumed["step"] == 600
+    for x, y in zip(leaves(full["state"]), leaves(resumed["state"])):
+        np.testing.assert_array_equal(x, y)
+    rows_full = list(csv.DictReader(open(tmp_path / "full" / "eval.csv")))
+    rows_res = list(csv.DictReader(open(tmp_path / "part" / "eval.csv")))
+    assert [(r["step"], r["return_mean"]) for r in rows_full] == [(r["step"], r["return_mean"]) for r in rows_res]
 
 
 def test_extending_a_finished_run_redoes_its_final_evaluation_once(tiny_sac_config, tmp_path):

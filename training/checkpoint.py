@@ -33,11 +33,16 @@ def _to_numpy(leaf):
     return np.asarray(jax.random.key_data(leaf)) if _is_key(leaf) else np.asarray(leaf)
 
 
+def path_for(run_dir, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (``run_dir/ckpt/step_000000001000``)."""
+    return Path(run_dir) / "ckpt" / f"step_{step:012d}"
+
+
 def save(run_dir, step: int, tree, host: dict, meta: dict | None = None, keep: int = 2) -> Path:
-    root = Path(run_dir) / "ckpt"
+    final = path_for(run_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:012d}"
-    tmp = root / f".tmp_step_{step:012d}"
+    tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     leaves = jax.tree.leaves(tree)

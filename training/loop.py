@@ -1,11 +1,13 @@
 """Machinery every training loop shares: argument checks, the evaluate / log / checkpoint
-cadence, resuming from the last checkpoint, NaN stops, Ctrl-C and the progress bar.
+cadence, resuming from the last checkpoint, NaN stops, Ctrl-C / SIGTERM and the progress bar.
 
 The loops (``offpolicy``, ``onpolicy``, ``offline``) count time in their own unit (env steps
 per seed, or gradient updates); everything here works in that unit.
 """
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -98,9 +100,54 @@ def finish(schedule: Schedule, step: int, last: int, evaluate, last_eval: float,
     return last_eval
 
 
+class StopSignals:
+    """SIGINT / SIGTERM while a loop runs: finish the iteration, checkpoint there, then stop.
+
+    A signal only records itself (``requested``); the loop calls ``check()`` at the end of each
+    iteration, where its state is consistent, and that raises KeyboardInterrupt so that the Ctrl-C
+    path (``report_interrupt``) writes the checkpoint.  A job scheduler's SIGTERM or a first Ctrl-C
+    therefore loses no finished work; a second SIGINT stops at once, keeping the last periodic
+    checkpoint.  ``install()`` works in the main thread only (elsewhere it does nothing);
+    ``restore()`` puts the previous handlers back.
+    """
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    @classmethod
+    def install(cls) -> "StopSignals":
+        stop = cls()
+        if threading.current_thread() is threading.main_thread():
+            stop._previous = {s: signal.signal(s, stop._handle) for s in cls.SIGNALS}
+        return stop
+
+    def restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt(name)  # the second Ctrl-C: stop now
+        if self.requested is None:
+            print(f"\n{name}: stopping at the end of this iteration with a checkpoint "
+                  "(Ctrl-C again to stop now, keeping the last periodic checkpoint)", flush=True)
+        self.requested = name
+
+    def check(self):
+        """At an iteration boundary: raise KeyboardInterrupt(signal name) if a stop was requested."""
+        if self.requested is not None:
+            raise KeyboardInterrupt(self.requested)
+
+
 def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
-    if consistent:
+    if consistent and checkpoint.latest(run_dir) == checkpoint.path_for(run_dir, step):
+        where = f"the checkpoint at step {step} is {checkpoint.path_for(run_dir, step)}"  # just saved
+    elif consistent:
         where = f"saved a checkpoint at step {step} ({save(step)})"
     else:
         where = f"the last checkpoint is {checkpoint.latest(run_dir)}"

@@ -43,7 +43,7 @@ from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
 from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, report_interrupt, restore,
-                           run_counts)
+                           run_counts, StopSignals)
 
 DEFAULT_ENV = RunConfig.env
 
@@ -169,6 +169,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     last_eval = math.nan
     t_log, updates_log = time.perf_counter(), 0
     consistent = True
+    stop_signals = StopSignals.install()  # SIGINT / SIGTERM: stop at the end of an iteration, checkpointed
     try:
         while step < end:
             consistent = False
@@ -192,9 +193,12 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             if schedule.checkpoint_due(step, end):
                 save(step)
             consistent = True
+            stop_signals.check()
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
+    finally:
+        stop_signals.restore()
     last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "env_id": env_id}
 

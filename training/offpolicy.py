@@ -25,7 +25,7 @@ from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
 from training.loop import (NonFiniteLossError, Schedule, check_positive, finish, progress, raise_non_finite,
-                           report_interrupt, restore, run_counts)
+                           report_interrupt, restore, run_counts, StopSignals)
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
@@ -175,6 +175,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
     consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
+    stop_signals = StopSignals.install()  # SIGINT / SIGTERM: stop at the end of an iteration, checkpointed
     try:
         while step < end:
             consistent = False
@@ -235,9 +236,12 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             if schedule.checkpoint_due(step, end):
                 save(step)
             consistent = True
+            stop_signals.check()
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
+    finally:
+        stop_signals.restore()
     last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir)}
 

@@ -46,7 +46,7 @@ from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
 from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, report_interrupt, restore,
-                           run_counts)
+                           run_counts, StopSignals)
 
 
 class LoopState(NamedTuple):
@@ -257,6 +257,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
     consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
+    stop_signals = StopSignals.install()  # SIGINT / SIGTERM: stop at the end of an iteration, checkpointed
     try:
         while step < end:
             consistent = False
@@ -301,9 +302,12 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             consistent = True
             if schedule.checkpoint_due(step, end):
                 save(step)
+            stop_signals.check()
     except KeyboardInterrupt:
         report_interrupt(consistent, save, step, run_dir, bar, logger)
         raise
+    finally:
+        stop_signals.restore()
     last_eval = finish(schedule, step, last_step, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "metrics": metrics}
 
