@@ -199,6 +199,22 @@ def test_episode_values_locate_the_peak_of_min_q():
     np.testing.assert_allclose(e["q_std"], np.mean([1.0, 0.5, 1.0, 3.0]))
 
 
+def test_nearest_distances_scale_chunk_and_skip_the_points_own_episode():
+    from training.offline_diagnostics import episode_coverage, nearest_distances
+
+    reference = np.array([[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
+    points = np.array([[0.0, 0.0], [3.0, 4.0]])
+    # hand-derived: (3, 4) is 5 from (0, 0), 4 from (3, 0) and 3 from (0, 4)
+    np.testing.assert_allclose(nearest_distances(points, reference, np.ones(2), chunk=1), [0.0, 3.0])
+    # dimension 1 divided by 2: (3, 2) is 2 from (3, 0) and 3 from (0, 2)
+    np.testing.assert_allclose(nearest_distances(points, reference, np.array([1.0, 2.0]), chunk=2), [0.0, 2.0])
+    # reference episodes [0, 1, 1]: point 0 (episode 1) only sees row 0, point 1 (episode 0) only rows 1-2
+    np.testing.assert_allclose(nearest_distances(points, reference, np.ones(2), np.array([0, 1, 1]),
+                                                 np.array([1, 0]), chunk=1), [0.0, 3.0])
+    assert episode_coverage([0.5, 2.0, 1.0]) == {"data_distance_first": 0.5, "data_distance_max": 2.0,
+                                                 "data_distance_last": 1.0}
+
+
 def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, tmp_path, capsys):
     import json
 
@@ -217,6 +233,8 @@ def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, 
     assert np.isfinite(s["drift_real"]) and np.isfinite(s["drift_model"])
     assert len(s["episodes"]) == 2 and all(e["length"] >= 1 and np.isfinite(e["model_error"]) for e in s["episodes"])
     assert all(0 <= e["q_min_max_at"] < e["length"] for e in s["episodes"])
+    assert d["data_distance"] > 0 and all(0 <= e["data_distance_first"] <= e["data_distance_max"] < np.inf
+                                          for e in s["episodes"])
     # ToyReach episodes are time-limited: the return-to-go is positive, the model's error on data is small
     assert d["mc_return"] != 0 and d["model_on_data"]["model_error"] < 1.0
     with pytest.raises(SystemExit, match="no checkpoint"):

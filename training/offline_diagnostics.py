@@ -17,6 +17,11 @@ For SAC-family offline agents (RAVL: a state with ``critic``, ``critic_params``,
   its own trajectory the critics' min-Q and spread, the dynamics elites' one-step error and spread
   (against the same on dataset rows: how far off-data the policy goes), and whether the model's
   done function fires on the model's prediction of the real terminal step.
+- **coverage**: along each real episode, the distance from the policy's state to the nearest
+  dataset state (Euclidean, each observation dimension divided by its dataset std), against the
+  same distance for dataset states to the nearest state of *another* dataset episode
+  (``data_distance``, the median over sampled rows).  States many times farther than that are
+  outside the data's support: no dataset row, and no short model rollout from one, reaches them.
 """
 from __future__ import annotations
 
@@ -74,6 +79,27 @@ def load_run(run_dir):
     (state, buffers, _), host, _ = checkpoint.load(found, (state, _buffers(data), keys[1]))
     return {"cfg": cfg, "agent": agent, "dataset": dataset, "env_id": env_id, "aux": aux,
             "state": state, "data": buffers._replace(real=data.real), "step": int(host["step"])}
+
+
+def nearest_distances(points, reference, scale, exclude=None, point_groups=None, chunk: int = 65_536) -> np.ndarray:
+    """For each of ``points`` (P, D): the distance to the nearest row of ``reference`` (R, D), both divided
+    by ``scale`` (D,) first.  With ``exclude`` (R,) group ids and ``point_groups`` (P,), reference rows of a
+    point's own group are skipped (inf where a point has no other group).  Chunked over ``reference``."""
+    p = np.asarray(points, np.float64) / scale
+    best = np.full(len(p), np.inf)
+    for start in range(0, len(reference), chunk):
+        r = np.asarray(reference[start:start + chunk], np.float64) / scale
+        d2 = (p * p).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2.0 * p @ r.T  # (P, chunk)
+        if exclude is not None:
+            d2[np.asarray(point_groups)[:, None] == np.asarray(exclude[start:start + chunk])[None, :]] = np.inf
+        best = np.minimum(best, d2.min(1))
+    return np.sqrt(np.maximum(best, 0.0))
+
+
+def episode_coverage(distances) -> dict:
+    """Nearest-dataset-state distances (T,) along one episode -> at its first and last step, and the largest."""
+    d = np.asarray(distances)
+    return {"data_distance_first": float(d[0]), "data_distance_max": float(d.max()), "data_distance_last": float(d[-1])}
 
 
 def _q(state, params, obs, action):
@@ -141,8 +167,15 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
     g = returns_to_go(dataset.rewards, episode_ends(dataset), cfg.agent.gamma)
     idx = rng.choice(len(dataset), min(samples, len(dataset)), replace=False)
     real = jax.tree.map(lambda x: np.asarray(x)[idx], dataset.transitions(unit_actions=True))
+    data_obs = np.asarray(dataset.observations)
+    scale = np.maximum(data_obs.std(0), 1e-6)
+    episode_id = np.concatenate([[0], np.cumsum(episode_ends(dataset))[:-1]])
+    ref = idx[:512]
     out = {"run_dir": str(run_dir), "step": run["step"], "env_id": run["env_id"],
-           "mc_return": float(g[idx].mean()), "seeds": []}
+           "mc_return": float(g[idx].mean()),
+           "data_distance": float(np.median(nearest_distances(data_obs[ref], data_obs, scale, episode_id,
+                                                              episode_id[ref]))),
+           "seeds": []}
     if has_model:
         out["model_on_data"] = {k: v for k, v in _model_checks(model, real.obs, real.action, real.next_obs).items()
                                 if k != "pred_next_obs"}
@@ -167,7 +200,7 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
                                                                          seed * 1000 + 10_000 + 100 * j):
             q = _q(state, state.critic_params, obs, action)
             ep = {"return": float(reward.sum()), "length": int(len(reward)), "terminated": bool(terminated[-1]),
-                  **episode_values(q)}
+                  **episode_values(q), **episode_coverage(nearest_distances(obs, data_obs, scale))}
             if has_model:
                 m = _model_checks(model, obs, action, next_obs)
                 ep.update(model_error=m["model_error"], model_spread=m["model_spread"])
@@ -181,7 +214,8 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
 def report(d: dict) -> str:
     """A short human-readable summary of ``diagnose``'s output."""
     lines = [f"{d['run_dir']} at update {d['step']} ({d['env_id']}): dataset discounted return-to-go "
-             f"{d['mc_return']:.1f}"]
+             f"{d['mc_return']:.1f}; a dataset state's distance to the nearest state of another episode "
+             f"{d['data_distance']:.2f} (median)"]
     if "model_on_data" in d:
         m = d["model_on_data"]
         lines.append(f"  dynamics on dataset rows: one-step error {m['model_error']:.4f}, elite spread "
@@ -199,6 +233,8 @@ def report(d: dict) -> str:
             text = (f"    real episode: return {e['return']:.1f}, length {e['length']}, min-Q first {e['q_min_first']:.1f} "
                     f"max {e['q_min_max']:.1f} at step {e['q_min_max_at']}, last {e['q_min_last']:.1f} "
                     f"(spread {e['q_std']:.2f})")
+            text += (f"; distance to the data first {e['data_distance_first']:.2f} max {e['data_distance_max']:.2f} "
+                     f"last {e['data_distance_last']:.2f}")
             if "model_error" in e:
                 text += f"; dynamics error {e['model_error']:.4f}, elite spread {e['model_spread']:.4f}"
             if "model_done_at_terminal" in e:
