@@ -4,7 +4,8 @@
 
 Prints the critics' values and spreads at dataset / policy / random actions against the dataset's
 discounted returns-to-go, the value drift along model rollouts, and the policy's real episodes with
-the dynamics model's error and spread along them; writes RUN_DIR/diagnostics.json.
+the dynamics model's error and spread and the distance to the nearest dataset state along them;
+writes RUN_DIR/diagnostics.json.
 """
 from __future__ import annotations
 
