@@ -145,8 +145,9 @@ class StopSignals:
 
 def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
-    if consistent and checkpoint.latest(run_dir) == checkpoint.path_for(run_dir, step):
-        where = f"the checkpoint at step {step} is {checkpoint.path_for(run_dir, step)}"  # just saved
+    here = checkpoint.path_for(run_dir, step)
+    if consistent and checkpoint.latest(run_dir) == here:
+        where = f"the checkpoint at step {step} is {here}"  # just written by the periodic save
     elif consistent:
         where = f"saved a checkpoint at step {step} ({save(step)})"
     else:

@@ -86,12 +86,14 @@ def nearest_distances(points, reference, scale, exclude=None, point_groups=None,
     by ``scale`` (D,) first.  With ``exclude`` (R,) group ids and ``point_groups`` (P,), reference rows of a
     point's own group are skipped (inf where a point has no other group).  Chunked over ``reference``."""
     p = np.asarray(points, np.float64) / scale
+    p_sq = (p * p).sum(1)[:, None]
+    groups = None if exclude is None else np.asarray(point_groups)[:, None]
     best = np.full(len(p), np.inf)
     for start in range(0, len(reference), chunk):
         r = np.asarray(reference[start:start + chunk], np.float64) / scale
-        d2 = (p * p).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2.0 * p @ r.T  # (P, chunk)
-        if exclude is not None:
-            d2[np.asarray(point_groups)[:, None] == np.asarray(exclude[start:start + chunk])[None, :]] = np.inf
+        d2 = p_sq + (r * r).sum(1)[None, :] - 2.0 * p @ r.T  # (P, chunk)
+        if groups is not None:
+            d2[groups == np.asarray(exclude[start:start + chunk])[None, :]] = np.inf
         best = np.minimum(best, d2.min(1))
     return np.sqrt(np.maximum(best, 0.0))
 
