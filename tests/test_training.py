@@ -11,7 +11,7 @@ import pytest
 from agents import sac
 from training import checkpoint
 from training.logger import RunLogger
-from training.loop import StopSignals
+from training.loop import StopAtIterationEnd, StopSignals
 from training.offpolicy import NonFiniteLossError, seed_slice, train
 
 
@@ -46,6 +46,42 @@ def test_stop_signals_defer_sigterm_to_the_iteration_end_and_a_second_ctrl_c_sto
             signal.raise_signal(signal.SIGINT)  # once a stop is pending, Ctrl-C stops at once
     finally:
         stop.restore()
+    assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
+
+
+def test_stop_at_iteration_end_checkpoints_only_between_iterations(tmp_path, capsys):
+    """A deferred SIGTERM stops the loop at ``end(step)`` with a checkpoint there; an interrupt mid-iteration
+    (begin() without end()) saves nothing and names the last checkpoint; handlers are restored either way."""
+    saved, closed = [], []
+
+    class Logger:
+        def close(self):
+            closed.append(True)
+
+    def save(step):
+        saved.append(step)
+        return f"ckpt-{step}"
+
+    before = {s: signal.getsignal(s) for s in StopSignals.SIGNALS}
+    steps_run = []
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        with StopAtIterationEnd(save, tmp_path, lambda *a: None, Logger(), 0) as stop:
+            for step in range(1, 10):
+                stop.begin()
+                if step == 3:
+                    signal.raise_signal(signal.SIGTERM)  # mid-iteration: the iteration still finishes
+                steps_run.append(step)
+                stop.end(step)
+    assert steps_run == [1, 2, 3] and saved == [3] and closed == [True]
+    assert "saved a checkpoint at step 3 (ckpt-3)" in capsys.readouterr().out
+    assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
+
+    with pytest.raises(KeyboardInterrupt):
+        with StopAtIterationEnd(save, tmp_path, lambda *a: None, Logger(), 5) as stop:
+            stop.begin()
+            raise KeyboardInterrupt  # e.g. a second Ctrl-C inside an update
+    assert saved == [3]  # nothing written from a half-done iteration
+    assert "interrupted before the first checkpoint" in capsys.readouterr().out
     assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
 
 

@@ -143,18 +143,60 @@ class StopSignals:
             raise KeyboardInterrupt(self.requested)
 
 
+class StopAtIterationEnd:
+    """A loop's interrupt handling in one place: ``with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop``
+    around the loop, ``stop.begin()`` when an iteration starts changing state and ``stop.end(step)``
+    when it is whole again (after any periodic checkpoint).
+
+    Inside, SIGINT / SIGTERM only record themselves (``StopSignals``); ``end`` then stops the loop
+    with KeyboardInterrupt.  On any KeyboardInterrupt out of the block (a deferred signal, or a
+    second Ctrl-C mid-iteration) the loop's state is checkpointed if it sits between iterations
+    (reusing a periodic checkpoint written at that step), the progress bar and logs are closed and
+    the resume command is printed; the interrupt then propagates (scripts/train.py exits 130 / 143).
+    """
+
+    def __init__(self, save, run_dir, bar, logger, step: int):
+        self.save, self.run_dir, self.bar, self.logger = save, run_dir, bar, logger
+        self.step, self.consistent = step, True
+        self.signals = None
+
+    def __enter__(self) -> "StopAtIterationEnd":
+        self.signals = StopSignals.install()
+        return self
+
+    def begin(self):
+        self.consistent = False  # half an iteration done: an interrupt now must not checkpoint
+
+    def end(self, step: int):
+        self.step, self.consistent = step, True
+        self.signals.check()
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                report_interrupt(self.consistent, self.save, self.step, self.run_dir, self.bar, self.logger)
+        finally:
+            self.signals.restore()  # after the checkpoint: a SIGTERM during it is still deferred
+        return False
+
+
 def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
-    here = checkpoint.path_for(run_dir, step)
-    if consistent and checkpoint.latest(run_dir) == here:
+    here, latest = checkpoint.path_for(run_dir, step), checkpoint.latest(run_dir)
+    if consistent and latest == here:
         where = f"the checkpoint at step {step} is {here}"  # just written by the periodic save
     elif consistent:
         where = f"saved a checkpoint at step {step} ({save(step)})"
+    elif latest is not None:
+        where = f"the last checkpoint is {latest}"
     else:
-        where = f"the last checkpoint is {checkpoint.latest(run_dir)}"
+        where = None
     bar(None)
     logger.close()
-    print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
+    if where is None:
+        print(f"\ninterrupted before the first checkpoint of {run_dir}: nothing to resume, start the run again")
+    else:
+        print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
 
 
 def raise_non_finite(metrics, step, run_dir, unit: str = "env step"):

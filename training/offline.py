@@ -42,8 +42,8 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
-from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, report_interrupt, restore,
-                           run_counts, StopSignals)
+from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, restore,
+                           run_counts, StopAtIterationEnd)
 
 DEFAULT_ENV = RunConfig.env
 
@@ -168,11 +168,9 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     bar = progress(cfg, step)
     last_eval = math.nan
     t_log, updates_log = time.perf_counter(), 0
-    consistent = True
-    stop_signals = StopSignals.install()  # SIGINT / SIGTERM: stop at the end of an iteration, checkpointed
-    try:
+    with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop:  # SIGINT / SIGTERM: checkpoint, stop
         while step < end:
-            consistent = False
+            stop.begin()
             if schedule.eval_due(step):
                 last_eval = evaluate(step)
             key, k = jax.random.split(key)
@@ -192,13 +190,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 t_log, updates_log = time.perf_counter(), 0
             if schedule.checkpoint_due(step, end):
                 save(step)
-            consistent = True
-            stop_signals.check()
-    except KeyboardInterrupt:
-        report_interrupt(consistent, save, step, run_dir, bar, logger)
-        raise
-    finally:
-        stop_signals.restore()
+            stop.end(step)
     last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "env_id": env_id}
 

@@ -25,7 +25,7 @@ from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
 from training.loop import (NonFiniteLossError, Schedule, check_positive, finish, progress, raise_non_finite,
-                           report_interrupt, restore, run_counts, StopSignals)
+                           restore, run_counts, StopAtIterationEnd)
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
@@ -174,11 +174,9 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     bar = progress(cfg, step)
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
-    consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
-    stop_signals = StopSignals.install()  # SIGINT / SIGTERM: stop at the end of an iteration, checkpointed
-    try:
+    with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop:  # SIGINT / SIGTERM: checkpoint, stop
         while step < end:
-            consistent = False
+            stop.begin()
             if schedule.eval_due(step):
                 last_eval = evaluate(step)
             new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
@@ -235,13 +233,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
                 t_log, steps_log = time.perf_counter(), 0
             if schedule.checkpoint_due(step, end):
                 save(step)
-            consistent = True
-            stop_signals.check()
-    except KeyboardInterrupt:
-        report_interrupt(consistent, save, step, run_dir, bar, logger)
-        raise
-    finally:
-        stop_signals.restore()
+            stop.end(step)
     last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir)}
 

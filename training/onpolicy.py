@@ -45,8 +45,8 @@ from training.logger import RunLogger
 from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
-from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, report_interrupt, restore,
-                           run_counts, StopSignals)
+from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, restore,
+                           run_counts, StopAtIterationEnd)
 
 
 class LoopState(NamedTuple):
@@ -256,11 +256,9 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     bar = progress(cfg, step)
     last_eval, last_return = math.nan, math.nan
     metrics, t_log, steps_log = None, time.perf_counter(), 0
-    consistent = True  # False while an iteration is half done: an interrupt then must not checkpoint
-    stop_signals = StopSignals.install()  # SIGINT / SIGTERM: stop at the end of an iteration, checkpointed
-    try:
+    with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop:  # SIGINT / SIGTERM: checkpoint, stop
         while step < end:
-            consistent = False
+            stop.begin()
             key, k_roll = jax.random.split(key)
             ff, fm = step_fn.flatten(state, loop)
             for t in range(T):
@@ -299,15 +297,9 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             if pending is not None and metrics is not None:
                 metrics = {**metrics, **{k: np.array([row[k] for row in pending]) for k in pending[0]}}
                 pending = None
-            consistent = True
             if schedule.checkpoint_due(step, end):
                 save(step)
-            stop_signals.check()
-    except KeyboardInterrupt:
-        report_interrupt(consistent, save, step, run_dir, bar, logger)
-        raise
-    finally:
-        stop_signals.restore()
+            stop.end(step)
     last_eval = finish(schedule, step, last_step, evaluate, last_eval, bar, logger)
     return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "metrics": metrics}
 
