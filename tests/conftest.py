@@ -3,6 +3,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import csv
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -58,6 +60,19 @@ if "ToyReach-v0" not in gym.registry:
     from agents import dynamics as _dynamics
 
     _dynamics.register_termination("toyreach", _dynamics.never_done)
+
+
+@pytest.fixture
+def assert_same_logs():
+    """assert_same_logs(run_a, run_b): eval.csv and metrics.csv have the same step rows and the same evaluation returns."""
+    def check(a, b):
+        for name in ("eval.csv", "metrics.csv"):
+            rows_a = list(csv.DictReader(open(a / name)))
+            rows_b = list(csv.DictReader(open(b / name)))
+            assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b], name
+            if name == "eval.csv":
+                assert [r["return_mean"] for r in rows_a] == [r["return_mean"] for r in rows_b]
+    return check
 
 
 @pytest.fixture

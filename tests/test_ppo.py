@@ -280,7 +280,7 @@ def test_loop_step_writes_terminations_truncations_and_final_values():
     assert np.all(b.rewards[:, :3] > 0)
 
 
-def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_path):
+def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_path, assert_same_logs):
     cfg = tiny(seeds=2, num_envs=2, total_steps=256, checkpoint_every=64)
     full = train(cfg, ppo, tmp_path / "full")
     part = train(cfg, ppo, tmp_path / "part", stop_at=100)  # stops at the iteration boundary 128
@@ -295,12 +295,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_p
         for x, y in zip(jax.tree.leaves(getattr(full["state"], field)),
                         jax.tree.leaves(getattr(resumed["state"], field))):
             np.testing.assert_array_equal(x, y)
-    for name in ("eval.csv", "metrics.csv"):
-        rows_full = list(csv.DictReader(open(tmp_path / "full" / name)))
-        rows_res = list(csv.DictReader(open(tmp_path / "part" / name)))
-        assert [r["step"] for r in rows_full] == [r["step"] for r in rows_res]
-        if name == "eval.csv":
-            assert [r["return_mean"] for r in rows_full] == [r["return_mean"] for r in rows_res]
+    assert_same_logs(tmp_path / "full", tmp_path / "part")
     # seeds differ
     a0, a1 = (jax.tree.map(lambda x: x[j], full["state"].actor_params) for j in (0, 1))
     assert all(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))

@@ -85,7 +85,7 @@ def test_stop_at_iteration_end_checkpoints_only_between_iterations(tmp_path, cap
     assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
 
 
-def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_path, monkeypatch):
+def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_path, monkeypatch, assert_same_logs):
     """A SIGTERM during the evaluation at step 300 (periodic checkpoint at 250): the loop finishes that
     iteration, checkpoints at 301 and stops; resuming from there reproduces the uninterrupted run."""
     cfg = tiny_sac_config(total_steps=600, checkpoint_every=250)
@@ -106,12 +106,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_p
     assert resumed["step"] == 600
     for x, y in zip(leaves(full["state"]), leaves(resumed["state"])):
         np.testing.assert_array_equal(x, y)
-    for name in ("eval.csv", "metrics.csv"):
-        rows_full = list(csv.DictReader(open(tmp_path / "full" / name)))
-        rows_res = list(csv.DictReader(open(tmp_path / "part" / name)))
-        assert [r["step"] for r in rows_full] == [r["step"] for r in rows_res]
-        if name == "eval.csv":
-            assert [r["return_mean"] for r in rows_full] == [r["return_mean"] for r in rows_res]
+    assert_same_logs(tmp_path / "full", tmp_path / "part")
 
 
 def test_extending_a_finished_run_redoes_its_final_evaluation_once(tiny_sac_config, tmp_path):
