@@ -1,7 +1,19 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA compiles dominate the suite's time, and many tests (and the training subprocesses of the CLI
+# tests, which inherit the variables) compile the same programs again.  A persistent compilation
+# cache, empty at the start of every session and removed at its end, compiles each program once per
+# session; a cache hit returns the executable of an identical program, so results do not change.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jax-compilation-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import csv
 
