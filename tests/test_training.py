@@ -51,7 +51,8 @@ def test_stop_signals_defer_sigterm_to_the_iteration_end_and_a_second_ctrl_c_sto
 
 def test_stop_at_iteration_end_checkpoints_only_between_iterations(tmp_path, capsys):
     """A deferred SIGTERM stops the loop at ``end(step)`` with a checkpoint there; an interrupt mid-iteration
-    (begin() without end()) saves nothing and names the last checkpoint; handlers are restored either way."""
+    (begin() without end()) saves nothing and, with no checkpoint yet, says there is nothing to resume;
+    handlers are restored either way."""
     saved, closed = [], []
 
     class Logger:
