@@ -172,3 +172,29 @@ def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
     assert np.mean(end) > -400 and min(end) > -600, f"SAC did not learn Pendulum: eval returns {end}"
     cfg_json = json.loads((tmp_path / "r" / "config.json").read_text())
     assert cfg_json["agent"]["critics"] == 2 and out["step"] == 6000
+
+
+@pytest.mark.parametrize("review", [False, True], ids=["uniform", "ne_review"])
+def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(review):
+    """Issue: with a 1M buffer XLA copied every buffer array once per env step (the batch gathers
+    fused with the in-place write of the new row).  XLA's own memory analysis of the two compiled
+    per-step programs must not depend on the capacity: only the donated buffer itself does."""
+    from training import offpolicy, replay
+    from training.config import NetworkConfig, RunConfig
+
+    temps = []
+    for capacity in (4_096, 65_536):
+        a = sac.CONFIG(buffer_size=capacity, batch_size=32)
+        cfg = RunConfig(env="Pendulum-v1", agent=a, agent_name="sac", network=NetworkConfig(width=16, depth=1))
+        state, buffer, _ = offpolicy.init_state(sac, cfg, 3, 1)
+        step = offpolicy.make_step_fn(sac, a, 1, 1)
+        transition = replay.Transition(np.zeros((1, 3), np.float32), np.zeros((1, 1), np.float32),
+                                       np.zeros(1, np.float32), np.zeros((1, 3), np.float32),
+                                       np.zeros(1, bool), np.zeros(1, bool))
+        obs = np.zeros((1, 1, 3), np.float32)
+        p_review = jnp.full((1,), 0.5, jnp.float32) if review else None
+        learn = step.learn_and_act.lower(state, buffer, obs, jax.random.key(0), random_actions=False, train=True,
+                                         review=p_review).compile()
+        store = step.store.lower(buffer, transition, obs).compile()
+        temps.append((learn.memory_analysis().temp_size_in_bytes, store.memory_analysis().temp_size_in_bytes))
+    assert temps[0] == temps[1], f"per-step temporaries grow with the capacity: {temps}"
