@@ -14,7 +14,7 @@ Shapes: M = members, B = batch, O = obs dim, A = action dim, D = O + 1 (target (
     model, info = train(key, obs, actions, rewards, next_obs, DynamicsConfig())
     mean, logvar = predict(model, obs, action)               # (M, B, D) each, raw target units
     next_obs, reward = step(model, obs, action, key)         # (B, O), (B,)
-    done_fn = termination_fn("Hopper-v5")                    # next_obs (B, O) -> bool (B,)
+    done_fn = envs.termination.termination_fn("Hopper-v5")   # next_obs (B, O) -> bool (B,)
     batch, valid = rollout(model, policy, start, 5, key, done_fn)   # (H, B, ...) and (H, B)
     save("model.npz", model); model = load("model.npz")
 """
@@ -36,7 +36,7 @@ from flax import nnx, struct
 
 from networks import Net, Trunk, TrunkSpec
 from networks.blocks import ACTIVATIONS
-from training.replay import Transition
+from buffers.replay import Transition
 
 ELITE_SAMPLING = ("row", "step", "trajectory")
 _VAL_CHUNK = 8192  # holdout rows per forward pass when computing validation MSE (memory bound only)
@@ -554,54 +554,6 @@ def step(model: DynamicsModel, obs, action, key, member=None):
     member = jnp.broadcast_to(jnp.asarray(member, jnp.int32), (b,))
     picked = sample[member, jnp.arange(b)]  # (B, D)
     return obs + picked[:, : model.obs_dim], picked[:, model.obs_dim]
-
-
-# ============================================================================ termination
-
-
-def hopper_done(next_obs):
-    """Hopper-v5 (sections 2.3 / 3.1): healthy while z = s[0] > 0.7, |angle| = |s[1]| < 0.2, every value
-    is finite and |s[1:]| < 100.  Observations start at z (x excluded, the v5 default).
-
-    Gymnasium tests |state| < 100 on the unclipped velocities while the observation clips them to
-    +-10, so a velocity above 100 terminates the env but not this function (unobservable from s')."""
-    z, angle = next_obs[..., 0], next_obs[..., 1]
-    healthy = (jnp.isfinite(next_obs).all(-1) & (jnp.abs(next_obs[..., 1:]) < 100.0).all(-1)
-               & (z > 0.7) & (jnp.abs(angle) < 0.2))
-    return ~healthy
-
-
-def walker2d_done(next_obs):
-    """Walker2d-v5 (sections 2.3 / 3.1): healthy while 0.8 < z < 2 and -1 < angle < 1 (NaN -> done)."""
-    z, angle = next_obs[..., 0], next_obs[..., 1]
-    return ~((z > 0.8) & (z < 2.0) & (angle > -1.0) & (angle < 1.0))
-
-
-def never_done(next_obs):
-    """Envs that only truncate: HalfCheetah, Pendulum (used by the small offline tests)."""
-    return jnp.zeros(next_obs.shape[:-1], bool)
-
-
-halfcheetah_done = never_done
-TERMINATION_FNS = {"hopper": hopper_done, "walker2d": walker2d_done, "halfcheetah": never_done,
-                   "pendulum": never_done}
-
-
-def register_termination(name: str, fn: Callable):
-    """Add the done function of another env family (``name`` = the id's lower-cased part before '-')."""
-    TERMINATION_FNS[name.lower()] = fn
-
-
-def termination_fn(env_id: str) -> Callable:
-    """The done function ``next_obs (..., O) -> bool (...)`` for an env id or D4RL name:
-    'Hopper-v5', 'hopper', 'hopper-medium-v2', 'Walker2d-v5', 'walker2d', 'HalfCheetah-v5', ..."""
-    name = str(env_id).strip().lower()
-    base = name.split("-")[0]
-    if ":" in name or base not in TERMINATION_FNS:
-        raise ValueError(f"no termination function for env {env_id!r}; supported: "
-                         f"{', '.join(sorted(TERMINATION_FNS))} (ids such as 'Hopper-v5' or D4RL names such as "
-                         f"'hopper-medium-v2'); add one with agents.dynamics.register_termination")
-    return TERMINATION_FNS[base]
 
 
 # ============================================================================ rollouts

@@ -90,12 +90,13 @@ from flax import nnx, struct
 from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
 from networks.blocks import ACTIVATIONS
 from plasticity import optim as optim_lib
-from plasticity.hooks import declared_params
+from plasticity.api import declared_nets, declared_params
 from plasticity.sigreg import regularized
-from training import lap
-from training.config import NetworkConfig, OffPolicyConfig
-from training.lap import Window
-from training.replay import Transition
+from buffers import lap
+from agents.api import OffPolicyConfig
+from networks.config import NetworkConfig
+from buffers.lap import Window
+from buffers.replay import Transition
 
 # ----------------------------------------------------------------------------- config
 
@@ -161,6 +162,7 @@ class MRQConfig(OffPolicyConfig):
 
 CONFIG = MRQConfig
 KIND = "offpolicy"
+EXPERIENCE_REVIEW = False  # LAP replay of its own
 
 # ----------------------------------------------------------------------------- two-hot reward (spec 2.1)
 
@@ -587,8 +589,13 @@ def _run_if(pred, fn, x):
     return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), jnp.int32), x))[1]
 
 
-def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int):
-    """``num_updates`` MR.Q training steps as one scan -> (state, buffer with new priorities, metrics)."""
+def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, review=None):
+    """``num_updates`` MR.Q training steps as one scan -> (state, buffer with new priorities, metrics).
+
+    MR.Q samples its own LAP windows, so NE's experience review (``review``) does not apply
+    (``EXPERIENCE_REVIEW = False``: the plasticity checks refuse it before a run starts)."""
+    if review is not None:
+        raise ValueError("MR.Q samples LAP windows: NE's experience review does not apply")
     cfg = state.cfg
     valid = lap.window_mask(buffer, max(cfg.enc_horizon, cfg.q_horizon))  # data is fixed within the block
 
@@ -639,13 +646,10 @@ def buffer_init(capacity: int, obs_dim: int, act_dim: int) -> lap.LAPBuffer:
 buffer_add = lap.add
 
 
-def sample_batch(buffer: lap.LAPBuffer, key, batch_size: int) -> Window:
-    """Windows for plasticity metrics / resets: uniform over valid windows of the default H_enc.
-
-    The loop's hooks pass no config, so this uses ``MRQConfig``'s default horizons.
-    """
-    h = MRQConfig.enc_horizon
-    return lap.sample(buffer, key, batch_size, h, prioritized=False, mask_horizon=max(h, MRQConfig.q_horizon))[1]
+def sample_batch(state: MRQState, buffer: lap.LAPBuffer, key, batch_size: int) -> Window:
+    """Windows for plasticity metrics / resets: uniform over valid windows of the run's H_enc."""
+    h = state.cfg.enc_horizon
+    return lap.sample(buffer, key, batch_size, h, prioritized=False, mask_horizon=max(h, state.cfg.q_horizon))[1]
 
 
 # ----------------------------------------------------------------------------- plasticity hooks
@@ -658,6 +662,7 @@ def _first(win: Window, h: int) -> Window:
 
 
 plastic_params = declared_params(PLASTIC)
+plastic_nets = declared_nets(PLASTIC)
 
 
 def plastic_losses(state: MRQState, batch: Window, key):

@@ -71,9 +71,9 @@ from networks import Net, TrunkSpec, build
 from networks.blocks import Trunk
 from networks.distributions import gaussian_log_prob
 from plasticity import optim as optim_lib
-from plasticity.hooks import declared_params
+from plasticity.api import declared_nets, declared_params
 from plasticity.sigreg import regularized
-from training.config import NetworkConfig
+from networks.config import NetworkConfig
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
 
@@ -535,9 +535,9 @@ def flat_samples(cfg: PPOConfig, batch: Rollout) -> dict:
             "values": flat(values), "advantages": flat(adv), "returns": flat(returns)}
 
 
-def sample_batch(batch: Rollout, key, size: int, cfg: PPOConfig) -> Minibatch:
+def sample_batch(state: PPOState, batch: Rollout, key, size: int) -> Minibatch:
     """``size`` distinct samples of the latest rollout (for plasticity metrics and resets)."""
-    data = flat_samples(cfg, batch)
+    data = flat_samples(state.cfg, batch)
     n = data["obs"].shape[0]
     idx = jax.random.permutation(key, n)[:min(size, n)]
     return Minibatch(**jax.tree.map(lambda x: x[idx], data))
@@ -620,10 +620,12 @@ def update(state: PPOState, batch: Rollout, key):
 
 CONFIG = PPOConfig
 KIND = "onpolicy"
+EXPERIENCE_REVIEW = False  # no replay
 SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
 
 
 plastic_params = declared_params(PLASTIC)
+plastic_nets = declared_nets(PLASTIC)
 
 
 def plastic_losses(state: PPOState, batch: Minibatch, key):

@@ -43,9 +43,10 @@ import numpy as np
 from agents import dynamics as dynamics_lib
 from agents import sac
 from agents.dynamics import DynamicsConfig
-from training import replay
-from training.config import NetworkConfig
-from training.replay import Transition
+from envs import termination
+from buffers import replay
+from networks.config import NetworkConfig
+from buffers.replay import Transition
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ act = sac.act
 update = sac.update
 PLASTIC = sac.PLASTIC
 plastic_params = sac.plastic_params
+plastic_nets = sac.plastic_nets
+EXPERIENCE_REVIEW = False  # a fixed dataset: no online stream to review
 plastic_losses = sac.plastic_losses
 SIGREG_NETWORKS = sac.SIGREG_NETWORKS
 
@@ -132,9 +135,9 @@ def real_count(cfg: RAVLConfig, batch_size: int | None = None) -> int:
     return int(cfg.dataset_ratio * (cfg.batch_size if batch_size is None else batch_size))
 
 
-def sample_batch(data: Data, key, batch_size: int, cfg: RAVLConfig) -> Transition:
-    """int(r * batch) uniform dataset rows followed by the rest from the model FIFO."""
-    n_real = real_count(cfg, batch_size)
+def sample_batch(state, data: Data, key, batch_size: int) -> Transition:
+    """int(r * batch) uniform dataset rows followed by the rest from the model FIFO (r: ``state.cfg``)."""
+    n_real = real_count(state.cfg, batch_size)
     k_real, k_model = jax.random.split(key)
     idx = jax.random.randint(k_real, (n_real,), 0, data.real.reward.shape[0])
     real = jax.tree.map(lambda x: x[idx], data.real)
@@ -201,7 +204,7 @@ def train_epoch(state, data: Data, model, key, cfg: RAVLConfig, done_fn):
 
     def one(state, k):
         k_sample, k_update = jax.random.split(k)
-        return update(state, sample_batch(data, k_sample, cfg.batch_size, cfg), k_update)
+        return update(state, sample_batch(state, data, k_sample, cfg.batch_size), k_update)
 
     state, metrics = jax.lax.scan(one, state, jax.random.split(k_train, cfg.updates_per_epoch))
     return state, data, {**jax.tree.map(lambda m: m.mean(), metrics), **stats}
@@ -209,5 +212,5 @@ def train_epoch(state, data: Data, model, key, cfg: RAVLConfig, done_fn):
 
 def make_epoch(cfg: RAVLConfig, env_id: str):
     """The loop's per-seed epoch function, with the env's termination function (spec 3.1) bound."""
-    done_fn = dynamics_lib.termination_fn(env_id)
+    done_fn = termination.termination_fn(env_id)
     return lambda state, data, model, key: train_epoch(state, data, model, key, cfg, done_fn)

@@ -31,10 +31,12 @@ from flax import struct
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from plasticity import optim as optim_lib
-from plasticity.hooks import declared_params
+from plasticity.api import declared_nets, declared_params
 from plasticity.sigreg import regularized
-from training.config import NetworkConfig, OffPolicyConfig
-from training.replay import Transition
+from agents.api import OffPolicyConfig
+from networks.config import NetworkConfig
+from buffers import replay
+from buffers.replay import Transition
 
 
 @dataclass(frozen=True)
@@ -209,12 +211,24 @@ def _q_std_random(state: SACState, obs, key):
     return jax.lax.stop_gradient(state.critic(state.critic_params, obs, action)).std(axis=0).mean()
 
 
+# ----------------------------------------------------------------------------- the agent contract (agents/api.py)
 CONFIG = SACConfig
 KIND = "offpolicy"
+EXPERIENCE_REVIEW = True  # uniform replay: NE's experience review applies
 SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
-
-
+buffer_init, buffer_add = replay.init, replay.add
 plastic_params = declared_params(PLASTIC)
+plastic_nets = declared_nets(PLASTIC)
+
+
+def sample_batch(state: SACState, buffer: replay.Buffer, key, batch_size: int) -> Transition:
+    """A uniform replay batch."""
+    return replay.sample(buffer, key, batch_size)
+
+
+def train_block(state: SACState, buffer: replay.Buffer, key, num_updates: int, review=None):
+    """``num_updates`` SAC updates on uniform batches (NE's experience review given ``review``) as one scan."""
+    return replay.scan_updates(update, state, buffer, key, num_updates, state.cfg.batch_size, review)
 
 
 def plastic_losses(state: SACState, batch: Transition, key):

@@ -26,7 +26,7 @@ import pickle
 import gymnasium as gym
 import numpy as np
 
-from envs.make import VectorEnv
+from envs.vector import VectorEnv
 
 
 def _seeds(seed: int, num_envs: int, seeds):

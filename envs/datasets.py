@@ -98,12 +98,12 @@ class Dataset:
         return csum[ends + 1] - csum[starts]
 
     def transitions(self, unit_actions: bool = False):
-        """The rows as a ``training.replay.Transition`` of numpy arrays (terminated / truncated kept apart).
+        """The rows as a ``buffers.replay.Transition`` of numpy arrays (terminated / truncated kept apart).
 
         ``unit_actions``: rescale actions from the env's bounds to the agent's [-1, 1] (bounds from
         ``metadata['action_low'/'action_high']``, else from the env ``env_id`` names).
         """
-        from training.replay import Transition
+        from buffers.replay import Transition
 
         actions = np.asarray(self.actions, np.float32)
         if unit_actions:
@@ -639,6 +639,15 @@ def load_minari(name_or_path, root=None) -> Dataset:
 # ----------------------------------------------------------------------------------------------
 # scores
 # ----------------------------------------------------------------------------------------------
+def gymnasium_id(name: str) -> str:
+    """'hopper' / 'hopper-medium-v2' -> 'Hopper-v5'; Gymnasium ids pass through."""
+    short = d4rl_name(name)
+    ids = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
+    if short in ids and name.lower().startswith(short):
+        return ids[short]
+    return name
+
+
 def d4rl_name(env_id) -> Optional[str]:
     """'halfcheetah' / 'hopper' / 'walker2d' for Gymnasium ids (Hopper-v5), D4RL names (hopper-medium-v2)
     or Minari ids (mujoco/hopper/medium-v0); None otherwise (Control Suite and ns: ids included)."""

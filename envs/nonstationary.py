@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 
-from envs.make import DMC_ACTION_REPEAT, ActionRepeat, VectorEnv, make_env
+from envs.wrappers import DMC_ACTION_REPEAT, ActionRepeat, make_base_env as make_env
 
 MODES = {"chain": "chain", "task_chain": "chain", "dynamics": "dynamics",
          "obs_permute": "obs_permute", "reward_flip": "reward_flip"}
@@ -460,35 +460,6 @@ def _physics_state(env):
 def make(env_id: str, seed: int = 0, action_repeat: int | None = None) -> NonStationaryEnv:
     """The ``make_env`` entry for ``ns:`` ids (a private, self-advancing step counter)."""
     return NonStationaryEnv(env_id, seed, action_repeat)
-
-
-# ----------------------------------------------------------------------------------------------
-# Vector envs with one shared counter
-# ----------------------------------------------------------------------------------------------
-class CountingVectorEnv(VectorEnv):
-    """A ``VectorEnv`` of non-stationary members that share one ``StepCounter``.
-
-    Each ``step()`` first advances the counter by ``steps_per_call`` (1 by default; the on-policy
-    loop sets it to its envs per seed), so all members see the same count during a step and
-    switch together.
-    """
-
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None):
-        super().__init__(env_id, num_envs, seed, action_repeat)
-        self.step_counter = StepCounter(auto=False)
-        self.steps_per_call = 1
-        for e in self.envs:
-            e.bind_counter(self.step_counter)
-
-    def step(self, actions):
-        self.step_counter.value += self.steps_per_call
-        return super().step(actions)
-
-    def global_phase(self) -> int:
-        return self.envs[0].phase_at(self.step_counter.value)
-
-    def task_ids(self) -> list[int]:
-        return [e.task_id for e in self.envs]
 
 
 def follow(vector_env, counter) -> None:

@@ -27,20 +27,9 @@ from plasticity import expansion
 from plasticity import metrics as metrics_lib
 from plasticity import optim as optim_lib
 from plasticity import resets
+from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, declared_params  # noqa: F401
 from plasticity.sigreg import SIGRegSpec
-from training.config import PlasticityConfig
-
-DECLARATIONS = ("PLASTIC", "plastic_params", "plastic_losses")
-
-
-def declared_params(plastic: dict):
-    """``plastic_params(state)`` built from an agent's ``PLASTIC`` declaration: {name: params}."""
-
-    def plastic_params(state) -> dict:
-        """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
-        return {name: getattr(state, params_field) for name, (params_field, _) in plastic.items()}
-
-    return plastic_params
+from plasticity.config import PlasticityConfig
 
 
 def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
@@ -50,24 +39,26 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
                                     ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
                                     ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
                                     ("--plasticity.ne", cfg.ne)) if on]
-    missing = [d for d in DECLARATIONS if not hasattr(agent, d)]
-    if wanted and missing:
+    if wanted and not isinstance(agent, PlasticAgent):
         raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: it declares no plastic "
-                         f"networks ({', '.join(missing)} missing)")
-    if cfg.least and (getattr(agent, "KIND", None) != "offpolicy" or not hasattr(agent, "least_signals")):
+                         "networks (plasticity.api.PlasticAgent)")
+    if cfg.least and (agent.KIND != "offpolicy" or not isinstance(agent, LEASTAgent)):
         raise ValueError(f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "
                          "online off-policy agents from their Q and TD-loss histories (not on-policy or offline)")
-    if cfg.least_noise_max > 0 and not hasattr(agent, "with_exploration_noise"):
+    if cfg.least_noise_max > 0 and not isinstance(agent, ExplorationNoiseAgent):
         raise ValueError(f"--plasticity.least-noise-max does not apply to agent {agent_name!r}: it has no "
                          "explicit exploration noise to raise (SAC explores through its entropy term)")
     if cfg.least_noise_max > 0 and not cfg.least:
         raise ValueError("--plasticity.least-noise-max is part of LEAST: add --plasticity.least")
-    if cfg.sigreg_coef > 0 and not getattr(agent, "SIGREG_NETWORKS", ()):
+    if cfg.sigreg_coef > 0 and not (isinstance(agent, PlasticAgent) and agent.SIGREG_NETWORKS):
         raise ValueError(f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
                          "expose no representation to regularise")
-    if cfg.ne and cfg.ne_review and hasattr(agent, "train_block"):
-        raise ValueError(f"--plasticity.ne-review does not apply to agent {agent_name!r}: it samples its own "
-                         "replay (train_block); pass --plasticity.no-ne-review")
+    if cfg.ne and cfg.ne_review and not agent.EXPERIENCE_REVIEW:
+        why = {"onpolicy": "on-policy agents keep no replay", "offline": "offline agents learn from a fixed "
+               "dataset, with no online stream to review"}.get(agent.KIND, "it samples its own replay (e.g. LAP)")
+        raise ValueError(f"--plasticity.ne-review does not apply to agent {agent_name!r}: experience review "
+                         f"draws from the oldest 30% of a uniform replay buffer and {why}; "
+                         "pass --plasticity.no-ne-review")
 
 
 def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
@@ -75,7 +66,7 @@ def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
     if not (cfg.kron or cfg.ne):
         return None
     ne = optim_lib.NESpec(cfg.ne_initial_sparsity) if cfg.ne else None
-    return optim_lib.OptimSpec(cfg.kron, ne, tuple(getattr(agent, "PLASTIC", ())) if cfg.ne else None)
+    return optim_lib.OptimSpec(cfg.kron, ne, tuple(agent.PLASTIC) if cfg.ne else None)
 
 
 def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, built: set):
@@ -83,7 +74,7 @@ def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, built: set):
     if cfg.kron and not built:
         raise ValueError(f"--plasticity.kron does not apply to agent {agent_name!r}: it builds its optimizers "
                          "without plasticity.optim.optimizer")
-    missing = sorted(set(getattr(agent, "PLASTIC", ())) - built) if cfg.ne else []
+    missing = sorted(set(agent.PLASTIC) - built) if cfg.ne else []
     if missing:
         raise ValueError(f"--plasticity.ne does not apply to agent {agent_name!r}: the optimizers of "
                          f"{', '.join(missing)} are not built with plasticity.optim.optimizer")
@@ -94,16 +85,14 @@ def sigreg_spec(cfg: PlasticityConfig) -> SIGRegSpec | None:
 
 
 def _net(agent, state, name):
-    if hasattr(agent, "plastic_nets"):
-        return agent.plastic_nets(state)[name]
-    return getattr(state, name)
+    return agent.plastic_nets(state)[name]
 
 
-def reset_step(agent, cfg: PlasticityConfig, sample, state, buffer, key):
+def reset_step(agent, cfg: PlasticityConfig, state, buffer, key):
     """One ReDo/ReGraMa event for one seed -> (state, {plasticity/<net>/reset_fraction})."""
     method, tau = ("redo", cfg.redo_tau) if cfg.redo else ("regrama", cfg.regrama_tau)
     k_batch, k_loss, k_init = jax.random.split(key, 3)
-    batch = sample(buffer, k_batch, cfg.reset_batch)
+    batch = agent.sample_batch(state, buffer, k_batch, cfg.reset_batch)
     losses = agent.plastic_losses(state, batch, k_loss)
     params = agent.plastic_params(state)
     out = {}
@@ -125,13 +114,13 @@ def review_network(agent) -> str:
     return "critic" if "critic" in agent.PLASTIC else next(iter(agent.PLASTIC))
 
 
-def ne_step(agent, cfg: PlasticityConfig, sample, state, buffer, key, counts):
+def ne_step(agent, cfg: PlasticityConfig, state, buffer, key, counts):
     """One NE event for one seed -> (state, stats, review probability).
 
     ``counts``: {net: (grow (L,), prune (L,), magnitude)} from ``expansion.Schedule.step``.
     """
     k_batch, k_loss = jax.random.split(key)
-    batch = sample(buffer, k_batch, cfg.reset_batch)
+    batch = agent.sample_batch(state, buffer, k_batch, cfg.reset_batch)
     losses = agent.plastic_losses(state, batch, k_loss)
     params = agent.plastic_params(state)
     review_name = review_network(agent)
@@ -170,9 +159,9 @@ def metrics_step(agent, state, batch, init_params, key):
 class Hooks:
     """Host-side scheduling of the plasticity events, for N vmapped seeds."""
 
-    def __init__(self, cfg: PlasticityConfig, agent, agent_name: str, sample, total_updates: int | None = None):
+    def __init__(self, cfg: PlasticityConfig, agent, agent_name: str, total_updates: int | None = None):
         check_applicable(cfg, agent, agent_name)
-        self.cfg, self.agent, self.sample = cfg, agent, sample
+        self.cfg, self.agent = cfg, agent
         self.total_updates = total_updates
         self.schedule = None
         self.review = None  # (seeds,) probability of reviewing old data, passed to the loop's sampler
@@ -181,17 +170,17 @@ class Hooks:
         self.metrics_batch = None
         self.init_params = None
         if self.resetting:
-            self._reset = jax.jit(jax.vmap(partial(reset_step, agent, cfg, sample)), donate_argnums=(0,))
+            self._reset = jax.jit(jax.vmap(partial(reset_step, agent, cfg)), donate_argnums=(0,))
         if cfg.metrics_every:
             self._metrics = jax.jit(jax.vmap(partial(metrics_step, agent)))
-            self._sample = jax.jit(jax.vmap(lambda b, k: sample(b, k, cfg.metrics_batch)))
+            self._sample = jax.jit(jax.vmap(lambda s, b, k: agent.sample_batch(s, b, k, cfg.metrics_batch)))
         if cfg.ne:
             if not total_updates:
                 raise ValueError("NE's growth schedule needs the run's total number of updates")
 
             def event(state, buffer, key, counts):
                 self.ne_traces += 1
-                return ne_step(agent, cfg, sample, state, buffer, key, counts)
+                return ne_step(agent, cfg, state, buffer, key, counts)
 
             self._ne = jax.jit(jax.vmap(event, in_axes=(0, 0, 0, None)), donate_argnums=(0,))
 
@@ -229,7 +218,7 @@ class Hooks:
             n = jax.tree.leaves(state)[0].shape[0]
             k_batch, k_metrics = jax.random.split(jax.random.fold_in(key, 1))
             if self.metrics_batch is None:  # the fixed held-out batch, drawn once per run
-                self.metrics_batch = self._sample(buffer, jax.random.split(k_batch, n))
+                self.metrics_batch = self._sample(state, buffer, jax.random.split(k_batch, n))
             out = self._metrics(state, self.metrics_batch, self.init_params, jax.random.split(k_metrics, n))
             rows = _merge(rows, _rows(out))
         every = self.cfg.ne_every

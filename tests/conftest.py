@@ -69,9 +69,9 @@ if "ToyChain-v0" not in gym.registry:
     gym.register("ToyChain-v0", entry_point=ToyChain, max_episode_steps=5)
 if "ToyReach-v0" not in gym.registry:
     gym.register("ToyReach-v0", entry_point=ToyReach, max_episode_steps=20)
-    from agents import dynamics as _dynamics
+    from envs import termination as _termination
 
-    _dynamics.register_termination("toyreach", _dynamics.never_done)
+    _termination.register_termination("toyreach", _termination.never_done)
 
 
 @pytest.fixture

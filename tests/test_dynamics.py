@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from agents import dynamics as dyn
+from envs import termination
 
 OBS, ACT = 3, 2
 # Small but real: 4 members, 2 x 32 SiLU, per-layer weight decay, bootstrap, early-stopping rule active.
@@ -327,7 +328,7 @@ def random_episodes(env_id, episodes, max_steps=300):
 
 @pytest.mark.parametrize("env_id,episodes", [("Hopper-v5", 6), ("Walker2d-v5", 6), ("HalfCheetah-v5", 0)])
 def test_termination_matches_gymnasium_v5(env_id, episodes):
-    fn = dyn.termination_fn(env_id)
+    fn = termination.termination_fn(env_id)
     if episodes == 0:  # HalfCheetah: a short stretch, never terminated
         next_obs, terminated = random_episodes(env_id, 1, max_steps=30)
         assert not terminated.any() and not np.asarray(fn(jnp.asarray(next_obs))).any()
@@ -338,24 +339,24 @@ def test_termination_matches_gymnasium_v5(env_id, episodes):
 
 
 def test_termination_fn_names_and_edge_cases():
-    assert dyn.termination_fn("hopper") is dyn.termination_fn("Hopper-v5") is dyn.termination_fn("hopper-medium-v2")
-    assert dyn.termination_fn("walker2d-medium-replay-v2") is dyn.walker2d_done
-    assert dyn.termination_fn("HalfCheetah-v5") is dyn.halfcheetah_done
+    assert termination.termination_fn("hopper") is termination.termination_fn("Hopper-v5") is termination.termination_fn("hopper-medium-v2")
+    assert termination.termination_fn("walker2d-medium-replay-v2") is termination.walker2d_done
+    assert termination.termination_fn("HalfCheetah-v5") is termination.halfcheetah_done
     for bad in ("Ant-v5", "dmc:walker-walk", "walker"):
         with pytest.raises(ValueError, match="supported: halfcheetah, hopper, pendulum, .*walker2d"):
-            dyn.termination_fn(bad)
-    dyn.register_termination("myenv", dyn.never_done)
-    assert dyn.termination_fn("MyEnv-v1") is dyn.never_done
-    del dyn.TERMINATION_FNS["myenv"]
+            termination.termination_fn(bad)
+    termination.register_termination("myenv", termination.never_done)
+    assert termination.termination_fn("MyEnv-v1") is termination.never_done
+    del termination.TERMINATION_FNS["myenv"]
     healthy = np.array([1.2, 0.0] + [0.0] * 9, np.float32)
     cases = {"healthy": (healthy, False), "low": (np.r_[0.7, healthy[1:]], True),
              "tilted": (np.r_[healthy[:1], 0.2, healthy[2:]], True),
              "huge": (np.r_[healthy[:5], 100.0, healthy[6:]], True),
              "nan": (np.r_[healthy[:5], np.nan, healthy[6:]], True)}
     for name, (o, want) in cases.items():
-        assert bool(dyn.hopper_done(jnp.asarray(o[None]))[0]) == want, name
+        assert bool(termination.hopper_done(jnp.asarray(o[None]))[0]) == want, name
     w = jnp.array([[1.0, 0.5], [2.0, 0.0], [0.8, 0.0], [1.0, -1.0], [np.nan, 0.0]])
-    np.testing.assert_array_equal(np.asarray(dyn.walker2d_done(w)), [False, True, True, True, True])
+    np.testing.assert_array_equal(np.asarray(termination.walker2d_done(w)), [False, True, True, True, True])
 
 
 # ----------------------------------------------------------------------------- save / load

@@ -6,7 +6,7 @@ import pytest
 
 from agents import sac
 from envs import make_env, make_vector_env
-from training import replay
+from buffers import replay
 
 
 def test_truncation_and_termination_reach_the_buffer_and_the_target():

@@ -11,7 +11,7 @@ import pytest
 
 from plasticity import expansion, optim
 from plasticity.hooks import check_applicable, check_optimizers
-from training import replay
+from buffers import replay
 from training.config import NetworkConfig, PlasticityConfig
 
 HAS_KRON = importlib.util.find_spec("psgdax") is not None  # the kron extra (make test installs it)

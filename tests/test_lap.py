@@ -1,11 +1,11 @@
-"""LAP replay over per-env subtrajectories (training/lap.py): streams, masks, priorities, returns."""
+"""LAP replay over per-env subtrajectories (buffers/lap.py): streams, masks, priorities, returns."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training import lap
-from training.replay import Transition
+from buffers import lap
+from buffers.replay import Transition
 
 
 def _simulate(num_envs, steps, capacity, seed=0, p_term=0.08, p_trunc=0.08):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from agents import mrq
-from training import lap
+from buffers import lap
 from training.config import NetworkConfig, RunConfig
-from training.lap import Window
-from training.replay import Transition
+from buffers.lap import Window
+from buffers.replay import Transition
 
 GAMMA = 0.99
 

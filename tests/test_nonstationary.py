@@ -3,6 +3,7 @@ import pickle
 import numpy as np
 import pytest
 
+from envs.vector import CountingVectorEnv
 from envs import make_env, make_vector_env
 from envs import nonstationary as ns
 
@@ -159,7 +160,7 @@ def test_obs_permute_is_invertible_and_reproducible():
 # ----------------------------------------------------------------------------------------------
 def test_vector_env_members_share_one_counter_switch_together_and_pickle():
     env = make_vector_env("ns:reward_flip:ToyChain-v0:every=6,switch=hard,term=all", 3, seed=0)
-    assert isinstance(env, ns.CountingVectorEnv)
+    assert isinstance(env, CountingVectorEnv)
     env.steps_per_call = 2  # e.g. 2 envs per seed: the counter counts per-seed steps
     env.reset()
     assert all(e.counter is env.step_counter for e in env.envs)

@@ -69,7 +69,7 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
 def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
     from agents import mrq
     from plasticity.sigreg import SIGRegSpec, active
-    from training.replay import Transition
+    from buffers.replay import Transition
 
     state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1))
     rng = np.random.default_rng(0)
@@ -145,12 +145,24 @@ def test_mrq_refuses_ne_review(tmp_path):
         train(_mrq_cfg(PlasticityConfig(ne=True)), mrq, tmp_path / "r")
 
 
+@pytest.mark.parametrize("name", ["mrq", "ppo", "ravl"])
+def test_ne_review_is_refused_the_same_way_for_every_kind_without_uniform_replay(name):
+    import agents
+    from plasticity.hooks import check_applicable
+
+    agent = agents.get(name)
+    with pytest.raises(ValueError, match=f"ne-review does not apply to agent '{name}'.*--plasticity.no-ne-review"):
+        check_applicable(PlasticityConfig(ne=True), agent, name)
+    check_applicable(PlasticityConfig(ne=True, ne_review=False), agent, name)  # growth and pruning alone apply
+    check_applicable(PlasticityConfig(ne=True), agents.get("sac"), "sac")
+
+
 def test_ppo_ne_kron(tmp_path):
     from agents import ppo
     from training.onpolicy import train
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
-    pcfg = PlasticityConfig(metrics_every=8, ne=True, ne_every=8, kron=HAS_KRON)  # default ne_review: ignored
+    pcfg = PlasticityConfig(metrics_every=8, ne=True, ne_every=8, kron=HAS_KRON, ne_review=False)  # PPO: no replay
     cfg = RunConfig(env="Pendulum-v1", total_steps=384, num_envs=2, eval_every=384, eval_episodes=1, log_every=64,
                     checkpoint_every=384, progress=False, network=NetworkConfig(width=16), plasticity=pcfg,
                     agent_name="ppo", agent=agent_cfg)

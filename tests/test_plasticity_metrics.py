@@ -6,7 +6,7 @@ import pytest
 from agents import sac
 from plasticity import metrics as M
 from training.config import NetworkConfig
-from training.replay import Transition
+from buffers.replay import Transition
 
 WIDTH = 8
 

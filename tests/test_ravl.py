@@ -1,4 +1,5 @@
 """RAVL: the model FIFO, the real/model batch mix, the offline loop and a short learning run."""
+import types
 import dataclasses
 
 import jax
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 from agents import ravl
-from training import replay
-from training.replay import Transition
+from buffers import replay
+from buffers.replay import Transition
 
 
 def _transitions(n, obs_dim=3, act_dim=2, reward=0.0, start=0):
@@ -37,7 +38,8 @@ def test_batch_mix_has_the_requested_ratio(ratio, batch):
     cfg = ravl.RAVLConfig(dataset_ratio=ratio, batch_size=batch, rollout_batch=10, horizon=2, retain_epochs=5)
     data = ravl.data_init(_transitions(50, reward=1.0), cfg)
     data = data._replace(model=replay.add(data.model, _transitions(40, reward=-1.0)))
-    out = jax.jit(lambda d, k: ravl.sample_batch(d, k, batch, cfg))(data, jax.random.key(0))
+    holder = types.SimpleNamespace(cfg=cfg)  # sample_batch reads the ratio from the agent state's cfg
+    out = jax.jit(lambda d, k: ravl.sample_batch(holder, d, k, batch))(data, jax.random.key(0))
     assert out.reward.shape == (batch,)
     n_real = int((np.asarray(out.reward) == 1.0).sum())
     assert n_real == int(ratio * batch) == ravl.real_count(cfg)

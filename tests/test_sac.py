@@ -5,7 +5,7 @@ import pytest
 
 from agents import sac
 from training.config import NetworkConfig
-from training.replay import Transition
+from buffers.replay import Transition
 
 
 def test_td_target_hand_computed():

@@ -145,9 +145,13 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
         m["losses/critic"] = jnp.where(new.updates > 150, jnp.nan, m["losses/critic"])
         return new, m
 
-    broken = types.SimpleNamespace(**{k: getattr(sac, k) for k in ("init", "act", "CONFIG", "KIND", "PLASTIC",
-                                                                    "plastic_params", "plastic_losses")},
-                                   update=bad_update)
+    from buffers import replay
+
+    def bad_train_block(state, buffer, key, num_updates, review=None):
+        return replay.scan_updates(bad_update, state, buffer, key, num_updates, state.cfg.batch_size, review)
+
+    contract = {k: getattr(sac, k) for k in dir(sac) if not k.startswith("_")}
+    broken = types.SimpleNamespace(**{**contract, "update": bad_update, "train_block": bad_train_block})
     cfg = tiny_sac_config(total_steps=600, checkpoint_every=300)
     # learning starts at step 200 with update 1, so update 151 (the first NaN) happens at step 350
     with pytest.raises(NonFiniteLossError, match=r"losses/critic at env step 350;.*step_000000000300"):
@@ -179,7 +183,8 @@ def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(review)
     """Issue: with a 1M buffer XLA copied every buffer array once per env step (the batch gathers
     fused with the in-place write of the new row).  XLA's own memory analysis of the two compiled
     per-step programs must not depend on the capacity: only the donated buffer itself does."""
-    from training import offpolicy, replay
+    from buffers import replay
+    from training import offpolicy
     from training.config import NetworkConfig, RunConfig
 
     temps = []

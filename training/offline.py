@@ -13,7 +13,7 @@ and ``updates_per_epoch`` fields), ``init`` and ``act``:
 - ``data_init(real_transitions, cfg) -> data``: what one seed learns from, a NamedTuple whose field
   ``real`` holds the dataset (the other fields, e.g. rollout buffers, are checkpointed);
 - ``make_epoch(cfg, env_id) -> epoch(state, data, aux, key) -> (state, data, metrics)``;
-- ``sample_batch(data, key, n, cfg)``: a training batch (plasticity metrics and resets use it).
+- ``sample_batch(state, data, key, n)``: a training batch (plasticity metrics and resets use it).
 
 ``dataset.json`` in the run directory records the dataset path, env and fingerprint.
 Checkpoints hold the agent states, the agent's buffers (``data`` without the dataset, which is
@@ -56,7 +56,7 @@ def resolve_dataset(cfg: RunConfig):
     elif a.kind:
         if cfg.env == DEFAULT_ENV:
             raise SystemExit("--kind needs --env (e.g. --env hopper --kind medium) to find the dataset in the cache")
-        path = datasets.find(gymnasium_id(cfg.env), a.kind, a.dataset_root)
+        path = datasets.find(datasets.gymnasium_id(cfg.env), a.kind, a.dataset_root)
     else:
         raise SystemExit(f"agent {cfg.agent_name!r} is offline: give --dataset PATH or --env ENV --kind KIND "
                          f"(kinds: {', '.join(datasets.KINDS)}; make one with scripts/make_dataset.py)")
@@ -66,21 +66,12 @@ def resolve_dataset(cfg: RunConfig):
     given = None if cfg.env == DEFAULT_ENV else cfg.env
     if stored and given and datasets.d4rl_name(given) != datasets.d4rl_name(stored) and given != stored:
         raise SystemExit(f"--env {given} does not match the dataset's env {stored} ({path})")
-    env_id = stored or (gymnasium_id(given) if given else None)
+    env_id = stored or (datasets.gymnasium_id(given) if given else None)
     if env_id is None:
         raise SystemExit(f"{path} does not record its environment: pass --env (e.g. Hopper-v5)")
     dataset = datasets.load(path, env_id=env_id)
     dataset.metadata.setdefault("env_id", env_id)  # a real D4RL file names no env: action bounds come from it
     return path, dataset, env_id
-
-
-def gymnasium_id(name: str) -> str:
-    """'hopper' / 'hopper-medium-v2' -> 'Hopper-v5'; Gymnasium ids pass through."""
-    short = datasets.d4rl_name(name)
-    ids = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
-    if short in ids and name.lower().startswith(short):
-        return ids[short]
-    return name
 
 
 def scores(returns, env_id: str, metadata: dict) -> dict:
@@ -130,9 +121,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
 
     state, data = initial_state(cfg, agent, dataset, keys[2:])
-    pc = dataclasses.replace(cfg.plasticity, ne_review=False)  # NE's experience review needs an online stream
-    hooks = Hooks(pc, agent, cfg.agent_name, lambda d, k, n: agent.sample_batch(d, k, n, a),
-                  total_updates=cfg.total_steps)
+    pc = cfg.plasticity
+    hooks = Hooks(pc, agent, cfg.agent_name, total_updates=cfg.total_steps)
     state = hooks.start(state)
     logger = RunLogger(run_dir, cfg.tensorboard)
     epoch_fn = jax.jit(jax.vmap(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))

@@ -35,10 +35,11 @@ import numpy as np
 import agents
 from agents import dynamics as dynamics_lib
 from agents import sac
-from envs import datasets
+from envs import datasets, termination
 from envs.make import VectorEnv
 from networks.distributions import tanh_gaussian_sample
-from training import checkpoint, replay
+from buffers import replay
+from training import checkpoint
 from training.offline import initial_state, resolve_dataset, _buffers
 from training.run import load_config
 
@@ -164,7 +165,7 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
     if not hasattr(run["state"], "critic"):
         raise SystemExit(f"diagnostics need a SAC-family state (critics and actor); {cfg.agent_name!r} has none")
     has_model = isinstance(model, dynamics_lib.DynamicsModel)
-    done_fn = dynamics_lib.termination_fn(run["env_id"]) if has_model else None
+    done_fn = termination.termination_fn(run["env_id"]) if has_model else None
     rng = np.random.default_rng(seed)
     g = returns_to_go(dataset.rewards, episode_ends(dataset), cfg.agent.gamma)
     idx = rng.choice(len(dataset), min(samples, len(dataset)), replace=False)

@@ -20,7 +20,8 @@ from plasticity import optim as optim_lib
 from plasticity import sigreg as sigreg_lib
 from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
 from plasticity.least import LEAST
-from training import checkpoint, replay
+from buffers import replay
+from training import checkpoint
 from training.config import RunConfig, dump, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
@@ -31,34 +32,13 @@ __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step
 
 
 def make_train_block(agent, cfg, num_updates: int):
-    """``num_updates`` gradient steps as one scan (one seed): ``(state, buffer, key) -> (state, buffer, metrics)``.
-
-    An agent with its own replay (e.g. MR.Q's prioritised subtrajectories) exports
-    ``train_block(state, buffer, key, num_updates)``; otherwise each step samples a uniform batch
-    (or, given a probability ``review``, NE's experience review: indices from the oldest 30%).
-    """
-    if hasattr(agent, "train_block"):
-        return lambda state, buffer, key, review=None: agent.train_block(state, buffer, key, num_updates)
-
-    def one(state, buffer, key, review):
-        k_sample, k_update = jax.random.split(key)
-        if review is None:
-            batch = replay.sample(buffer, k_sample, cfg.batch_size)
-        else:
-            batch = replay.sample_with_review(buffer, k_sample, cfg.batch_size, review)
-        return agent.update(state, batch, k_update)
-
-    def block(state, buffer, key, review=None):
-        state, metrics = jax.lax.scan(lambda s, k: one(s, buffer, k, review), state,
-                                      jax.random.split(key, num_updates))
-        return state, buffer, jax.tree.map(lambda m: m.mean(), metrics)
-
-    return block
+    """``agent.train_block`` with ``num_updates`` bound: ``(state, buffer, key, review=None) -> (state, buffer, metrics)``."""
+    return lambda state, buffer, key, review=None: agent.train_block(state, buffer, key, num_updates, review)
 
 
 def buffer_fns(agent):
-    """(init(capacity, obs_dim, act_dim), add(buffer, transitions)): the agent's own or uniform replay."""
-    return getattr(agent, "buffer_init", replay.init), getattr(agent, "buffer_add", replay.add)
+    """(init(capacity, obs_dim, act_dim), add(buffer, transitions)): the agent's replay."""
+    return agent.buffer_init, agent.buffer_add
 
 
 def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=None):
@@ -69,7 +49,6 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=
     None) switches on NE's experience review.
     """
     block = make_train_block(agent, cfg, num_updates)
-    _, buffer_add = buffer_fns(agent)
 
     # Storing the transition is its own jitted call.  In one program with the updates, XLA fuses
     # the batch gathers with the in-place write of the new row, the gathers then need the old
@@ -78,7 +57,7 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=
     def store(buffer, transition, obs):
         seeds, envs = obs.shape[:2]
         flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
-        return jax.vmap(buffer_add)(buffer, flat)
+        return jax.vmap(agent.buffer_add)(buffer, flat)
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
     def learn_and_act(state, buffer, obs, key, random_actions: bool, train: bool, review=None):
@@ -109,8 +88,7 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:  # Kron / NE masks in the opt states
         state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
-    buffer_init, _ = buffer_fns(agent)
-    buffer = jax.vmap(lambda _: buffer_init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
+    buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]
 
 
@@ -137,8 +115,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     state, buffer, key = init_state(agent, cfg, obs_dim, act_dim)
     num_updates = a.updates_per_step * E
     learning_iters = cfg.total_steps // E - max(0, -(-a.learning_starts // E) - 1)  # iterations that learn
-    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, getattr(agent, "sample_batch", replay.sample),
-                  total_updates=max(1, learning_iters * num_updates))
+    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, total_updates=max(1, learning_iters * num_updates))
     state = hooks.start(state)
     logger = RunLogger(run_dir, cfg.tensorboard)
     step_fn = make_step_fn(agent, a, num_updates, act_dim, sigreg_spec(cfg.plasticity),
@@ -146,7 +123,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     pc = cfg.plasticity
     least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
              if pc.least else None)
-    least_signals = jax.jit(jax.vmap(getattr(agent, "least_signals", None))) if pc.least else None
+    least_signals = jax.jit(jax.vmap(agent.least_signals)) if pc.least else None
     set_noise = jax.jit(jax.vmap(agent.with_exploration_noise)) if pc.least_noise_max > 0 else None
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
 

@@ -205,16 +205,13 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend)
     evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
     obs_dim, act_dim = env.obs_dim, env.act_dim
-    # NE experience review replays old data; an on-policy agent has no replay, so it is switched
-    # off here (the default is on) rather than refused: growth and pruning still run.
-    pc = dataclasses.replace(cfg.plasticity, ne_review=False)
+    pc = cfg.plasticity
     state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
     logger = RunLogger(run_dir, cfg.tensorboard)
     start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T, sigreg_spec(pc), optim_spec(pc, agent))
     # plasticity metrics, resets and NE events on samples of the latest rollout; periods count gradient updates
     updates_per_iteration = a.update_epochs * a.num_minibatches
-    hooks = Hooks(pc, agent, cfg.agent_name, partial(agent.sample_batch, cfg=a),
-                  total_updates=num_iterations * updates_per_iteration)
+    hooks = Hooks(pc, agent, cfg.agent_name, total_updates=num_iterations * updates_per_iteration)
     state = hooks.start(state)
     shaped = lambda x: np.asarray(x).reshape(S, E, *np.shape(x)[1:])  # noqa: E731
 

@@ -83,3 +83,22 @@ def sample_with_review(buffer: Buffer, key, batch_size: int, p_old, old_fraction
     old = (oldest + jax.random.randint(k_old, (batch_size,), 0, n_old)) % cap
     idx = jnp.where(jax.random.uniform(k_pick, (batch_size,)) < p_old, old, uniform)
     return jax.tree.map(lambda d: d[idx], buffer.data)
+
+
+def scan_updates(update, state, buffer: Buffer, key, num_updates: int, batch_size: int, review=None):
+    """``num_updates`` gradient steps on uniform batches as one ``lax.scan`` -> (state, buffer, mean metrics).
+
+    ``update(state, batch, key) -> (state, metrics)`` is the agent's; given a probability ``review``
+    (a traced scalar) the batches come from ``sample_with_review`` (NE's experience review).
+    """
+
+    def one(state, key):
+        k_sample, k_update = jax.random.split(key)
+        if review is None:
+            batch = sample(buffer, k_sample, batch_size)
+        else:
+            batch = sample_with_review(buffer, k_sample, batch_size, review)
+        return update(state, batch, k_update)
+
+    state, metrics = jax.lax.scan(one, state, jax.random.split(key, num_updates))
+    return state, buffer, jax.tree.map(lambda m: m.mean(), metrics)

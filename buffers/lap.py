@@ -14,7 +14,7 @@ Storage and per-env streams
     the ``H`` slots ``s, s+E, ..., s+(H-1)E`` are ``H`` consecutive transitions of one env
     iff ``step[s+kE] == step[s] + k`` for every ``k`` (an overwritten or not yet written
     slot fails the test).  Each transition stores its own ``obs`` and true ``next_obs``
-    (observations are held twice, as in ``training.replay``; the reference stores each frame
+    (observations are held twice, as in ``buffers.replay``; the reference stores each frame
     once through index arrays, which only saves memory).
 
 Validity mask (``window_mask``)
@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from training.replay import Transition
+from buffers.replay import Transition
 
 
 class LAPBuffer(NamedTuple):

@@ -1,0 +1,16 @@
+"""``make_env``: one env for any id of the scheme (Gymnasium, ``dmc:``, ``ns:``)."""
+from __future__ import annotations
+
+import gymnasium as gym
+
+from envs import nonstationary
+from envs.wrappers import ID_FORMS, make_base_env
+
+
+def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None) -> gym.Env:
+    """A single env with flat float32 observations and actions rescaled to [-1, 1]."""
+    if not isinstance(env_id, str) or not env_id:
+        raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
+    if env_id.startswith("ns:"):  # non-stationary variants: see envs/nonstationary.py for the grammar
+        return nonstationary.make(env_id, seed, action_repeat)
+    return make_base_env(env_id, seed, action_repeat, render_mode)

@@ -1,0 +1,99 @@
+"""The wrappers every env id goes through, and the base envs (Gymnasium ids and ``dmc:<domain>-<task>``).
+
+Agents always see flat float32 observations and actions in [-1, 1].  The lowest layer of ``envs``:
+``nonstationary`` builds on it, ``make`` dispatches over it, ``vector`` and ``backends`` step it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import gymnasium as gym
+
+ID_FORMS = (
+    "valid env ids: a Gymnasium id such as 'HalfCheetah-v5', 'Hopper-v5' or 'Pendulum-v1', "
+    "or a DeepMind Control Suite task as 'dmc:<domain>-<task>', e.g. 'dmc:cheetah-run'"
+)
+DMC_ACTION_REPEAT = 2  # MR.Q's DMC protocol
+
+
+class ActionRepeat(gym.Wrapper):
+    """Repeat each action ``k`` times, summing rewards and stopping early at episode end."""
+
+    def __init__(self, env, k: int):
+        super().__init__(env)
+        self.k = k
+
+    def step(self, action):
+        total = 0.0
+        for _ in range(self.k):
+            obs, r, terminated, truncated, info = self.env.step(action)
+            total += r
+            if terminated or truncated:
+                break
+        return obs, total, terminated, truncated, info
+
+
+class UnitActions(gym.ActionWrapper):
+    """Agent actions in [-1, 1] mapped affinely onto the env's Box bounds (picklable)."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        space = env.action_space
+        if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
+            raise ValueError("action space must be bounded to rescale actions to [-1, 1]")
+        self._low = np.asarray(space.low, np.float64)
+        self._high = np.asarray(space.high, np.float64)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, space.shape, np.float32)
+
+    def action(self, action):
+        a = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
+        return (self._low + (a + 1.0) * 0.5 * (self._high - self._low)).astype(self.env.action_space.dtype)
+
+
+class FlatFloat32(gym.ObservationWrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        low = np.asarray(env.observation_space.low, np.float32).ravel()
+        high = np.asarray(env.observation_space.high, np.float32).ravel()
+        self.observation_space = gym.spaces.Box(low, high, low.shape, np.float32)
+
+    def observation(self, obs):
+        return np.asarray(obs, np.float32).ravel()
+
+
+def _gym_make(env_id: str, **kwargs) -> gym.Env:
+    if env_id not in gym.registry:
+        raise ValueError(f"unknown env id {env_id!r}; {ID_FORMS}")
+    env = gym.make(env_id, **kwargs)
+    if not isinstance(env.action_space, gym.spaces.Box):
+        raise ValueError(f"env {env_id!r} has a {type(env.action_space).__name__} action space; "
+                         "this zoo is for continuous (Box) actions")
+    return env
+
+
+def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None) -> gym.Env:
+    """A Gymnasium or ``dmc:`` env with flat float32 observations and actions rescaled to [-1, 1]
+    (``envs.make_env`` also dispatches ``ns:`` ids)."""
+    if not isinstance(env_id, str) or not env_id:
+        raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
+    if env_id.startswith("ns:"):
+        raise ValueError(f"{env_id!r} is a non-stationary id: build it with envs.make_env")
+    if env_id.startswith("dmc:"):
+        from envs.dmc import DMCEnv
+
+        name = env_id[4:]
+        if "-" not in name:
+            raise ValueError(f"malformed Control Suite id {env_id!r}; {ID_FORMS}")
+        domain, task = name.split("-", 1)
+        env = DMCEnv(domain, task, seed=seed, render_mode=render_mode)
+        repeat = DMC_ACTION_REPEAT if action_repeat is None else action_repeat
+    else:
+        env = _gym_make(env_id, **({} if render_mode is None else {"render_mode": render_mode}))
+        repeat = 1 if action_repeat is None else action_repeat
+        env = UnitActions(env)
+    env = FlatFloat32(env)
+    if repeat < 1:
+        raise ValueError(f"action repeat must be >= 1, got {repeat}")
+    if repeat > 1:
+        env = ActionRepeat(env, repeat)
+    env.action_space.seed(seed)
+    return env

@@ -1,0 +1,60 @@
+"""What an agent declares to take part in plasticity metrics and interventions (Protocols).
+
+Plasticity sits below the agents, so the agent contract (``agents/api.py``) builds on these.
+
+- ``PlasticAgent``: the plastic networks by name.  ``PLASTIC = {name: (params_field, opt_state_field)}``
+  names the state fields; ``plastic_params(state)`` and ``plastic_nets(state)`` return each network's
+  params and its ``networks.Net`` (whose layers and initialisers resets and NE use), and
+  ``plastic_losses(state, batch, key)`` each network's training loss as a function of its params
+  (metrics, ReDo / ReGraMa scores and NE gradients come from it).  ``SIGREG_NETWORKS`` lists the
+  networks whose losses are wrapped with ``plasticity.sigreg.regularized`` (empty: SIGReg refused).
+- ``LEASTAgent``: LEAST's per-transition signals (Q and TD loss) for early episode termination.
+- ``ExplorationNoiseAgent``: an explicit exploration noise that LEAST's noise increase can raise.
+
+``declared_params`` / ``declared_nets`` build the two accessors from ``PLASTIC``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PlasticAgent(Protocol):
+    PLASTIC: Mapping[str, tuple[str, str]]
+    SIGREG_NETWORKS: tuple[str, ...]
+
+    def plastic_params(self, state) -> dict: ...
+
+    def plastic_nets(self, state) -> dict: ...
+
+    def plastic_losses(self, state, batch, key) -> Mapping[str, Callable[[Any], Any]]: ...
+
+
+@runtime_checkable
+class LEASTAgent(Protocol):
+    def least_signals(self, state, transition, key): ...
+
+
+@runtime_checkable
+class ExplorationNoiseAgent(Protocol):
+    def with_exploration_noise(self, state, sigma): ...
+
+
+def declared_params(plastic: dict):
+    """``plastic_params(state)`` built from an agent's ``PLASTIC`` declaration: {name: params}."""
+
+    def plastic_params(state) -> dict:
+        """Params of each plastic network, keyed like ``PLASTIC`` and ``plastic_losses``."""
+        return {name: getattr(state, params_field) for name, (params_field, _) in plastic.items()}
+
+    return plastic_params
+
+
+def declared_nets(plastic: dict):
+    """``plastic_nets(state)`` for agents whose state holds each plastic ``Net`` in a field named like the network."""
+
+    def plastic_nets(state) -> dict:
+        """The ``Net`` (module graph and initialisers) of each plastic network."""
+        return {name: getattr(state, name) for name in plastic}
+
+    return plastic_nets

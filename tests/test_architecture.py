@@ -1,0 +1,71 @@
+"""The layers point down (docs/architecture.md): a test that parses every import, function-level
+imports included, and fails on an upward arrow or an import cycle inside ``envs``."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("networks", "buffers", "envs", "plasticity", "agents", "training", "scripts")
+# what each layer may import (besides itself and third-party packages)
+ALLOWED = {
+    "networks": set(),
+    "buffers": set(),
+    "envs": {"buffers"},
+    "plasticity": {"networks"},
+    "agents": {"networks", "buffers", "envs", "plasticity"},
+    "training": {"networks", "buffers", "envs", "plasticity", "agents"},
+    "scripts": {"networks", "buffers", "envs", "plasticity", "agents", "training"},
+}
+
+
+def imports(path: Path) -> set[str]:
+    """Every module name ``path`` imports (absolute imports; the project uses no relative ones)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from envs import datasets`
+    return out
+
+
+def project_modules() -> set[str]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")}
+
+
+def test_imports_point_down():
+    upward = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).glob("*.py")):
+            for name in imports(path):
+                top = name.split(".")[0]
+                if top in PACKAGES and top != pkg and top not in ALLOWED[pkg]:
+                    upward.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not upward, "imports that point up a layer:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_envs_has_no_import_cycle():
+    modules = {m for m in project_modules() if m.startswith("envs.")}
+    graph = {m: {n for n in imports(ROOT / (m.replace(".", "/") + ".py")) if n in modules and n != m}
+             for m in modules}
+
+    def visit(node, stack, done):
+        if node in stack:
+            raise AssertionError("import cycle in envs: " + " -> ".join(stack[stack.index(node):] + [node]))
+        if node in done:
+            return
+        for nxt in graph[node]:
+            visit(nxt, stack + [node], done)
+        done.add(node)
+
+    done = set()
+    for m in sorted(graph):
+        visit(m, [], done)
+
+
+def test_the_checker_sees_function_level_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from training.replay import Transition\n    import agents.sac\n")
+    assert {"training.replay", "training.replay.Transition", "agents.sac"} <= imports(src)
