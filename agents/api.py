@@ -1,10 +1,124 @@
-"""The agent contract: what every agent module exports, written as Protocols (one per kind).
+"""The agent contract: what an agent module exports, as ``typing.Protocol``s, one per kind.
 
-Placeholder: the Protocols follow below.
+An agent is a module (registered in ``agents/__init__.py: AGENTS``) of pure functions over a pytree
+state (a ``flax.struct`` dataclass holding params, target params, optimizer states, counters and its
+static ``cfg``).  The loops in ``training/`` call exactly these names, with these signatures, and
+nothing else; ``tests/test_agent_contract.py`` checks every registered agent against its kind.
+
+Every agent (``Agent``):
+    CONFIG                    the agent's config dataclass (its fields become ``train.py`` flags)
+    KIND                      "offpolicy" | "onpolicy" | "offline": which loop trains it
+    EXPERIENCE_REVIEW         whether NE's experience review (old uniform-replay samples) applies
+    init(key, obs_dim, act_dim, cfg, network) -> state
+    act(state, obs, key, explore) -> action in [-1, 1]   (key None and explore False for evaluation)
+    update(state, batch, key) -> (state, metrics)        one gradient step on a given batch
+
+Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
+    buffer_init(capacity, obs_dim, act_dim) -> buffer;  buffer_add(buffer, transitions) -> buffer
+    sample_batch(state, buffer, key, n) -> batch         (plasticity metrics / resets use it too)
+    train_block(state, buffer, key, num_updates, review) -> (state, buffer, metrics)
+                              the updates of one env step as one scan; ``review``: NE's review
+                              probability (None: off)
+
+On-policy (``OnPolicyAgent``): rollouts with observation / reward normalisers in the state.
+    Rollout                   the rollout buffer type (T + 1 observation slots per env)
+    observe, normalize_obs, scale_reward, sample_action, value, reset_normalizers,
+    rollout_split / rollout_join / rollout_merge   (see ``training/onpolicy.py: FlatStep``)
+    sample_batch(state, rollout, key, n) -> minibatch
+
+Offline (``OfflineAgent``): a fixed dataset.
+    prepare(key, dataset, dataset_path, cfg, seed, log) -> aux     once per run (e.g. a dynamics model)
+    data_init(real_transitions, cfg) -> data                       what one seed learns from
+    make_epoch(cfg, env_id) -> epoch(state, data, aux, key) -> (state, data, metrics)
+    sample_batch(state, data, key, n) -> batch
+
+Plastic networks (``plasticity.api.PlasticAgent``: PLASTIC, SIGREG_NETWORKS, plastic_params,
+plastic_nets, plastic_losses) and LEAST's optional signals (``plasticity.api.LEASTAgent``,
+``ExplorationNoiseAgent``) are declared beside these; plasticity sits below the agents, so its
+Protocols live there and are re-exported here.
+
+``OffPolicyConfig`` holds the replay and schedule settings every off-policy agent's config has.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent
+
+__all__ = ["Agent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
+           "ExplorationNoiseAgent", "KINDS", "OffPolicyConfig", "protocol_for"]
+
+
+@runtime_checkable
+class Agent(Protocol):
+    CONFIG: type
+    KIND: str
+    EXPERIENCE_REVIEW: bool
+
+    def init(self, key, obs_dim: int, act_dim: int, cfg, network): ...
+
+    def act(self, state, obs, key, explore: bool): ...
+
+    def update(self, state, batch, key): ...
+
+
+@runtime_checkable
+class OffPolicyAgent(Agent, Protocol):
+    def buffer_init(self, capacity: int, obs_dim: int, act_dim: int): ...
+
+    def buffer_add(self, buffer, batch): ...
+
+    def sample_batch(self, state, buffer, key, batch_size: int): ...
+
+    def train_block(self, state, buffer, key, num_updates: int, review=None): ...
+
+
+@runtime_checkable
+class OnPolicyAgent(Agent, Protocol):
+    Rollout: type
+
+    def observe(self, state, raw_obs): ...
+
+    def normalize_obs(self, state, obs): ...
+
+    def scale_reward(self, state, returns, reward, terminated): ...
+
+    def sample_action(self, state, obs_n, key): ...
+
+    def value(self, state, obs_n): ...
+
+    def reset_normalizers(self, state): ...
+
+    def rollout_split(self, state): ...
+
+    def rollout_join(self, skeleton, frozen, mutable): ...
+
+    def rollout_merge(self, state, mutable): ...
+
+    def sample_batch(self, state, batch, key, size: int): ...
+
+
+@runtime_checkable
+class OfflineAgent(Agent, Protocol):
+    def prepare(self, key, dataset, dataset_path, cfg, seed: int, log: Any = print): ...
+
+    def data_init(self, real, cfg): ...
+
+    def make_epoch(self, cfg, env_id: str): ...
+
+    def sample_batch(self, state, data, key, batch_size: int): ...
+
+
+KINDS = {"offpolicy": OffPolicyAgent, "onpolicy": OnPolicyAgent, "offline": OfflineAgent}
+
+
+def protocol_for(agent) -> type:
+    """The Protocol of the agent's ``KIND`` (a ValueError naming the kinds for an unknown one)."""
+    kind = getattr(agent, "KIND", None)
+    if kind not in KINDS:
+        raise ValueError(f"agent {getattr(agent, '__name__', agent)!r} has KIND {kind!r}; kinds: {', '.join(KINDS)}")
+    return KINDS[kind]
 
 
 @dataclass(frozen=True)

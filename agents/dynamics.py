@@ -1,10 +1,16 @@
 """Probabilistic dynamics ensemble for the offline model-based agents (RAVL, MOPO-style, NeuBay-like).
 
-Follows shared/specs/offline.md section 3.1 (the RAVL / MBPO ensemble) with the section 3.2
-(Unifloral) and 3.3 (NeuBay) variants as config options, section 1.2 for the training targets,
-sections 2.3 / 3.1 for the termination functions and sections 5.3 / 6.3 for rollouts.  Anything
-marked "our reading" is not fixed by the spec; most of it follows the RAVL reference code
-(anyasims/edge-of-reach, ``dynamics_training/{net,ensemble}.py``, ``train_dynamics_model.py``).
+Follows the ensemble of RAVL (Sims et al., NeurIPS 2024; adapted there from MBPO, Janner et al. 2019)
+with the variants of Unifloral (Jackson et al., NeurIPS 2025, ``algorithms/dynamics.py``) and NeuBay
+(Ni et al., arXiv 2512.04341) as config options; it trains on the dataset's true next observations
+(never ``observations[i+1]``, D4RL's ``qlearning_dataset`` pitfall), ends rollouts with Gymnasium
+v5's termination rules (``envs/termination.py``) and rolls out as RAVL's and Unifloral's model-based
+loops do.  Anything marked "our reading" is not fixed by those papers; most of it follows the RAVL
+reference code (anyasims/edge-of-reach, ``dynamics_training/{net,ensemble}.py``,
+``train_dynamics_model.py``).
+Bare "section N" tags below name topics of the project's offline implementation notes: 1.2 true
+next observations, 3.1 RAVL's ensemble, 3.2 Unifloral's, 3.3 the variants compared, 6.3 Unifloral's
+model-based loop, 7.1 NeuBay's world model.
 
 Reading order: config -> network -> loss -> early stopping -> ``train`` -> ``DynamicsModel``,
 ``predict``, ``step`` -> termination functions -> ``rollout`` -> ``save`` / ``load``.
@@ -51,7 +57,7 @@ SPEC_WEIGHT_DECAY = (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4)
 
 @dataclass(frozen=True)
 class DynamicsConfig:
-    """Ensemble hyperparameters.  Defaults: the RAVL version, spec section 3.1.
+    """Ensemble hyperparameters.  Defaults: the RAVL version (its reference code, anyasims/edge-of-reach).
 
     Unifloral (section 3.2): ``unifloral_config()``; NeuBay-like rollouts (section 3.3):
     ``elite_sampling="trajectory"`` (plus ``layer_norm=True``, ``max_holdout=1000``).
@@ -70,10 +76,10 @@ class DynamicsConfig:
     """standardise (s, a) with the dataset's mean / std and clip to +-10 (section 3.1); off in Unifloral"""
     input_clip: float = 10.0
     weight_decay: tuple = SPEC_WEIGHT_DECAY
-    """per hidden layer, then one value for both heads (section 3.1); weights only, as
+    """per hidden layer, then one value for both heads (RAVL's reference code); weights only, as
     0.5 * wd * ||W||^2 added to the loss (= torch Adam's coupled weight_decay, which the
     reference uses).  A single float applies to every layer.  Length must be depth + 1; the
-    default (the spec's 4-layer values) adapts to another depth (our reading): the first
+    default (the reference's 4-layer values) adapts to another depth (our reading): the first
     ``depth`` hidden values, the last hidden one repeated if deeper, then the heads' 1e-4."""
     adamw_weight_decay: float = 0.0
     """decoupled AdamW decay on every parameter (Unifloral, section 3.2: 2.5e-5); 0 = plain Adam"""
@@ -153,7 +159,7 @@ def soft_clamp(logvar, max_logvar, min_logvar):
 
 
 def _trunc_normal(key, shape, fan_in):
-    """The reference's init (our reading, not in the spec): N(0, s) truncated at +-2s, s = 1/(2 sqrt(fan_in))."""
+    """The reference's init (our reading of the reference code): N(0, s) truncated at +-2s, s = 1/(2 sqrt(fan_in))."""
     std = 1.0 / (2.0 * math.sqrt(fan_in))
     return std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
 

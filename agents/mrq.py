@@ -1,7 +1,12 @@
 """MR.Q: Model-based Representations for Q-learning (Fujimoto et al., ICLR 2025, arXiv 2501.16142).
 
-Follows shared/specs/mrq.md (sections 1-5 and 9); equations below are numbered (E1)-(E8) in
-this file and cite the spec section they implement.
+Follows the paper (architecture, losses, update schedule, LAP replay; hyperparameters from its
+Table 3 and Appendix B) and the official code facebookresearch/MRQ (``MRQ.py``, ``models.py``,
+``buffer.py``), except for the multi-step return, where the reference code masks terminations
+wrongly and (E4) is the corrected formula.  Equations below are numbered (E1)-(E8) in this file.
+"spec N" below names the project's implementation notes on MR.Q by topic: 1 architecture, 2 losses
+(2.1 encoder, 2.2 value, 2.3 policy), 3 update schedule, 4 replay and LAP, 5 hyperparameters (paper
+Table 3), 9 the multi-step return fix.
 
 Networks (spec section 1; every MLP layer is Linear -> LayerNorm -> act, LN without affine
 parameters, Xavier-uniform init with gain sqrt(2), zero biases):

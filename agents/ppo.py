@@ -1,6 +1,6 @@
 """PPO for continuous control (CleanRL's 1M-step protocol) with an optional Gaussian trust region (GTR).
 
-Defaults: shared/specs/ppo_gtr.md section 1 (vwxyzjn/cleanrl ``ppo_continuous_action.py``).  One
+Defaults: CleanRL's 1M-step MuJoCo protocol (Huang et al. 2022; vwxyzjn/cleanrl ``ppo_continuous_action.py``).  One
 iteration collects ``num_steps`` x ``num_envs`` transitions (the loop, ``training/onpolicy.py``), then
 ``update`` computes GAE and runs ``update_epochs`` x ``num_minibatches`` gradient steps as one
 ``lax.scan`` (an epoch scan around a minibatch scan):
@@ -14,7 +14,7 @@ iteration collects ``num_steps`` x ``num_envs`` transitions (the loop, ``trainin
   see ``_optimizers``.)
 
 Advantages: GAE(gamma, lambda) with ``terminated`` and ``truncated`` kept apart
-(shared/specs/ecosystem.md section 5.2): at a termination the next value is 0; at a truncation the
+(Gymnasium 1.x semantics, unlike PureJaxRL's ``done``): at a termination the next value is 0; at a truncation the
 next value is V(true final observation) and the GAE trace is cut there.
 
 Networks: separate 64-64 tanh actor and critic, orthogonal init (hidden sqrt 2, actor head 0.01,

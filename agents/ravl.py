@@ -1,10 +1,11 @@
 """RAVL: SAC-N with EDAC's diversity term, trained on real data mixed with short model rollouts.
 
 Sims, Lu, Foerster, Teh, "The Edge-of-Reach Problem in Offline Model-Based RL", NeurIPS 2024
-(arXiv 2402.12527); shared/specs/offline.md sections 3-5.  Rollouts truncated at k steps reach
-"edge-of-reach" states that are bootstrapped from but never updated; RAVL drops the dynamics
-penalty of MOPO/MOBILE and lets the pessimism of a Q-ensemble (min over N critics, EDAC's
-gradient diversity) absorb the resulting overestimation.
+(arXiv 2402.12527) and its code (anyasims/edge-of-reach); "spec N" tags below name topics of the
+project's offline notes (3.1 dynamics ensemble, 4 SAC-N/EDAC, 5.3 RAVL loop, 5.4 hyperparameters).
+Rollouts truncated at k steps reach "edge-of-reach" states that are bootstrapped from but never
+updated; RAVL drops the dynamics penalty of MOPO/MOBILE and lets the pessimism of a Q-ensemble
+(min over N critics, EDAC's gradient diversity) absorb the resulting overestimation.
 
 Algorithm (one epoch; the paper runs 3000 epochs of 1000 updates):
 

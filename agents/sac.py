@@ -1,7 +1,8 @@
 """SAC with automatic temperature, SAC-N (N critics) and EDAC (gradient diversity).
 
 Haarnoja et al. 2018 (arXiv 1812.05905) with the SAC-N / EDAC extensions of An et al. 2021
-(arXiv 2110.01548), as described in shared/specs/offline.md section 4.  One gradient step:
+(arXiv 2110.01548), as RAVL's reference code runs them (Sims et al. 2024; anyasims/edge-of-reach
+``agent_training/agent.py``, taken almost unchanged from CORL's ``edac.py``).  One gradient step:
 
   1. temperature:  J(alpha) = E[-log alpha * (log pi(a|s) + target_entropy)],  a ~ pi(.|s)
   2. actor:        J(pi)    = E[alpha log pi(a|s) - min_i Q_i(s, a)]
@@ -169,7 +170,7 @@ def critic_loss(critic_params, state: SACState, actor_params, batch: Transition,
 
 
 def update(state: SACState, batch: Transition, key):
-    """One gradient step in the spec's order: temperature, actor, critics, Polyak."""
+    """One gradient step in the reference code's order (CORL ``edac.py``): temperature, actor, critics, Polyak."""
     cfg = state.cfg
     tx_a, tx_c, tx_t = _optimizers(cfg)
     k_alpha, k_actor, k_critic, k_reg_actor, k_reg_critic = jax.random.split(key, 5)
@@ -191,7 +192,7 @@ def update(state: SACState, batch: Transition, key):
     upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
     target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)
-    target = optim_lib.apply_mask(critic_opt, target)  # NE: target networks share the masks (spec 3.4)
+    target = optim_lib.apply_mask(critic_opt, target)  # NE: target networks share the masks (Liu et al. 2025 code)
 
     new = state.replace(actor_params=actor_params, critic_params=critic_params, target_critic_params=target,
                         log_alpha=log_alpha, actor_opt=actor_opt, critic_opt=critic_opt, alpha_opt=alpha_opt,

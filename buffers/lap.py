@@ -1,7 +1,8 @@
 """Loss-adjusted prioritised replay (LAP) over per-env subtrajectories, kept on the device.
 
 Pure functions over a ``LAPBuffer`` NamedTuple, so ``add`` and the samplers vmap over seeds
-and run inside ``jit``/``scan``.  Used by MR.Q (shared/specs/mrq.md section 4); nothing in
+and run inside ``jit``/``scan``.  Used by MR.Q (Fujimoto et al. 2025; LAP: Fujimoto et al. 2020,
+arXiv 2007.06049; sampling as in facebookresearch/MRQ ``buffer.py``); nothing in
 here is MR.Q-specific.
 
 Storage and per-env streams

@@ -1,4 +1,8 @@
-"""Offline datasets in the D4RL layout: load, validate, save, collect, score (shared/specs/offline.md §1-2).
+"""Offline datasets in the D4RL layout: load, validate, save, collect, score (D4RL, Fu et al. 2020; Minari).
+
+"spec N" tags below name topics of the project's offline-data notes: 1.1 HDF5 layout, 1.2 the
+``qlearning_dataset`` pitfall, 1.3 normalised scores, 2.1 how D4RL was generated, 2.2 Minari, 2.3 the
+regeneration procedure on Gymnasium v5.
 
 A dataset is one flat HDF5 file (spec 1.1)::
 

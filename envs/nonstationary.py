@@ -1,6 +1,8 @@
 """Non-stationary environments: task chains, dynamics shifts, observation permutations, reward flips.
 
-Implements shared/specs/ppo_gtr.md section 6 for every agent, from the command line
+Implements the non-stationary settings GTR is tested on (Liu et al., arXiv 2606.03382), after
+C-CHAIN's task chains (Tang et al., ICML 2025) and Slippery Ant's friction shifts (Dohare et al.,
+Nature 2024), for every agent, from the command line
 (``--env ns:...``) or from Python (``make_env("ns:...")``).
 
 Id grammar

@@ -2,8 +2,9 @@
 model rollouts (a learned dynamics model predicts the next state; the env's own rule says whether
 it is terminal).  Env facts, so they live with the envs; the offline agents import them.
 
-Rules from Gymnasium's v5 envs (``healthy`` conditions), as used by MOPO / RAVL (Sims et al. 2024,
-section 3.1) and D4RL's hopper / walker2d datasets.
+Rules from Gymnasium's v5 envs (``healthy`` conditions), as in the hand-coded done functions of
+MOPO's and RAVL's code (Sims et al. 2024; anyasims/edge-of-reach ``rollout_generation.py``) and
+D4RL's hopper / walker2d datasets.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 
 def hopper_done(next_obs):
-    """Hopper-v5 (sections 2.3 / 3.1): healthy while z = s[0] > 0.7, |angle| = |s[1]| < 0.2, every value
+    """Hopper-v5 (Gymnasium's v5 rule): healthy while z = s[0] > 0.7, |angle| = |s[1]| < 0.2, every value
     is finite and |s[1:]| < 100.  Observations start at z (x excluded, the v5 default).
 
     Gymnasium tests |state| < 100 on the unclipped velocities while the observation clips them to
@@ -25,7 +26,7 @@ def hopper_done(next_obs):
 
 
 def walker2d_done(next_obs):
-    """Walker2d-v5 (sections 2.3 / 3.1): healthy while 0.8 < z < 2 and -1 < angle < 1 (NaN -> done)."""
+    """Walker2d-v5 (Gymnasium's v5 rule): healthy while 0.8 < z < 2 and -1 < angle < 1 (NaN -> done)."""
     z, angle = next_obs[..., 0], next_obs[..., 1]
     return ~((z > 0.8) & (z < 2.0) & (angle > -1.0) & (angle < 1.0))
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class PlasticityConfig:
-    """Plasticity metrics and interventions (shared/specs/plasticity.md); periods count updates."""
+    """Plasticity metrics and interventions (ReDo, ReGraMa, NE, SIGReg, LEAST, Kron); periods count updates."""
 
     metrics_every: int = 10_000
     """log plasticity metrics every K gradient updates on a fixed held-out batch (0: off)"""

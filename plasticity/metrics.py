@@ -1,4 +1,4 @@
-"""Plasticity metrics (shared/specs/plasticity.md sections 1, 2 and 8).
+"""Plasticity metrics: ReDo's dormant score (Sokar et al., ICML 2023), GraMa (Liu et al., NeurIPS 2025), FAU, srank, ranks, norms.
 
 Pure ``jnp`` functions, safe under ``jit``, ``grad`` and ``vmap``.  Activations and
 activation gradients come from ``networks.instrument.activation_grads``: one array per

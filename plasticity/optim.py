@@ -7,7 +7,7 @@ of its update (which applies it), exactly as ``plasticity.sigreg.active`` does f
 
 - ``kron``: PSGD-Kron from ``psgdax`` (spec section 6) with lr = lr / 3, for every network built
   here.  ``pip install 'plasticity-zoo[kron]'`` (psgdax 0.1.1; psgd-jax 0.2.9 does not import
-  with optax 0.2.8, see shared/DEPENDENCIES.md).
+  with optax 0.2.8: ``cannot import name 'clipping' from optax._src``).
 - ``ne``: the networks listed in ``OptimSpec.ne_networks`` get a ``masked`` transformation
   whose *state* holds their connection masks (Neuroplastic Expansion, spec section 3): the
   gradients are masked, and every pruned weight is set to exactly 0 by each step.  The masks

@@ -1,4 +1,4 @@
-"""Make D4RL-style offline datasets on Gymnasium envs (shared/specs/offline.md section 2.3).
+"""Make D4RL-style offline datasets on Gymnasium envs (D4RL's generation procedure, Fu et al. 2020, redone on v5).
 
     python scripts/make_dataset.py --env Hopper-v5 --kind medium --kind medium-replay
     python scripts/make_dataset.py --env HalfCheetah-v5 --kind expert --size 1000000 --train-steps 3000000

@@ -5,12 +5,17 @@
     python scripts/train.py sac --env HalfCheetah-v5 --critics 10 --eta 1.0   # EDAC
     python scripts/train.py --resume runs/<dir>                              # continue a run
 
-`python scripts/train.py AGENT --help` lists every flag with its default.
+`python scripts/train.py AGENT --help` lists every flag with its default.  A mistaken command
+line (unknown agent, env id or flag, a bad value, an intervention the agent cannot take, a
+missing dataset or checkpoint) stops with one `error:` line before a run directory is created;
+`--debug` (or RLZOO_DEBUG=1) shows the full traceback instead.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import traceback
 from pathlib import Path
 
 try:
@@ -21,26 +26,51 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import tyro
 
 from training import config as config_lib
-from training.run import load_config, run
+from training.run import is_user_error, load_config, preflight, run
+
+USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
+
+
+def _agents() -> str:
+    return ", ".join(sorted(agents.AGENTS))
+
+
+def _resume_dir(argv: list[str]) -> str | None:
+    """The value of ``--resume DIR`` / ``--resume=DIR`` in ``argv``, or None if there is no --resume."""
+    for i, a in enumerate(argv):
+        if a.startswith("--resume="):
+            value = a.split("=", 1)[1]
+        elif a == "--resume":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        else:
+            continue
+        if not value or value.startswith("-"):
+            raise SystemExit("--resume needs the run directory to continue: --resume RUN_DIR")
+        return value
+    return None
 
 
 def parse(argv: list[str]):
     """argv -> RunConfig.  Resuming reuses the run's config.json; only a few flags may change."""
-    if not argv or argv[0] in ("-h", "--help"):
-        raise SystemExit(__doc__.strip() + f"\n\nagents: {', '.join(sorted(agents.AGENTS))}")
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + f"\n\nagents: {_agents()}")
+        raise SystemExit(0)
+    if not argv:
+        raise SystemExit(f"no agent given; {USAGE}; agents: {_agents()}")
+    resume = _resume_dir(argv)
     if argv[0].startswith("-"):
-        if "--resume" not in argv:
-            raise SystemExit(f"the first argument must be an agent ({', '.join(sorted(agents.AGENTS))}) "
-                             "or --resume RUN_DIR")
-        saved = load_config(argv[argv.index("--resume") + 1])
+        if resume is None:
+            raise SystemExit(f"the first argument must be an agent ({_agents()}) or --resume RUN_DIR, "
+                             f"not {argv[0]!r}")
+        saved = load_config(resume)
         name, rest = saved.agent_name, argv
     else:
         name, rest = argv[0], argv[1:]
         if name not in agents.AGENTS:
-            raise SystemExit(f"unknown agent {name!r}; available agents: {', '.join(sorted(agents.AGENTS))}")
+            raise SystemExit(f"unknown agent {name!r}; available agents: {_agents()}")
         saved = None
-        if "--resume" in rest:
-            saved = load_config(rest[rest.index("--resume") + 1])
+        if resume is not None:
+            saved = load_config(resume)
             if saved.agent_name != name:
                 raise SystemExit(f"--resume: that run trained {saved.agent_name!r}, not {name!r}")
     agent = agents.get(name)
@@ -67,10 +97,17 @@ def _changed(new, old, prefix=""):
     return out
 
 
+_stage = ["checks"]  # "run" once the checks passed: cli() then notes that --debug shows where an error arose
+
+
 def main(argv=None):
+    """Parse, check and train; errors propagate (``cli`` turns the user's mistakes into one line)."""
+    _stage[0] = "checks"
     cfg = parse(sys.argv[1:] if argv is None else list(argv))
+    preflight(cfg)
+    _stage[0] = "run"
     try:
-        out = run(cfg)
+        out = run(cfg, check=False)
     except KeyboardInterrupt as stopped:  # the loop has checkpointed and said how to resume
         raise SystemExit(143 if stopped.args == ("SIGTERM",) else 130) from None
     unit = "updates" if agents.get(cfg.agent_name).KIND == "offline" else "steps"
@@ -78,5 +115,37 @@ def main(argv=None):
     return out
 
 
+def _message(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return e.code
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def cli(argv=None):
+    """The command line: ``main``, with a user error (bad flag value, env id, dataset, checkpoint, ...)
+    reported as ``error: <message>`` on stderr and exit status 2 instead of a traceback.
+
+    ``--debug`` (anywhere in argv) or RLZOO_DEBUG=1 lets the exception through with its traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("RLZOO_DEBUG", "").strip() not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return main(argv)
+    except BaseException as e:
+        if not is_user_error(e):
+            raise  # tyro's own exits (it printed the error), Ctrl-C, NonFiniteLossError, bugs
+        if debug:
+            if isinstance(e, SystemExit):  # Python prints no traceback for SystemExit
+                traceback.print_exc()
+            raise
+        print(f"error: {_message(e)}", file=sys.stderr)
+        if _stage[0] == "run" and not isinstance(e, SystemExit):  # not a check's message: maybe a bug
+            print("(raised after the checks; --debug or RLZOO_DEBUG=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()

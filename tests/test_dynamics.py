@@ -1,4 +1,4 @@
-"""Probabilistic dynamics ensemble (agents/dynamics.py; shared/specs/offline.md section 3)."""
+"""Probabilistic dynamics ensemble (agents/dynamics.py; RAVL's / MBPO's ensemble, Sims et al. 2024)."""
 from dataclasses import replace
 
 import gymnasium as gym

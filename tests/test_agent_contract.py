@@ -1,0 +1,145 @@
+"""Every registered agent against the contract of its kind (agents/api.py): the names and their
+signatures, one init / act / update on a tiny problem, and its plastic-network declarations.
+An agent written only for this test (tests/example_agent.py) shows that adding an agent of an
+existing kind is one file plus one registry line."""
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import agents
+from agents import api
+from buffers.replay import Transition
+from networks.config import NetworkConfig
+
+OBS, ACT = 3, 1
+TINY = NetworkConfig(width=16, depth=1)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The registry with the example agent added as one line would add it."""
+    monkeypatch.setitem(agents.AGENTS, "example", "tests.example_agent")
+    return agents.AGENTS
+
+
+def _positional(fn):
+    params = inspect.signature(fn).parameters.values()
+    names = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len([p for p in names if p.default is p.empty]), len(names)
+
+
+def _protocol_methods(proto):
+    return {name: fn for klass in proto.__mro__ if klass.__module__ == api.__name__
+            for name, fn in vars(klass).items() if inspect.isfunction(fn) and not name.startswith("_")}
+
+
+def _transitions(n, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=(n, *s)), jnp.float32)  # noqa: E731
+    return Transition(f(OBS), jnp.clip(f(ACT), -1, 1), f(), f(OBS), jnp.zeros(n, bool), jnp.zeros(n, bool))
+
+
+def _finite(metrics):
+    return all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(metrics))
+
+
+@pytest.mark.parametrize("name", ["sac", "mrq", "ppo", "ravl", "example"])
+def test_agent_exports_the_contract_of_its_kind(name, registry):
+    agent = agents.get(name)
+    proto = api.protocol_for(agent)
+    missing = [m for m in _protocol_methods(proto) if not callable(getattr(agent, m, None))]
+    assert not missing and isinstance(agent, proto), f"{name} lacks {missing}"
+    for method, fn in _protocol_methods(proto).items():
+        need, allow = _positional(getattr(agent, method))
+        n = _positional(fn)[1] - 1  # without self
+        assert need <= n <= allow, f"{name}.{method} takes {need}..{allow} positional arguments, the contract {n}"
+    assert isinstance(agent.EXPERIENCE_REVIEW, bool) and agent.KIND in api.KINDS
+
+
+@pytest.mark.parametrize("name", ["sac", "mrq", "ppo", "ravl", "example"])
+def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name, registry):
+    agent = agents.get(name)
+    assert isinstance(agent, api.PlasticAgent)
+    state = agent.init(jax.random.key(0), OBS, ACT, agent.CONFIG(), TINY)
+    params, nets = agent.plastic_params(state), agent.plastic_nets(state)
+    assert set(params) == set(nets) == set(agent.PLASTIC)
+    assert set(agent.SIGREG_NETWORKS) <= set(agent.PLASTIC)
+    for net_name, (p_field, o_field) in agent.PLASTIC.items():
+        assert params[net_name] is getattr(state, p_field) and getattr(state, o_field) is not None
+        assert nets[net_name].name  # a networks.Net: resets and NE re-initialise through it
+
+
+@pytest.mark.parametrize("name", ["sac", "mrq", "example"])
+def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry):
+    agent = agents.get(name)
+    cfg = agent.CONFIG(batch_size=8)
+    state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY)
+    buffer = agent.buffer_init(64, OBS, ACT)
+    for t in range(12):  # one env: 12 consecutive transitions (MR.Q's windows need several)
+        buffer = agent.buffer_add(buffer, _transitions(1, seed=t))
+    obs = jnp.zeros((4, OBS))
+    for explore, key in ((True, jax.random.key(1)), (False, None)):
+        action = agent.act(state, obs, key, explore)
+        assert action.shape == (4, ACT) and bool(jnp.all(jnp.abs(action) <= 1.0))
+    batch = agent.sample_batch(state, buffer, jax.random.key(2), 8)
+    new, metrics = agent.update(state, batch, jax.random.key(3))
+    assert _finite(metrics) and jax.tree.structure(new) == jax.tree.structure(state)
+    new, buffer, metrics = jax.jit(lambda s, b, k: agent.train_block(s, b, k, 2, None))(state, buffer,
+                                                                                       jax.random.key(4))
+    assert _finite(metrics)
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(agent.plastic_params(new)),
+                                                   jax.tree.leaves(agent.plastic_params(state)))]
+    assert any(moved)
+    losses = agent.plastic_losses(state, batch, jax.random.key(5))
+    for net_name, loss in losses.items():
+        assert jnp.shape(loss(agent.plastic_params(state)[net_name])) == ()
+
+
+def test_on_policy_agent_runs_a_rollout_update():
+    from training.onpolicy import empty_loop
+
+    agent = agents.get("ppo")
+    cfg = agent.CONFIG(num_steps=8, num_minibatches=2, update_epochs=1)
+    state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY).replace(num_iterations=jnp.int32(1))
+    state, obs_n = agent.observe(state, jnp.ones((2, OBS)))
+    action, logp, value = agent.sample_action(state, obs_n, jax.random.key(1))
+    assert action.shape == (2, ACT) and logp.shape == value.shape == (2,)
+    loop = empty_loop(agent, 8, 2, OBS, ACT)
+    rng = np.random.default_rng(0)
+    rollout = loop.buffer._replace(obs=jnp.asarray(rng.normal(size=loop.buffer.obs.shape), jnp.float32),
+                                   rewards=jnp.asarray(rng.normal(size=loop.buffer.rewards.shape), jnp.float32))
+    new, metrics = agent.update(state, rollout, jax.random.key(2))
+    assert _finite({k: v for k, v in metrics.items() if k.startswith("losses/")})  # what the loop checks
+    mb = agent.sample_batch(state, rollout, jax.random.key(3), 4)
+    assert mb.obs.shape == (4, OBS)
+
+
+def test_offline_agent_samples_its_data_and_updates():
+    agent = agents.get("ravl")
+    cfg = agent.CONFIG(batch_size=8, critics=3, dataset_ratio=0.25)
+    state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY)
+    data = agent.data_init(_transitions(50), cfg)
+    batch = agent.sample_batch(state, data, jax.random.key(1), 8)
+    assert batch.obs.shape == (8, OBS)
+    _, metrics = agent.update(state, batch, jax.random.key(2))
+    assert _finite(metrics)
+
+
+def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_path):
+    """The example agent trains end to end through the same entry point as train.py."""
+    from agents.api import OffPolicyConfig  # noqa: F401  (its config extends the shared replay settings)
+    from training.config import PlasticityConfig, RunConfig
+    from training.run import run
+
+    agent = agents.get("example")
+    cfg = RunConfig(env="Pendulum-v1", total_steps=300, eval_every=300, eval_episodes=1, log_every=100,
+                    checkpoint_every=300, progress=False, network=TINY, run_dir=str(tmp_path / "run"),
+                    plasticity=PlasticityConfig(metrics_every=50, metrics_batch=16), agent_name="example",
+                    agent=agent.CONFIG(buffer_size=500, batch_size=16, learning_starts=100))
+    out = run(cfg)
+    assert out["step"] == 300 and np.isfinite(out["last_eval"])
+    header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
+    assert "losses/critic" in header and "plasticity/critic" in header

@@ -1,0 +1,217 @@
+"""`python scripts/train.py` with a mistaken command line: a short message naming the problem, a
+non-zero exit, no traceback, and no run directory left behind (issue #17, command-line errors).
+
+Each case is a subprocess; they all run (a few at a time) in one module fixture, and every case
+is then its own test.  The errors come before any training or compilation, so a case costs about
+one JAX import.
+"""
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "scripts" / "train.py")
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+ENV.pop("RLZOO_DEBUG", None)
+
+RUN, DATA, GARBAGE = "{run}", "{data}", "{garbage}"
+NOCONF, BADCONF, NOCKPT, HASCKPT = "{noconf}", "{badconf}", "{nockpt}", "{hasckpt}"
+
+# id -> (argv, what the message must contain).  RUN is a fresh path that must not exist afterwards;
+# the run directories given to --resume / --run-dir must be left exactly as they were.
+CASES = {
+    # what to train
+    "no-arguments": ([], "no agent given"),
+    "unknown-agent": (["dqn", "--run-dir", RUN], "unknown agent 'dqn'; available agents: mrq, ppo, ravl, sac"),
+    "flag-before-agent": (["--env", "Pendulum-v1", "--run-dir", RUN], "the first argument must be an agent (mrq"),
+    # env ids
+    "unknown-gymnasium-id": (["sac", "--env", "HalfCheetah-v99", "--run-dir", RUN],
+                             "unknown env id 'HalfCheetah-v99'"),
+    "discrete-actions": (["sac", "--env", "CartPole-v1", "--run-dir", RUN], "has a Discrete action space"),
+    "dmc-without-task": (["sac", "--env", "dmc:cheetah", "--run-dir", RUN], "malformed Control Suite id 'dmc:cheetah'"),
+    "dmc-unknown-task": (["sac", "--env", "dmc:cheetah-fly", "--run-dir", RUN],
+                         "unknown Control Suite task dmc:cheetah-fly; valid tasks: dmc:acrobot-swingup"),
+    "ns-without-base": (["sac", "--env", "ns:reward_flip", "--run-dir", RUN],
+                        "malformed non-stationary id 'ns:reward_flip': missing the base env"),
+    "ns-unknown-mode": (["sac", "--env", "ns:bogus:Pendulum-v1", "--run-dir", RUN],
+                        "unknown non-stationary mode 'bogus'"),
+    "ns-chain-of-one": (["sac", "--env", "ns:chain:Pendulum-v1", "--run-dir", RUN], "a chain needs at least two env ids"),
+    "ns-bad-option": (["sac", "--env", "ns:reward_flip:Pendulum-v1:every=soon", "--run-dir", RUN],
+                      "option every='soon' must be an integer"),
+    # flags and values (tyro reports unknown flags and unparsable values itself)
+    "unknown-flag": (["sac", "--total-step", "5", "--run-dir", RUN], "Unrecognized options: --total-step"),
+    "not-an-integer": (["sac", "--seeds", "two", "--run-dir", RUN], "Error parsing --seeds"),
+    "negative-total-steps": (["sac", "--total-steps", "-5", "--run-dir", RUN], "--total-steps must be >= 1, got -5"),
+    "zero-seeds": (["sac", "--seeds", "0", "--run-dir", RUN], "--seeds must be >= 1, got 0"),
+    "zero-eval-every": (["sac", "--eval-every", "0", "--run-dir", RUN], "--eval-every must be >= 1, got 0"),
+    "zero-envs": (["ppo", "--num-envs", "0", "--run-dir", RUN], "--num-envs must be >= 1, got 0"),
+    "ppo-minibatches-do-not-divide": (["ppo", "--num-steps", "10", "--num-minibatches", "3", "--run-dir", RUN],
+                                      "must be divisible by --num-minibatches 3"),
+    "ppo-shorter-than-a-rollout": (["ppo", "--total-steps", "100", "--run-dir", RUN], "is less than one rollout"),
+    "mrq-option-below-one": (["mrq", "--enc-horizon", "0", "--run-dir", RUN], "--enc-horizon must be >= 1, got 0"),
+    # interventions that do not apply
+    "ppo-least": (["ppo", "--plasticity.least", "--run-dir", RUN], "--plasticity.least does not apply to agent 'ppo'"),
+    "mrq-ne-with-review": (["mrq", "--plasticity.ne", "--run-dir", RUN], "pass --plasticity.no-ne-review"),
+    "ravl-least": (["ravl", "--dataset", DATA, "--plasticity.least", "--run-dir", RUN],
+                   "--plasticity.least does not apply to agent 'ravl'"),
+    "redo-and-regrama": (["sac", "--plasticity.redo", "--plasticity.regrama", "--run-dir", RUN],
+                         "--plasticity.redo and --plasticity.regrama are alternatives"),
+    "sac-least-noise": (["sac", "--plasticity.least", "--plasticity.least-noise-max", "0.1", "--run-dir", RUN],
+                        "--plasticity.least-noise-max does not apply to agent 'sac'"),
+    # offline datasets
+    "ravl-no-dataset": (["ravl", "--run-dir", RUN], "give --dataset PATH or --env ENV --kind KIND"),
+    "ravl-kind-without-env": (["ravl", "--kind", "medium", "--run-dir", RUN], "--kind needs --env"),
+    "ravl-missing-dataset": (["ravl", "--dataset", "/nope.hdf5", "--run-dir", RUN], "--dataset /nope.hdf5: no such file"),
+    "ravl-not-hdf5": (["ravl", "--dataset", GARBAGE, "--run-dir", RUN], "unreadable or corrupt HDF5 file"),
+    "ravl-option-below-one": (["ravl", "--dataset", DATA, "--horizon", "0", "--run-dir", RUN],
+                              "--horizon must be >= 1, got 0"),
+    "ravl-steps-not-whole-epochs": (["ravl", "--dataset", DATA, "--total-steps", "1500", "--run-dir", RUN],
+                                    "must be a multiple of --updates-per-epoch (1000)"),
+    # resuming
+    "resume-without-dir": (["--resume"], "--resume needs the run directory"),
+    "resume-dir-without-config": (["--resume", NOCONF], "config.json not found (is this a run directory?)"),
+    "resume-unreadable-config": (["--resume", BADCONF], "is not a readable run config"),
+    "resume-without-checkpoint": (["--resume", NOCKPT, "--total-steps", "500"], "no checkpoint found"),
+    "resume-as-another-agent": (["ppo", "--resume", NOCKPT], "that run trained 'sac', not 'ppo'"),
+    "run-dir-holds-a-run": (["sac", "--run-dir", HASCKPT], "already holds a run; use --resume"),
+}
+
+# Not user errors of the command line: --debug / RLZOO_DEBUG=1 show the traceback, --help succeeds.
+EXTRA = {
+    "debug-flag": (["sac", "--seeds", "0", "--debug", "--run-dir", RUN], {}),
+    "debug-env-var": (["dqn", "--run-dir", RUN], {"RLZOO_DEBUG": "1"}),
+    "help": (["--help"], {}),
+}
+
+
+def _files(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Run every case once; -> {id: (returncode, stdout + stderr, the RUN path)}."""
+    base = tmp_path_factory.mktemp("cli_errors")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train as train_script
+    from envs import datasets
+    from training.config import to_json
+
+    data = base / "pendulum.hdf5"
+    rng = np.random.default_rng(0)
+    ds = datasets.collect("Pendulum-v1", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 400, 0, record_state=False)
+    ds.metadata.update({"env_id": "Pendulum-v1", "kind": "random"})
+    datasets.save(data, ds)
+    (base / "garbage.hdf5").write_bytes(b"this is not an HDF5 file\n" * 10)
+    for name in ("noconf", "badconf", "nockpt", "hasckpt"):
+        (base / name).mkdir()
+    (base / "badconf" / "config.json").write_text("{not json")
+    for name in ("nockpt", "hasckpt"):  # a sac run that stopped before its first checkpoint / one that has one
+        cfg = train_script.parse(["sac", "--run-dir", str(base / name)])
+        (base / name / "config.json").write_text(json.dumps(to_json(cfg)))
+    (base / "hasckpt" / "ckpt" / "step_000000001000").mkdir(parents=True)
+    subs = {DATA: str(data), GARBAGE: str(base / "garbage.hdf5"),
+            **{f"{{{name}}}": str(base / name) for name in ("noconf", "badconf", "nockpt", "hasckpt")}}
+    before = {name: _files(base / name) for name in ("noconf", "badconf", "nockpt", "hasckpt")}
+
+    def one(item):
+        key, (argv, extra_env) = item
+        run_dir = base / "runs" / key
+        args = [str(run_dir) if a == RUN else subs.get(a, a) for a in argv]
+        out = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, cwd=ROOT,
+                             env={**ENV, **extra_env}, timeout=300)
+        return key, (out.returncode, out.stdout + out.stderr, run_dir)
+
+    items = [(k, (argv, {})) for k, (argv, _) in CASES.items()] + list(EXTRA.items())
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 2)) as pool:
+        results = dict(pool.map(one, items))
+    results["_unchanged"] = {name: _files(base / name) == files for name, files in before.items()}
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_user_error_is_one_message_without_a_traceback_or_run_dir(outcomes, case):
+    code, output, run_dir = outcomes[case]
+    expected = CASES[case][1]
+    assert code != 0, output
+    assert "Traceback" not in output, output
+    assert expected in output, output
+    assert not run_dir.exists(), f"{run_dir} was created"
+    if "Unrecognized" not in expected and "Error parsing" not in expected:  # tyro's own errors exit 2 as well
+        assert code == 2 and "\nerror: " in "\n" + output, output
+
+
+def test_run_directories_named_by_the_command_are_left_alone(outcomes):
+    assert outcomes["_unchanged"] == {"noconf": True, "badconf": True, "nockpt": True, "hasckpt": True}
+
+
+def test_debug_shows_the_traceback(outcomes):
+    for case, error in (("debug-flag", "ValueError: --seeds must be >= 1"), ("debug-env-var", "unknown agent 'dqn'")):
+        code, output, run_dir = outcomes[case]
+        assert code != 0 and "Traceback" in output and error in output, output
+        assert not run_dir.exists()
+
+
+def test_help_exits_zero_and_names_the_agents(outcomes):
+    code, output, _ = outcomes["help"]
+    assert code == 0, output
+    assert "agents: mrq, ppo, ravl, sac" in output and "--resume" in output
+
+
+def test_at_least_25_bad_command_lines():
+    assert len(CASES) >= 25
+
+
+# ----------------------------------------------------------------------------- the last safety net
+
+
+def _failing_loop(monkeypatch, write_checkpoint=False):
+    """Replace the off-policy loop by one that opens its run directory, then fails like a user error."""
+    from training import offpolicy
+    from training.logger import RunLogger
+
+    def train(cfg, agent, run_dir, resume=False, stop_at=None):
+        logger = RunLogger(run_dir, cfg.tensorboard)
+        logger.write_config({"agent_name": cfg.agent_name})
+        if write_checkpoint:
+            (Path(run_dir) / "ckpt" / "step_000000000001").mkdir(parents=True)
+        raise ValueError("--something does not apply")
+
+    monkeypatch.setattr(offpolicy, "train", train)
+
+
+def _config(run_dir):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train as train_script
+
+    return train_script.parse(["sac", "--run-dir", str(run_dir), "--no-progress"])
+
+
+def test_a_user_error_inside_the_loop_removes_the_fresh_empty_run_dir(monkeypatch, tmp_path):
+    from training.run import run
+
+    _failing_loop(monkeypatch)
+    with pytest.raises(ValueError, match="does not apply"):
+        run(_config(tmp_path / "run"), check=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_safety_net_keeps_checkpoints_and_directories_that_existed(monkeypatch, tmp_path):
+    from training.run import run
+
+    _failing_loop(monkeypatch, write_checkpoint=True)
+    with pytest.raises(ValueError):
+        run(_config(tmp_path / "a"), check=False)
+    assert (tmp_path / "a" / "ckpt").is_dir()
+    _failing_loop(monkeypatch)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError):
+        run(_config(tmp_path / "b"), check=False)
+    assert (tmp_path / "b" / "notes.txt").read_text() == "mine"
