@@ -9,7 +9,9 @@ Every agent (``Agent``):
     CONFIG                    the agent's config dataclass (its fields become ``train.py`` flags)
     KIND                      "offpolicy" | "onpolicy" | "offline": which loop trains it
     EXPERIENCE_REVIEW         whether NE's experience review (old uniform-replay samples) applies
-    init(key, obs_dim, act_dim, cfg, network) -> state
+    init(key, obs_dim, act_dim, cfg, network, plasticity) -> state
+                              ``plasticity``: a ``plasticity.api.StaticPlasticity`` (Kron / NE masks in
+                              the plastic optimizers, SIGReg in the losses), kept as a static state field
     act(state, obs, key, explore) -> action in [-1, 1]   (key None and explore False for evaluation)
     update(state, batch, key) -> (state, metrics)        one gradient step on a given batch
 
@@ -44,10 +46,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent
+from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity
 
 __all__ = ["Agent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
-           "ExplorationNoiseAgent", "KINDS", "OffPolicyConfig", "protocol_for"]
+           "ExplorationNoiseAgent", "StaticPlasticity", "KINDS", "OffPolicyConfig", "protocol_for"]
 
 
 @runtime_checkable
@@ -56,7 +58,7 @@ class Agent(Protocol):
     KIND: str
     EXPERIENCE_REVIEW: bool
 
-    def init(self, key, obs_dim: int, act_dim: int, cfg, network): ...
+    def init(self, key, obs_dim: int, act_dim: int, cfg, network, plasticity): ...
 
     def act(self, state, obs, key, explore: bool): ...
 

@@ -95,7 +95,7 @@ from flax import nnx, struct
 from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
 from networks.blocks import ACTIVATIONS
 from plasticity import optim as optim_lib
-from plasticity.api import declared_nets, declared_params
+from plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity.sigreg import regularized
 from buffers import lap
 from agents.api import OffPolicyConfig
@@ -260,21 +260,16 @@ def _is_frozen(path) -> bool:
     return "norms" in _keys(path)
 
 
-def _build(name: str, make_module, key, ensemble: int = 0):
-    """``networks.build`` traced abstractly (no default init), then MR.Q's init: -> (Net, params).
+def initializer(params, key):
+    """MR.Q's initial params for a param tree (arrays or shapes): Xavier-uniform kernels with ReLU
+    gain sqrt(2), zero biases, LayerNorm gains 1 (spec section 1).
 
-    Xavier-uniform kernels with ReLU gain sqrt(2) (per ensemble member), zero biases,
-    LayerNorm gains 1 (spec section 1).  All kernels come from one uniform draw, which keeps
-    ``init`` cheap to trace, compile and run eagerly.
+    The network's declared initializer (``build(..., initializer=)``), so ``Net.init`` (ReDo /
+    ReGraMa resets) draws from it too.  Only shapes and dtypes are read.  Fans are a kernel's
+    last two axes, so a tree with a leading member axis gets the same per-member distribution.
+    All kernels come from one uniform draw, which keeps ``init`` cheap to trace, compile and run.
     """
-    made = {}
-
-    def abstract(k):
-        made["net"], params = build(name, make_module, k, ensemble=ensemble)
-        return params
-
-    shapes = jax.eval_shape(abstract, key)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     kernels = [x.size for path, x in leaves if _keys(path)[-1] == "kernel"]
     u = jax.random.uniform(key, (sum(kernels),), jnp.float32, -1.0, 1.0)
     out, offset = [], 0
@@ -287,8 +282,25 @@ def _build(name: str, make_module, key, ensemble: int = 0):
         elif leaf in ("bias", "scale"):
             out.append(jnp.full(x.shape, 1.0 if leaf == "scale" else 0.0, x.dtype))
         else:
-            raise ValueError(f"MR.Q init: unexpected parameter {jax.tree_util.keystr(path)} in {name}")
-    return made["net"], jax.tree_util.tree_unflatten(treedef, out)
+            raise ValueError(f"MR.Q init: unexpected parameter {jax.tree_util.keystr(path)}")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _build(name: str, make_module, key, ensemble: int = 0):
+    """``networks.build`` with ``initializer`` declared, traced abstractly (no default init) -> (Net, params).
+
+    The params are ``initializer`` applied to the whole param tree with ``key`` (for the value
+    ensemble: one draw for both members, as MR.Q has always been initialised here); ``Net.init``
+    applies the same function member by member.  The distribution is the same either way.
+    """
+    made = {}
+
+    def abstract(k):
+        made["net"], params = build(name, make_module, k, ensemble=ensemble, initializer=initializer)
+        return params
+
+    shapes = jax.eval_shape(abstract, key)
+    return made["net"], initializer(shapes, key)
 
 
 def _freeze():
@@ -305,7 +317,7 @@ def _adamw(lr: float, wd: float, clip: float | None = None):
     return optax.chain(*chain)
 
 
-def _optimizers(cfg: MRQConfig):
+def _optimizers(cfg: MRQConfig, plasticity: StaticPlasticity):
     """(state encoder, state-action encoder, value, policy) optimizers (spec 2.1-2.3).
 
     Each is ``chain(freeze LN, plasticity.optim.optimizer(...), freeze LN)``: the shared factory
@@ -320,7 +332,7 @@ def _optimizers(cfg: MRQConfig):
     """
     def make(name, lr, wd, clip=None):
         tx = optim_lib.optimizer(lr, name, make=lambda lr, **_: _adamw(lr, wd, clip), ensemble=name == "value",
-                                 weight_decay=wd)
+                                 spec=plasticity.optim, weight_decay=wd)
         return optax.chain(_freeze(), tx, _freeze())
 
     return (make("state_encoder", cfg.enc_lr, cfg.enc_wd), make("sa_encoder", cfg.enc_lr, cfg.enc_wd),
@@ -367,6 +379,7 @@ class MRQState:
     policy: Net = struct.field(pytree_node=False)
     zs_dim: int = struct.field(pytree_node=False)
     act_dim: int = struct.field(pytree_node=False)
+    plasticity: StaticPlasticity = struct.field(pytree_node=False, default=StaticPlasticity())
 
 
 PLASTIC = {"state_encoder": ("encoder_params", "encoder_opt"),
@@ -377,7 +390,8 @@ PLASTIC = {"state_encoder": ("encoder_params", "encoder_opt"),
 _ENCODER_METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losses/terminal")
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig = NetworkConfig()) -> MRQState:
+def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig = NetworkConfig(),
+         plasticity: StaticPlasticity = StaticPlasticity()) -> MRQState:
     for name, least in (("enc_horizon", 1), ("q_horizon", 1), ("target_update_freq", 1), ("batch_size", 1),
                         ("num_bins", 2)):
         if getattr(cfg, name) < least:
@@ -400,7 +414,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig
     value, v_params = _build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2)
     policy, p_params = _build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3])
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (distinct buffers: the loop donates state)
-    tx_f, tx_g, tx_v, tx_p = _optimizers(cfg)
+    tx_f, tx_g, tx_v, tx_p = _optimizers(cfg, plasticity)
     zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731  (a fresh buffer per leaf: the loop donates state)
     return MRQState(
         f_params, g_params, v_params, p_params, copy(f_params), copy(g_params), copy(v_params), copy(p_params),
@@ -410,7 +424,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig
         encoder_metrics={m: zero() for m in _ENCODER_METRICS},
         exploration_noise=jnp.asarray(cfg.exploration_noise, jnp.float32),
         cfg=cfg, state_encoder=state_encoder, sa_encoder=sa_encoder, value=value, policy=policy,
-        zs_dim=w["zs"], act_dim=act_dim)
+        zs_dim=w["zs"], act_dim=act_dim, plasticity=plasticity)
 
 
 def param_count(state: MRQState) -> dict:
@@ -517,7 +531,7 @@ def _online_embeddings(state: MRQState, win: Window):
 def rl_update(state: MRQState, win: Window, key):
     """One value step then one policy step on windows of H_Q transitions -> (state, priorities, metrics)."""
     cfg = state.cfg
-    _, _, tx_v, tx_p = _optimizers(cfg)
+    _, _, tx_v, tx_p = _optimizers(cfg, state.plasticity)
     y = value_target(state, win, key)
     zs, zsa = _online_embeddings(state, win)
 
@@ -545,10 +559,11 @@ def encoder_update(state: MRQState, win: Window, use_terminal, reg_key=None):
     encoder's output (its first call in ``encoder_loss``): the representation the policy reads
     and g turns into the value's z_sa.  ``reg_key`` draws its random directions.
     """
-    tx_f, tx_g, _, _ = _optimizers(state.cfg)
+    tx_f, tx_g, _, _ = _optimizers(state.cfg, state.plasticity)
     (loss, parts), (g_f, g_g) = jax.value_and_grad(regularized(encoder_loss, "state_encoder"), argnums=(0, 1),
                                                    has_aux=True)(
-        state.encoder_params, state.sa_encoder_params, state, win, use_terminal, reg_key=reg_key)
+        state.encoder_params, state.sa_encoder_params, state, win, use_terminal, reg_key=reg_key,
+        sigreg=state.plasticity.sigreg)
     upd, encoder_opt = tx_f.update(g_f, state.encoder_opt, state.encoder_params)
     encoder_params = optax.apply_updates(state.encoder_params, upd)
     upd, sa_opt = tx_g.update(g_g, state.sa_encoder_opt, state.sa_encoder_params)

@@ -71,7 +71,7 @@ from networks import Net, TrunkSpec, build
 from networks.blocks import Trunk
 from networks.distributions import gaussian_log_prob
 from plasticity import optim as optim_lib
-from plasticity.api import declared_nets, declared_params
+from plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity.sigreg import regularized
 from networks.config import NetworkConfig
 
@@ -198,6 +198,7 @@ class PPOState:
     actor: Net = struct.field(pytree_node=False)
     critic: Net = struct.field(pytree_node=False)
     act_dim: int = struct.field(pytree_node=False)
+    plasticity: StaticPlasticity = struct.field(pytree_node=False, default=StaticPlasticity())
 
 
 PLASTIC = {"actor": ("actor_params", "actor_opt"), "critic": ("critic_params", "critic_opt")}
@@ -246,7 +247,7 @@ class PPOCritic(nnx.Module):
         return self.out(h)[..., 0], {**taps, "features": h}
 
 
-def _optimizers(cfg: PPOConfig):
+def _optimizers(cfg: PPOConfig, plasticity: StaticPlasticity):
     """Actor and critic optimizers from ``plasticity.optim.optimizer`` (Kron / NE when the loop says so).
 
     Built with learning rate 1 as *descent* directions (Adam: ``scale_by_adam`` then ``scale(-1)``;
@@ -257,10 +258,13 @@ def _optimizers(cfg: PPOConfig):
     before the global-norm clip, so pruned weights do not shrink the clip scale).
     """
     make = lambda lr, **_: optax.chain(optax.scale_by_adam(eps=cfg.adam_eps), optax.scale(-lr))  # noqa: E731
-    return optim_lib.optimizer(1.0, "actor", make=make), optim_lib.optimizer(1.0, "critic", make=make)
+    spec = plasticity.optim
+    return (optim_lib.optimizer(1.0, "actor", make=make, spec=spec),
+            optim_lib.optimizer(1.0, "critic", make=make, spec=spec))
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig = NetworkConfig()) -> PPOState:
+def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig = NetworkConfig(),
+         plasticity: StaticPlasticity = StaticPlasticity()) -> PPOState:
     for name in ("num_steps", "num_minibatches", "update_epochs", "gtr_anchors", "diag_window"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -272,7 +276,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: PPOActor(obs_dim, act_dim, spec, rngs=r), k_actor)
     critic, critic_params = build("critic", lambda r: PPOCritic(obs_dim, spec, rngs=r), k_critic)
-    tx_a, tx_c = _optimizers(cfg)
+    tx_a, tx_c = _optimizers(cfg, plasticity)
     if cfg.trust_region == "gtr":
         anchors = jax.tree.map(lambda p: jnp.broadcast_to(p, (cfg.gtr_anchors, *p.shape)).copy(), actor_params)
     else:
@@ -282,7 +286,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig
     return PPOState(actor_params, critic_params, tx_a.init(actor_params), tx_c.init(critic_params),
                     rms_init((obs_dim,)), rms_init(), anchors, jnp.zeros((), jnp.int32), snapshots,
                     jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32),
-                    cfg, actor, critic, act_dim)
+                    cfg, actor, critic, act_dim, plasticity)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,8 +474,9 @@ def _loss(params, state: PPOState, mb: Minibatch, weights, key):
     """Actor and critic losses; with --plasticity.sigreg-coef each adds SIGReg of its own features."""
     actor_params, critic_params = params
     k_actor, k_critic = jax.random.split(key)
-    a_loss, aux = regularized(actor_loss, "actor")(actor_params, state, mb, weights, reg_key=k_actor)
-    v_loss = regularized(critic_loss, "critic")(critic_params, state, mb, reg_key=k_critic)
+    sigreg = state.plasticity.sigreg
+    a_loss, aux = regularized(actor_loss, "actor")(actor_params, state, mb, weights, reg_key=k_actor, sigreg=sigreg)
+    v_loss = regularized(critic_loss, "critic")(critic_params, state, mb, reg_key=k_critic, sigreg=sigreg)
     aux["losses/value"] = v_loss
     return a_loss + state.cfg.vf_coef * v_loss, aux
 
@@ -559,7 +564,7 @@ def update(state: PPOState, batch: Rollout, key):
         data.update(_anchor_stats(state, data["obs"], data["actions"]))
         weights = anchor_weights(state.anchor_count, cfg.gtr_anchors, cfg.gtr_weights, cfg.gtr_decay)
     lr = learning_rate(state)
-    tx_a, tx_c = _optimizers(cfg)
+    tx_a, tx_c = _optimizers(cfg, state.plasticity)
     old_actor = state.actor_params
 
     def minibatch_step(carry, xs):

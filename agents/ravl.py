@@ -45,6 +45,7 @@ from agents import dynamics as dynamics_lib
 from agents import sac
 from agents.dynamics import DynamicsConfig
 from envs import termination
+from plasticity.api import StaticPlasticity
 from buffers import replay
 from networks.config import NetworkConfig
 from buffers.replay import Transition
@@ -97,11 +98,12 @@ class Data(NamedTuple):
     model: replay.Buffer
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: RAVLConfig, network: NetworkConfig = NetworkConfig()):
+def init(key, obs_dim: int, act_dim: int, cfg: RAVLConfig, network: NetworkConfig = NetworkConfig(),
+         plasticity: StaticPlasticity = StaticPlasticity()):
     """SAC-N/EDAC state with the spec's 3 x 256 networks (unless ``--network.depth`` says otherwise)."""
     _check(cfg)
     network = dataclasses.replace(network, depth=3 if network.depth is None else network.depth)
-    return sac.init(key, obs_dim, act_dim, cfg, network)
+    return sac.init(key, obs_dim, act_dim, cfg, network, plasticity)
 
 
 def _check(cfg: RAVLConfig):

@@ -32,7 +32,7 @@ from flax import struct
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from plasticity import optim as optim_lib
-from plasticity.api import declared_nets, declared_params
+from plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity.sigreg import regularized
 from agents.api import OffPolicyConfig
 from networks.config import NetworkConfig
@@ -80,19 +80,24 @@ class SACState:
     actor: Net = struct.field(pytree_node=False)
     critic: Net = struct.field(pytree_node=False)
     act_dim: int = struct.field(pytree_node=False)
+    plasticity: StaticPlasticity = struct.field(pytree_node=False, default=StaticPlasticity())
 
 
 # Plastic networks: name -> (params field, optimizer-state field).  Plasticity code acts on these.
 PLASTIC = {"actor": ("actor_params", "actor_opt"), "critic": ("critic_params", "critic_opt")}
 
 
-def _optimizers(cfg: SACConfig):
-    """Actor, critic (plastic: the shared factory) and temperature (plain Adam) optimizers."""
-    return (optim_lib.optimizer(cfg.actor_lr, "actor"), optim_lib.optimizer(cfg.critic_lr, "critic", ensemble=True),
+def _optimizers(cfg: SACConfig, plasticity: StaticPlasticity):
+    """Actor, critic (plastic: the shared factory, with the Kron / NE choice built in) and temperature
+    (plain Adam) optimizers."""
+    spec = plasticity.optim
+    return (optim_lib.optimizer(cfg.actor_lr, "actor", spec=spec),
+            optim_lib.optimizer(cfg.critic_lr, "critic", ensemble=True, spec=spec),
             optax.adam(cfg.alpha_lr))
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig = NetworkConfig()) -> SACState:
+def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig = NetworkConfig(),
+         plasticity: StaticPlasticity = StaticPlasticity()) -> SACState:
     if cfg.critics < 1:
         raise ValueError(f"--critics must be >= 1, got {cfg.critics}")
     if cfg.eta > 0 and cfg.critics < 2:
@@ -105,11 +110,11 @@ def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig
         obs_dim + act_dim, 1, spec, rngs=r, out_init_scale=3e-3 if cfg.edac_init else None),
         k_critic, ensemble=cfg.critics)
     log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
-    tx_a, tx_c, tx_t = _optimizers(cfg)
+    tx_a, tx_c, tx_t = _optimizers(cfg, plasticity)
     target_params = jax.tree.map(jnp.copy, critic_params)  # distinct buffers (the loop donates state)
     return SACState(actor_params, critic_params, target_params, log_alpha,
                     tx_a.init(actor_params), tx_c.init(critic_params), tx_t.init(log_alpha),
-                    jnp.zeros((), jnp.int32), cfg, actor, critic, act_dim)
+                    jnp.zeros((), jnp.int32), cfg, actor, critic, act_dim, plasticity)
 
 
 def act(state: SACState, obs, key, explore: bool):
@@ -172,7 +177,7 @@ def critic_loss(critic_params, state: SACState, actor_params, batch: Transition,
 def update(state: SACState, batch: Transition, key):
     """One gradient step in the reference code's order (CORL ``edac.py``): temperature, actor, critics, Polyak."""
     cfg = state.cfg
-    tx_a, tx_c, tx_t = _optimizers(cfg)
+    tx_a, tx_c, tx_t = _optimizers(cfg, state.plasticity)
     k_alpha, k_actor, k_critic, k_reg_actor, k_reg_critic = jax.random.split(key, 5)
 
     mean, log_std = state.actor(state.actor_params, batch.obs)
@@ -183,12 +188,13 @@ def update(state: SACState, batch: Transition, key):
     alpha = jnp.exp(log_alpha)
 
     (pi_loss, (log_prob, q_policy_std)), pi_grad = jax.value_and_grad(regularized(actor_loss, "actor"), has_aux=True)(
-        state.actor_params, state, batch.obs, alpha, k_actor, reg_key=k_reg_actor)
+        state.actor_params, state, batch.obs, alpha, k_actor, reg_key=k_reg_actor, sigreg=state.plasticity.sigreg)
     upd, actor_opt = tx_a.update(pi_grad, state.actor_opt, state.actor_params)
     actor_params = optax.apply_updates(state.actor_params, upd)
 
     (q_loss, (q, td, div, next_q)), q_grad = jax.value_and_grad(regularized(critic_loss, "critic"), has_aux=True)(
-        state.critic_params, state, actor_params, batch, alpha, k_critic, reg_key=k_reg_critic)
+        state.critic_params, state, actor_params, batch, alpha, k_critic, reg_key=k_reg_critic,
+        sigreg=state.plasticity.sigreg)
     upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
     target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)

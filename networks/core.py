@@ -5,6 +5,11 @@ a leading axis on every parameter) and returns ``(net, params)``.  ``net`` is a 
 hashable object (name + graph definition) that lives as static data beside the params;
 ``net(params, *inputs)`` concatenates the inputs and runs the forward pass.  Inside
 ``networks.instrument.record`` it also reports hidden activations and adds probes.
+
+A network's initial params come from its module's own initialisers, or, where ``build`` is
+given an ``initializer`` (e.g. MR.Q's Xavier-uniform x sqrt(2)), from that function applied to
+the freshly made params.  The initializer is declared with the network, so every later draw
+(``Net.init``: ReDo / ReGraMa resets) uses the same initialisation as the network's first one.
 """
 from __future__ import annotations
 
@@ -24,15 +29,25 @@ class Net:
     graphdef: Any
     ensemble: int = 0  # 0: a single network; N: N members vmapped over a leading axis
     make: Callable | None = field(default=None, compare=False, hash=False, repr=False)
+    # (params, key) -> params: the network's own initial params from freshly made ones (one member);
+    # None: the module's initialisers as they are
+    initializer: Callable | None = field(default=None, compare=False, hash=False, repr=False)
 
     def init(self, key):
-        """Freshly initialised params (every member for an ensemble), e.g. to re-draw reset neurons."""
+        """Freshly initialised params (every member for an ensemble), e.g. to re-draw reset neurons.
+
+        Made by ``make`` and mapped by ``initializer`` (where declared), member by member with
+        keys split from ``key``, as ``build`` does.
+        """
         if self.make is None:
             raise ValueError(f"network {self.name!r} was not built with networks.build; cannot re-initialise")
         if self.ensemble:
-            return jax.vmap(lambda k: nnx.split(self.make(nnx.Rngs(k)), nnx.Param)[1])(
-                jax.random.split(key, self.ensemble))
-        return nnx.split(self.make(nnx.Rngs(key)), nnx.Param)[1]
+            return jax.vmap(self._member)(jax.random.split(key, self.ensemble))
+        return self._member(key)
+
+    def _member(self, key):
+        params = nnx.split(self.make(nnx.Rngs(key)), nnx.Param)[1]
+        return params if self.initializer is None else self.initializer(params, key)
 
     def module(self, params):
         """The NNX module (member 0 of an ensemble), to inspect its structure."""
@@ -58,12 +73,17 @@ class Net:
         return self.apply(params, *inputs, member_inputs=member_inputs)[0]
 
 
-def build(name: str, make_module: Callable[[nnx.Rngs], nnx.Module], key, ensemble: int = 0):
-    """Create a network (or a vmapped ensemble of ``ensemble`` members) -> (Net, params)."""
+def build(name: str, make_module: Callable[[nnx.Rngs], nnx.Module], key, ensemble: int = 0,
+          initializer: Callable | None = None):
+    """Create a network (or a vmapped ensemble of ``ensemble`` members) -> (Net, params).
+
+    ``initializer(params, key) -> params`` (optional): the network's own initialisation, applied to
+    each member's freshly made params; the Net keeps it, so ``Net.init`` draws the same way.
+    """
     if ensemble:
-        keys = jax.random.split(key, ensemble)
-        states = jax.vmap(lambda k: nnx.split(make_module(nnx.Rngs(k)), nnx.Param)[1])(keys)
         graphdef = nnx.split(make_module(nnx.Rngs(0)), nnx.Param)[0]
-        return Net(name, graphdef, ensemble, make_module), states
+        net = Net(name, graphdef, ensemble, make_module, initializer)
+        return net, net.init(key)
     graphdef, params = nnx.split(make_module(nnx.Rngs(key)), nnx.Param)
-    return Net(name, graphdef, 0, make_module), params
+    net = Net(name, graphdef, 0, make_module, initializer)
+    return net, params if initializer is None else initializer(params, key)

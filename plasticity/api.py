@@ -11,11 +11,30 @@ Plasticity sits below the agents, so the agent contract (``agents/api.py``) buil
 - ``LEASTAgent``: LEAST's per-transition signals (Q and TD loss) for early episode termination.
 - ``ExplorationNoiseAgent``: an explicit exploration noise that LEAST's noise increase can raise.
 
-``declared_params`` / ``declared_nets`` build the two accessors from ``PLASTIC``.
+``declared_params`` / ``declared_nets`` build the two accessors from ``PLASTIC``; ``StaticPlasticity``
+is what an agent is built with (its optimizers' Kron / NE masks and SIGReg).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+
+from plasticity.optim import OptimSpec
+from plasticity.sigreg import SIGRegSpec
+
+
+@dataclass(frozen=True)
+class StaticPlasticity:
+    """The plasticity choices that change an agent's traced program, fixed when it is built.
+
+    ``optim``: Kron / NE masks in the plastic networks' optimizers (``plasticity.optim.optimizer(...,
+    spec=optim)``); ``sigreg``: SIGReg in the losses wrapped with ``plasticity.sigreg.regularized``
+    (``sigreg=``).  An agent's ``init(..., plasticity)`` stores it as a static field of its state
+    (``state.plasticity``), so ``update`` reads it there and jit's cache keys on it.
+    """
+
+    optim: Optional[OptimSpec] = None
+    sigreg: Optional[SIGRegSpec] = None
 
 
 @runtime_checkable

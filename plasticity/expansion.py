@@ -202,7 +202,7 @@ def update_topology(params, opt_state, grads, grow, prune, magnitude, dormant: d
     ms = optim_lib.find_masked(opt_state)
     if ms is None:
         raise ValueError("NE: this optimizer state holds no masks (build the optimizer with "
-                         "plasticity.optim.optimizer inside plasticity.optim.active)")
+                         "plasticity.optim.optimizer(..., spec=state.plasticity.optim))")
     leaves, treedef = jax.tree.flatten(params)
     g_leaves = jax.tree.leaves(grads)
     new_leaves, new_masks, touched = [], [], []

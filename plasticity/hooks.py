@@ -6,7 +6,7 @@ network's training loss as a function of its params) and a state field ``name`` 
 ``Net`` (or ``plastic_nets(state)``).  SIGReg additionally needs the agent to wrap those
 losses with ``plasticity.sigreg.regularized`` and list them in ``SIGREG_NETWORKS``.  Kron and
 NE need the agent to build its plastic networks' optimizers with ``plasticity.optim.optimizer``
-(the loop opens ``plasticity.optim.active(optim_spec(...))`` around init and the update trace).
+(``static_plasticity`` is what the loop builds the agent with: ``agent.init(..., plasticity)``).
 Interventions an agent cannot take are refused with a clear error.
 
 NE (``plasticity.expansion``) runs here every ``ne_every`` updates: its host-side ``Schedule``
@@ -21,13 +21,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from networks import instrument
 from plasticity import expansion
 from plasticity import metrics as metrics_lib
 from plasticity import optim as optim_lib
 from plasticity import resets
-from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, declared_params  # noqa: F401
+from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity, declared_params  # noqa: F401
 from plasticity.sigreg import SIGRegSpec
 from plasticity.config import PlasticityConfig
 
@@ -69,15 +70,31 @@ def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
     return optim_lib.OptimSpec(cfg.kron, ne, tuple(agent.PLASTIC) if cfg.ne else None)
 
 
-def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, built: set):
-    """After ``agent.init`` inside ``optim.active``: refuse Kron/NE if the agent bypassed the factory."""
-    if cfg.kron and not built:
-        raise ValueError(f"--plasticity.kron does not apply to agent {agent_name!r}: it builds its optimizers "
-                         "without plasticity.optim.optimizer")
-    missing = sorted(set(agent.PLASTIC) - built) if cfg.ne else []
+def static_plasticity(cfg: PlasticityConfig, agent) -> StaticPlasticity:
+    """What the agent is built with: its optimizers' Kron / NE masks and SIGReg."""
+    return StaticPlasticity(optim_spec(cfg, agent), sigreg_spec(cfg))
+
+
+def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, state):
+    """After ``agent.init(..., static_plasticity(cfg, agent))``: refuse Kron / NE if the agent's plastic
+    networks' optimizer states show it ignored them (built without ``plasticity.optim.optimizer``)."""
+    if not (cfg.kron or cfg.ne):
+        return
+    opt_states = {name: getattr(state, o_field) for name, (_, o_field) in agent.PLASTIC.items()}
+    if cfg.kron:
+        adam = [name for name, opt in opt_states.items() if _has_adam_moments(opt)]
+        if adam:
+            raise ValueError(f"--plasticity.kron does not apply to agent {agent_name!r}: the optimizers of "
+                             f"{', '.join(adam)} are not built with plasticity.optim.optimizer")
+    missing = sorted(name for name, opt in opt_states.items() if optim_lib.find_masked(opt) is None) if cfg.ne else []
     if missing:
         raise ValueError(f"--plasticity.ne does not apply to agent {agent_name!r}: the optimizers of "
                          f"{', '.join(missing)} are not built with plasticity.optim.optimizer")
+
+
+def _has_adam_moments(opt_state) -> bool:
+    leaves = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    return any(isinstance(x, optax.ScaleByAdamState) for x in leaves)
 
 
 def sigreg_spec(cfg: PlasticityConfig) -> SIGRegSpec | None:
@@ -193,7 +210,7 @@ class Hooks:
             for name, (p_field, o_field) in self.agent.PLASTIC.items():
                 if optim_lib.find_masked(getattr(state, o_field)) is None:
                     raise ValueError(f"--plasticity.ne: network {name!r} has no NE masks in its optimizer state "
-                                     "(the loop must build the agent inside plasticity.optim.active)")
+                                     "(the loop must build the agent with static_plasticity(...))")
                 shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), getattr(state, p_field))
                 plans[name] = expansion.plan(shapes, cfg.ne_initial_sparsity)
             self.schedule = expansion.Schedule(plans, self.total_updates, cfg.ne_target_sparsity, cfg.ne_schedule,

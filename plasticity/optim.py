@@ -1,9 +1,10 @@
-"""The optimizer factory every agent uses, switchable by the loop: Adam (default), Kron, NE masks.
+"""The optimizer factory every agent uses: Adam (default), Kron, NE masks, fixed when the agent is built.
 
-An agent builds each network's optimizer with ``optimizer(lr, name)`` (``make`` picks the
-default transformation, Adam unless given).  The training loop opens ``active(OptimSpec(...))``
-around the agent's ``init`` (which fixes the optimizer-state structure) and around the trace
-of its update (which applies it), exactly as ``plasticity.sigreg.active`` does for losses:
+An agent builds each plastic network's optimizer with ``optimizer(lr, name, spec=...)`` (``make``
+picks the default transformation, Adam unless given), where ``spec`` is the ``OptimSpec`` the
+agent was built with (``plasticity.api.StaticPlasticity.optim``, a static field of its state), in
+``init`` (which fixes the optimizer-state structure) and in ``update`` (which applies it).  Being
+static configuration rather than a context, it is part of every jitted program's cache key.
 
 - ``kron``: PSGD-Kron from ``psgdax`` (spec section 6) with lr = lr / 3, for every network built
   here.  ``pip install 'plasticity-zoo[kron]'`` (psgdax 0.1.1; psgd-jax 0.2.9 does not import
@@ -14,14 +15,13 @@ of its update (which applies it), exactly as ``plasticity.sigreg.active`` does f
   have static shapes and live in the optimizer state, so checkpoints carry them and growing the
   network never changes a shape or recompiles.  ``plasticity.expansion`` rewrites them.
 
-Outside any ``active`` block (or with the default spec) ``optimizer`` returns ``make(lr, **kw)``.
+With ``spec=None`` (or the default spec) ``optimizer`` returns ``make(lr, **kw)``.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -46,42 +46,15 @@ class OptimSpec:
     """names of the networks NE masks (None: every network built with ``optimizer``)"""
 
 
-@dataclass
-class _Context:
-    spec: OptimSpec
-    built: set = field(default_factory=set)  # names passed to ``optimizer`` inside the block
-
-
-_ACTIVE: contextvars.ContextVar[Optional[_Context]] = contextvars.ContextVar("optim", default=None)
-
-
-@contextlib.contextmanager
-def active(spec: Optional[OptimSpec]):
-    """Switch Kron / NE masks on for every ``optimizer`` built inside this block.
-
-    Yields the set of network names built inside the block, so a loop can tell whether the
-    agent uses this factory at all.
-    """
-    ctx = _Context(spec or OptimSpec())
-    token = _ACTIVE.set(ctx)
-    try:
-        yield ctx.built
-    finally:
-        _ACTIVE.reset(token)
-
-
-def optimizer(lr: float, name: str, make: Callable = optax.adam, ensemble: bool = False,
-              **kw) -> optax.GradientTransformation:
-    """Network ``name``'s optimizer: ``make(lr, **kw)``, or Kron / NE-masked as the loop switched on.
+def optimizer(lr: float, name: str, make: Callable = optax.adam, ensemble: bool = False, *,
+              spec: Optional[OptimSpec] = None, **kw) -> optax.GradientTransformation:
+    """Network ``name``'s optimizer: ``make(lr, **kw)``, or Kron / NE-masked as ``spec`` says.
 
     ``ensemble``: every param carries a leading ensemble-member axis (Kron then keeps one
     preconditioner per member instead of coupling members).  With Kron only ``weight_decay``
     of ``kw`` carries over (the rest are Adam's).
     """
-    ctx = _ACTIVE.get()
-    spec = OptimSpec() if ctx is None else ctx.spec
-    if ctx is not None:
-        ctx.built.add(name)
+    spec = spec or OptimSpec()
     tx = kron(lr / KRON_LR_DIVISOR, ensemble, kw.get("weight_decay", 0.0)) if spec.kron else make(lr, **kw)
     if spec.ne is not None and (spec.ne_networks is None or name in spec.ne_networks):
         tx = masked(tx, spec.ne.initial_sparsity)

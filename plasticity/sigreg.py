@@ -10,13 +10,12 @@ characteristic function phi(t) = mean_n exp(i t y_n) with the standard normal's 
   (weights 2 dt, dt at the ends), window w(t) = e^{-t^2/2}, averaged over slices.
 
 Directions are re-drawn every call from the given key.  ``regularized(loss_fn, name)`` adds
-``coef * SIGReg(features of network name)`` to a loss when the training loop has switched it
-on with ``active(...)``; agents wrap their losses once and need no other code.
+``coef * SIGReg(features of network name)`` to a loss when called with ``sigreg=`` a
+``SIGRegSpec`` (the agent passes the one it was built with, ``state.plasticity.sigreg``, a static
+field of its state, so the setting is part of every jitted program's cache key).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import jax
@@ -60,6 +59,9 @@ def sigreg(z, key, variant: str = "rl", num_slices: int = 16, num_points: int | 
     return jnp.mean(value)
 
 
+sketched_isotropy = sigreg  # the statistic, under a name the wrapper's ``sigreg=`` argument does not shadow
+
+
 @dataclass(frozen=True)
 class SIGRegSpec:
     coef: float
@@ -67,30 +69,17 @@ class SIGRegSpec:
     num_slices: int = 16
 
 
-_ACTIVE: contextvars.ContextVar[SIGRegSpec | None] = contextvars.ContextVar("sigreg", default=None)
-
-
-@contextlib.contextmanager
-def active(spec: SIGRegSpec | None):
-    """Switch SIGReg on for every ``regularized`` loss traced inside this block."""
-    token = _ACTIVE.set(spec if spec is not None and spec.coef > 0 else None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 def regularized(loss_fn, name: str):
-    """``loss_fn(params, ...)`` plus ``coef * SIGReg`` of network ``name``'s features when active.
+    """``loss_fn(params, ...)`` plus ``coef * SIGReg`` of network ``name``'s features when ``sigreg`` is given.
 
     The features are those of the network's first call inside the loss (its online forward
-    pass).  Pass ``reg_key=`` for the random directions.  Returns the loss unchanged (same
-    structure, including any aux) when SIGReg is off.
+    pass).  Pass ``sigreg=`` the ``SIGRegSpec`` (None or coef 0: off) and ``reg_key=`` for the
+    random directions.  Returns the loss unchanged (same structure, including any aux) when off.
     """
 
-    def wrapped(params, *args, reg_key=None, **kwargs):
-        spec = _ACTIVE.get()
-        if spec is None:
+    def wrapped(params, *args, reg_key=None, sigreg: SIGRegSpec | None = None, **kwargs):
+        spec = sigreg
+        if spec is None or spec.coef <= 0:
             return loss_fn(params, *args, **kwargs)
         if reg_key is None:
             raise ValueError(f"SIGReg on {name!r} needs reg_key")
@@ -98,7 +87,7 @@ def regularized(loss_fn, name: str):
             out = loss_fn(params, *args, **kwargs)
         if name not in rec.features:
             raise ValueError(f"SIGReg: network {name!r} was not called inside its loss")
-        penalty = spec.coef * sigreg(rec.features[name], reg_key, spec.variant, spec.num_slices)
+        penalty = spec.coef * sketched_isotropy(rec.features[name], reg_key, spec.variant, spec.num_slices)
         if isinstance(out, tuple):
             return (out[0] + penalty, *out[1:])
         return out + penalty

@@ -19,7 +19,7 @@ from buffers import replay
 from networks import DeterministicPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.config import NetworkConfig
 from plasticity import optim as optim_lib
-from plasticity.api import declared_nets, declared_params
+from plasticity.api import StaticPlasticity, declared_nets, declared_params
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class ExampleState:
     cfg: ExampleConfig = struct.field(pytree_node=False)
     actor: Net = struct.field(pytree_node=False)
     critic: Net = struct.field(pytree_node=False)
+    plasticity: StaticPlasticity = struct.field(pytree_node=False, default=StaticPlasticity())
 
 
 CONFIG = ExampleConfig
@@ -54,15 +55,21 @@ plastic_nets = declared_nets(PLASTIC)
 buffer_init, buffer_add = replay.init, replay.add
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: ExampleConfig, network: NetworkConfig = NetworkConfig()):
+def _optimizers(cfg: ExampleConfig, plasticity: StaticPlasticity):
+    return (optim_lib.optimizer(cfg.lr, "actor", spec=plasticity.optim),
+            optim_lib.optimizer(cfg.lr, "critic", spec=plasticity.optim))
+
+
+def init(key, obs_dim: int, act_dim: int, cfg: ExampleConfig, network: NetworkConfig = NetworkConfig(),
+         plasticity: StaticPlasticity = StaticPlasticity()):
     spec = network.trunk(TrunkSpec(256, 2))
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: DeterministicPolicyHead(obs_dim, act_dim, spec, rngs=r), k_actor)
     critic, critic_params = build("critic", lambda r: MLPHead(obs_dim + act_dim, 1, spec, rngs=r), k_critic)
-    tx = optim_lib.optimizer(cfg.lr, "actor"), optim_lib.optimizer(cfg.lr, "critic")
+    tx = _optimizers(cfg, plasticity)
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
     return ExampleState(actor_params, critic_params, copy(actor_params), copy(critic_params),
-                        tx[0].init(actor_params), tx[1].init(critic_params), cfg, actor, critic)
+                        tx[0].init(actor_params), tx[1].init(critic_params), cfg, actor, critic, plasticity)
 
 
 def act(state: ExampleState, obs, key, explore: bool):
@@ -87,7 +94,7 @@ def actor_loss(actor_params, state: ExampleState, obs):
 def update(state: ExampleState, batch: replay.Transition, key):
     del key
     cfg = state.cfg
-    tx_actor, tx_critic = optim_lib.optimizer(cfg.lr, "actor"), optim_lib.optimizer(cfg.lr, "critic")
+    tx_actor, tx_critic = _optimizers(cfg, state.plasticity)
     c_loss, c_grads = jax.value_and_grad(critic_loss)(state.critic_params, state, batch)
     c_updates, critic_opt = tx_critic.update(c_grads, state.critic_opt, state.critic_params)
     state = state.replace(critic_params=optax.apply_updates(state.critic_params, c_updates), critic_opt=critic_opt)

@@ -143,3 +143,23 @@ def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_
     assert out["step"] == 300 and np.isfinite(out["last_eval"])
     header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
     assert "losses/critic" in header and "plasticity/critic" in header
+
+
+@pytest.mark.parametrize("name", ["sac", "mrq", "ppo", "ravl", "example"])
+def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, registry):
+    """Kron / NE masks and SIGReg are static configuration the agent is built with: the choice is
+    a static field of the state (part of every jitted program's cache key), NE masks sit in the
+    plastic optimizers' states, and nothing changes without it."""
+    from plasticity import optim
+    from plasticity.api import StaticPlasticity
+    from plasticity.sigreg import SIGRegSpec
+
+    agent = agents.get(name)
+    spec = StaticPlasticity(optim.OptimSpec(ne=optim.NESpec(0.8), ne_networks=tuple(agent.PLASTIC)), SIGRegSpec(0.2))
+    plain = agent.init(jax.random.key(0), OBS, ACT, agent.CONFIG(), TINY)
+    built = agent.init(jax.random.key(0), OBS, ACT, agent.CONFIG(), TINY, spec)
+    assert plain.plasticity == StaticPlasticity() and built.plasticity == spec
+    assert jax.tree.structure(plain) != jax.tree.structure(built)  # the static choice is in the treedef
+    for _, o_field in agent.PLASTIC.values():
+        assert optim.find_masked(getattr(built, o_field)) is not None
+        assert optim.find_masked(getattr(plain, o_field)) is None

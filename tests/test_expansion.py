@@ -178,18 +178,22 @@ def test_ne_and_kron_are_refused_where_they_do_not_apply():
         check_applicable(PlasticityConfig(ne=True, metrics_every=0), bare, "bare")
     with pytest.raises(ValueError, match="ne-target-sparsity"):
         PlasticityConfig(ne=True, ne_target_sparsity=0.9).validate()
-    with pytest.raises(ValueError, match="--plasticity.kron does not apply"):
-        check_optimizers(PlasticityConfig(kron=True), bare, "bare", set())
-    with pytest.raises(ValueError, match="critic"):
-        check_optimizers(PlasticityConfig(ne=True), types.SimpleNamespace(PLASTIC={"critic": ()}), "x", {"actor"})
-    # outside the loop's context the factory is plain Adam; inside it, Kron / NE-masked
+    # the factory is plain Adam without a spec; Kron / NE-masked for the networks the spec names
     p = _params()
-    assert isinstance(optim.optimizer(1e-3, "actor").init(p)[0], optax.ScaleByAdamState)
-    with optim.active(optim.OptimSpec(kron=HAS_KRON, ne=optim.NESpec(), ne_networks=("actor",))) as built:
-        s = optim.optimizer(1e-3, "actor").init(p)
-        assert optim.find_masked(s) is not None and (not HAS_KRON or _kron(s) is not None)
-        assert optim.find_masked(optim.optimizer(1e-3, "critic").init(p)) is None
-    assert built == {"actor", "critic"}
+    adam = optim.optimizer(1e-3, "actor").init(p)
+    assert isinstance(adam[0], optax.ScaleByAdamState)
+    spec = optim.OptimSpec(kron=HAS_KRON, ne=optim.NESpec(), ne_networks=("actor",))
+    s = optim.optimizer(1e-3, "actor", spec=spec).init(p)
+    assert optim.find_masked(s) is not None and (not HAS_KRON or _kron(s) is not None)
+    assert optim.find_masked(optim.optimizer(1e-3, "critic", spec=spec).init(p)) is None
+    # an agent whose plastic optimizers ignore the spec is refused, naming the network
+    built_with_adam = types.SimpleNamespace(critic_opt=adam)
+    bare = types.SimpleNamespace(KIND="offpolicy", PLASTIC={"critic": ("critic_params", "critic_opt")})
+    with pytest.raises(ValueError, match="--plasticity.kron does not apply.*critic"):
+        check_optimizers(PlasticityConfig(kron=True), bare, "bare", built_with_adam)
+    with pytest.raises(ValueError, match="--plasticity.ne does not apply.*critic"):
+        check_optimizers(PlasticityConfig(ne=True), bare, "bare", built_with_adam)
+    check_optimizers(PlasticityConfig(ne=True), bare, "bare", types.SimpleNamespace(critic_opt=s))
 
 
 @pytest.fixture
@@ -230,13 +234,16 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     out = offpolicy.train(cfg, sac, tmp_path / "r")
     st = out["state"]
     if HAS_KRON:  # Kron: 301 finite updates; the opt state is PSGD-Kron's, not Adam's
-        adam = sac._optimizers(cfg.agent)[0].init(jax.tree.map(lambda x: x[0], st.actor_params))
+        from plasticity.api import StaticPlasticity
+
+        adam = sac._optimizers(cfg.agent, StaticPlasticity())[0].init(jax.tree.map(lambda x: x[0], st.actor_params))
         assert isinstance(adam[0], optax.ScaleByAdamState)
         assert jax.tree.structure(optim.find_masked(st.actor_opt).inner) != jax.tree.structure(adam)
         assert int(_kron(st.critic_opt).count[0]) == 301 and int(_kron(st.actor_opt).count[0]) == 301
     hooks = seen["hooks"]
     assert hooks.ne_traces == 1 and hooks._ne._cache_size() == 1  # 7 events, one compilation
-    assert seen["step"]._cache_size() == 2  # random-action warm-up + learning; growth never recompiles
+    assert seen["step"].learn_and_act._cache_size() == 2  # random-action warm-up + learning; growth never recompiles
+    assert seen["step"].store._cache_size() == 1
     # the same schedule on the host: the logged (device) sparsity follows it exactly
     plans = {n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8)
              for n, (f, _) in sac.PLASTIC.items()}

@@ -10,7 +10,7 @@ import pytest
 from networks import MLPHead, TrunkSpec, build, instrument
 from plasticity import resets
 from plasticity.hooks import check_applicable
-from plasticity.sigreg import SIGRegSpec, active, regularized, sigreg
+from plasticity.sigreg import SIGRegSpec, regularized, sigreg
 from training.config import PlasticityConfig
 
 
@@ -138,10 +138,11 @@ def test_regularized_loss_adds_coef_times_sigreg_of_the_first_call_features():
         return jnp.mean(net(p, x) ** 2), net(p, x + 1.0)  # second call must not be the regularised one
 
     k = jax.random.key(2)
-    plain = regularized(loss, "critic")(p, x, reg_key=k)[0]  # inactive: unchanged
+    plain = regularized(loss, "critic")(p, x, reg_key=k)[0]  # no spec: unchanged
     assert float(plain) == float(loss(p, x)[0])
-    with active(SIGRegSpec(0.5)):
-        reg = jax.jit(lambda p: regularized(loss, "critic")(p, x, reg_key=k)[0])(p)
+    off = regularized(loss, "critic")(p, x, reg_key=k, sigreg=SIGRegSpec(0.0))[0]  # coefficient 0: unchanged
+    assert float(off) == float(loss(p, x)[0])
+    reg = jax.jit(lambda p: regularized(loss, "critic")(p, x, reg_key=k, sigreg=SIGRegSpec(0.5))[0])(p)
     feats = net.apply(p, x)[1]["features"]
     np.testing.assert_allclose(reg, loss(p, x)[0] + 0.5 * sigreg(feats, k), rtol=1e-5)
 

@@ -68,7 +68,8 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
 
 def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
     from agents import mrq
-    from plasticity.sigreg import SIGRegSpec, active
+    from plasticity.api import StaticPlasticity
+    from plasticity.sigreg import SIGRegSpec
     from buffers.replay import Transition
 
     state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1))
@@ -81,9 +82,11 @@ def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
     # SIGReg changes L_enc (and so the encoder step) only when switched on
     win = mrq.lap.Window(tr.obs, tr.action[:, None].repeat(5, 1), tr.reward[:, None].repeat(5, 1),
                          tr.next_obs[:, None].repeat(5, 1), np.zeros((4, 5), bool), np.zeros((4, 5), bool))
-    _, plain = jax.jit(lambda s, w, k: mrq.encoder_update(s, w, 1.0, k))(state, win, jax.random.key(2))
-    with active(SIGRegSpec(1.0)):  # a separate trace (the context is read at trace time)
-        _, reg = jax.jit(lambda s, w, k: mrq.encoder_update(s, w, 1.0, k))(state, win, jax.random.key(2))
+    encoder_step = jax.jit(lambda s, w, k: mrq.encoder_update(s, w, 1.0, k))
+    _, plain = encoder_step(state, win, jax.random.key(2))
+    # the same jitted function: the SIGReg choice is a static field of the state, so it retraces
+    _, reg = encoder_step(state.replace(plasticity=StaticPlasticity(sigreg=SIGRegSpec(1.0))), win, jax.random.key(2))
+    assert encoder_step._cache_size() == 2
     assert float(reg[0]) > float(plain[0])  # the logged L_enc includes the penalty
     np.testing.assert_allclose(reg[1:], plain[1:], rtol=1e-6)  # its parts do not
 
@@ -110,27 +113,29 @@ def test_mrq_kron_with_ne_masks_one_encoder_and_rl_step():
     weights stay 0.  (Unit-level: a full loop run with Kron on MR.Q's four nets compiles for ~45 s.)"""
     from agents import mrq
 
+    from plasticity.api import StaticPlasticity
+
     spec = optim.OptimSpec(kron=True, ne=optim.NESpec(), ne_networks=tuple(mrq.PLASTIC))
-    with optim.active(spec) as built:
-        state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1))
-        assert built == set(mrq.PLASTIC)
-        for p, o in mrq.PLASTIC.values():  # NE's sparse start (the hooks do this in the loop)
-            state = state.replace(**{p: optim.apply_mask(getattr(state, o), getattr(state, p))})
-        rng = np.random.default_rng(0)
-        win = mrq.lap.Window(rng.normal(size=(8, 3)).astype(np.float32),
-                             rng.uniform(-1, 1, (8, 5, 1)).astype(np.float32),
-                             rng.normal(size=(8, 5)).astype(np.float32),
-                             rng.normal(size=(8, 5, 3)).astype(np.float32), np.zeros((8, 5), bool),
-                             np.zeros((8, 5), bool))
+    state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1),
+                     StaticPlasticity(optim=spec))
+    assert all(optim.find_masked(getattr(state, o)) is not None for _, o in mrq.PLASTIC.values())
+    for p, o in mrq.PLASTIC.values():  # NE's sparse start (the hooks do this in the loop)
+        state = state.replace(**{p: optim.apply_mask(getattr(state, o), getattr(state, p))})
+    rng = np.random.default_rng(0)
+    win = mrq.lap.Window(rng.normal(size=(8, 3)).astype(np.float32),
+                         rng.uniform(-1, 1, (8, 5, 1)).astype(np.float32),
+                         rng.normal(size=(8, 5)).astype(np.float32),
+                         rng.normal(size=(8, 5, 3)).astype(np.float32), np.zeros((8, 5), bool),
+                         np.zeros((8, 5), bool))
 
-        @jax.jit
-        def step(state, key):
-            state, _ = mrq.encoder_update(state, win, 1.0)
-            state, _, metrics = mrq.rl_update(state, mrq._first(win, 3), key)
-            return state, metrics
+    @jax.jit
+    def step(state, key):
+        state, _ = mrq.encoder_update(state, win, 1.0)
+        state, _, metrics = mrq.rl_update(state, mrq._first(win, 3), key)
+        return state, metrics
 
-        for k in range(2):
-            state, metrics = step(state, jax.random.key(k))
+    for k in range(2):
+        state, metrics = step(state, jax.random.key(k))
     assert _finite(mrq.plastic_params(state)) and _finite(metrics)
     _masked_exactly(state, mrq.PLASTIC.values())
     frozen = [x for p, x in jax.tree_util.tree_flatten_with_path(mrq.plastic_params(state))[0] if mrq._is_frozen(p)]

@@ -35,9 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import datasets
-from plasticity import optim as optim_lib
-from plasticity import sigreg as sigreg_lib
-from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
+from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
@@ -93,9 +91,10 @@ def fingerprint(dataset) -> dict:
 
 def initial_state(cfg: RunConfig, agent, dataset, init_keys):
     """Fresh agent states (one per key, vmapped) and per-seed data (the dataset plus the agent's buffers)."""
-    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:
-        state = jax.vmap(lambda k: agent.init(k, dataset.obs_dim, dataset.act_dim, cfg.agent, cfg.network))(init_keys)
-    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
+    static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
+    state = jax.vmap(lambda k: agent.init(k, dataset.obs_dim, dataset.act_dim, cfg.agent, cfg.network, static))(
+        init_keys)
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     real = jax.tree.map(jnp.asarray, dataset.transitions(unit_actions=True))  # the agent acts in [-1, 1]
     data = jax.vmap(lambda _: agent.data_init(real, cfg.agent))(jnp.arange(len(init_keys)))  # copied per seed
     return state, data
@@ -126,7 +125,6 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     state = hooks.start(state)
     logger = RunLogger(run_dir, cfg.tensorboard)
     epoch_fn = jax.jit(jax.vmap(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
-    sigreg, optim = sigreg_spec(pc), optim_spec(pc, agent)
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
     meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
 
@@ -164,8 +162,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             if schedule.eval_due(step):
                 last_eval = evaluate(step)
             key, k = jax.random.split(key)
-            with sigreg_lib.active(sigreg), optim_lib.active(optim):
-                state, data, metrics = epoch_fn(state, data, aux, jax.random.split(k, S))
+            state, data, metrics = epoch_fn(state, data, aux, jax.random.split(k, S))
             if not all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics)):
                 raise_non_finite(metrics, step + U, run_dir, unit="update")
             state, rows = hooks.after_updates(step, step + U, state, data, jax.random.fold_in(k, 1))

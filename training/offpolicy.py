@@ -16,9 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import make_vector_env, nonstationary
-from plasticity import optim as optim_lib
-from plasticity import sigreg as sigreg_lib
-from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
+from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity.least import LEAST
 from buffers import replay
 from training import checkpoint
@@ -41,7 +39,7 @@ def buffer_fns(agent):
     return agent.buffer_init, agent.buffer_add
 
 
-def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=None):
+def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     """Two jitted calls per env step: store transitions, then learn and choose the next actions.
 
     ``sigreg`` (a ``SIGRegSpec``) switches SIGReg on in the agent's regularised losses, ``optim``
@@ -65,8 +63,7 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=
         k_train, k_act = jax.random.split(key)
         metrics = {}
         if train:
-            with sigreg_lib.active(sigreg), optim_lib.active(optim):
-                state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds), review)
+            state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds), review)
         if random_actions:
             action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
         else:
@@ -85,9 +82,9 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int, sigreg=None, optim=
 
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
-    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:  # Kron / NE masks in the opt states
-        state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
-    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
+    static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
+    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static))(keys[1:])
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]
 
@@ -118,8 +115,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, total_updates=max(1, learning_iters * num_updates))
     state = hooks.start(state)
     logger = RunLogger(run_dir, cfg.tensorboard)
-    step_fn = make_step_fn(agent, a, num_updates, act_dim, sigreg_spec(cfg.plasticity),
-                           optim_spec(cfg.plasticity, agent))
+    step_fn = make_step_fn(agent, a, num_updates, act_dim)
     pc = cfg.plasticity
     least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
              if pc.least else None)

@@ -42,9 +42,7 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import Evaluator
 from training.logger import RunLogger
-from plasticity import optim as optim_lib
-from plasticity import sigreg as sigreg_lib
-from plasticity.hooks import Hooks, check_optimizers, optim_spec, sigreg_spec
+from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, restore,
                            run_counts, StopAtIterationEnd)
 
@@ -63,9 +61,9 @@ def empty_loop(agent, T: int, E: int, obs_dim: int, act_dim: int) -> LoopState:
 
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
-    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:  # Kron / NE masks in the opt states
-        state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network))(keys[1:])
-    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
+    static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
+    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static))(keys[1:])
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     loop = jax.vmap(lambda _: empty_loop(agent, cfg.agent.num_steps, cfg.num_envs, obs_dim, act_dim))(
         jnp.arange(cfg.seeds))
     return state, loop, keys[0]
@@ -77,12 +75,12 @@ def _write_policy_slot(buffer, i, obs_n, action, logp, value):
 
 
 @functools.lru_cache(maxsize=16)
-def make_fns(agent, T: int, sigreg=None, optim=None):
+def make_fns(agent, T: int):
     """(start, step, iterate, reset_norm, eval_act): jitted, vmapped over the leading seed axis.
 
-    ``sigreg`` (a ``SIGRegSpec``) and ``optim`` (an ``OptimSpec``: Kron / NE masks) are switched on
-    around the trace of ``agent.update``, as the off-policy loop does.
-    Cached per (agent, T, sigreg, optim), so runs in one process (e.g. a resumed run, tests) reuse the compilations.
+    Kron / NE masks and SIGReg are static fields of the agent state (``state.plasticity``), so
+    they are part of each program's cache key.  Cached per (agent, T), so runs in one process
+    (e.g. a resumed run, tests) reuse the compilations.
     """
 
     def start(state, loop, raw_obs, key):
@@ -103,8 +101,7 @@ def make_fns(agent, T: int, sigreg=None, optim=None):
 
     def iterate(state, loop, key):
         k_update, k_act = jax.random.split(key)
-        with sigreg_lib.active(sigreg), optim_lib.active(optim):
-            state, metrics = agent.update(state, loop.buffer, k_update)
+        state, metrics = agent.update(state, loop.buffer, k_update)
         obs_n = loop.buffer.obs[T]
         action, logp, v = agent.sample_action(state, obs_n, k_act)
         return state, loop._replace(buffer=_write_policy_slot(loop.buffer, 0, obs_n, action, logp, v)), action, metrics
@@ -208,7 +205,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     pc = cfg.plasticity
     state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
     logger = RunLogger(run_dir, cfg.tensorboard)
-    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T, sigreg_spec(pc), optim_spec(pc, agent))
+    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T)
     # plasticity metrics, resets and NE events on samples of the latest rollout; periods count gradient updates
     updates_per_iteration = a.update_epochs * a.num_minibatches
     hooks = Hooks(pc, agent, cfg.agent_name, total_updates=num_iterations * updates_per_iteration)

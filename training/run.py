@@ -89,12 +89,12 @@ def check_agent_config(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
     arrays are allocated and nothing is compiled."""
     import jax
 
-    from plasticity import optim as optim_lib
-    from plasticity.hooks import check_optimizers, optim_spec
+    from plasticity.hooks import check_optimizers, static_plasticity
 
-    with optim_lib.active(optim_spec(cfg.plasticity, agent)) as built:
-        jax.eval_shape(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network), jax.random.key(0))
-    check_optimizers(cfg.plasticity, agent, cfg.agent_name, built)
+    static = static_plasticity(cfg.plasticity, agent)
+    state = jax.eval_shape(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static),
+                           jax.random.key(0))
+    check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
 
 
 def _only_empty_logs(run_dir: Path) -> bool:
