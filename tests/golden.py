@@ -48,12 +48,13 @@ def _plasticity(**kw):
     return PlasticityConfig(**{"metrics_every": 0, **kw})
 
 
-def _mrq():
+def _mrq(plasticity=None):
     from agents.mrq import MRQConfig
     from training.config import NetworkConfig
 
     agent = MRQConfig(batch_size=32, buffer_size=2000, learning_starts=100, target_update_freq=50)
-    return _run_config("mrq", agent, network=NetworkConfig(width=64), total_steps=300, eval_every=150)
+    return _run_config("mrq", agent, network=NetworkConfig(width=64), total_steps=300, eval_every=150,
+                       plasticity=plasticity)
 
 
 def _ppo(trust_region: str):
@@ -95,6 +96,8 @@ CASES = {
     "sac_redo": lambda d: _sac(_plasticity(redo=True, reset_every=50, reset_batch=32)),
     "sac_sigreg": lambda d: _sac(_plasticity(sigreg_coef=0.2)),
     "sac_ne": lambda d: _sac(_plasticity(ne=True, ne_every=50, reset_batch=32)),
+    # recorded after the redesign: resets now re-draw MR.Q's weights from its own Xavier-uniform x sqrt(2)
+    "mrq_w64_regrama": lambda d: _mrq(_plasticity(regrama=True, reset_every=50, reset_batch=32)),
 }
 
 
