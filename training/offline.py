@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import time
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -36,12 +33,10 @@ import numpy as np
 
 from envs import datasets
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
-from training import checkpoint
-from training.config import RunConfig, to_json
+from training.config import RunConfig
+from training.driver import Driver
 from training.evaluation import Evaluator
-from training.logger import RunLogger
-from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, restore,
-                           run_counts, StopAtIterationEnd)
+from training.loop import check_positive, run_counts
 
 DEFAULT_ENV = RunConfig.env
 
@@ -102,84 +97,81 @@ def initial_state(cfg: RunConfig, agent, dataset, init_keys):
 
 def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
     """Train (or resume) an offline run.  ``stop_at`` ends early at that update count."""
+    check(cfg)
+    path, dataset, env_id = resolve_dataset(cfg)
+    cfg = dataclasses.replace(cfg, env=env_id)  # config.json (and plots) name the env evaluated on
+    iteration = OfflineIteration(cfg, agent, path, dataset, env_id)
+    driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator, unit="update",
+                    speed_key="perf/updates_per_s", episodes=False,
+                    eval_extras=lambda returns: [scores(np.mean(r), env_id, dataset.metadata) for r in returns])
+    host = driver.begin(iteration, resume, on_fresh=lambda: (Path(run_dir) / "dataset.json").write_text(
+        json.dumps(iteration.meta, indent=2)))
+    if host is not None and host["dataset"] != iteration.meta["fingerprint"]:
+        raise SystemExit(f"--resume {run_dir}: the dataset {path} changed since the run started "
+                         f"({host['dataset']} != {iteration.meta['fingerprint']})")
+    end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+    last_eval = driver.run(iteration, end, cfg.total_steps)
+    return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
+            "env_id": env_id}
+
+
+def check(cfg: RunConfig):
+    """Settings the offline loop cannot run with (a ValueError naming the flag)."""
     a = cfg.agent
-    S, U = cfg.seeds, a.updates_per_epoch
     check_positive(**run_counts(cfg))
-    if cfg.total_steps % U:
-        raise ValueError(f"--total-steps ({cfg.total_steps}) must be a multiple of --updates-per-epoch ({U})")
+    if cfg.total_steps % a.updates_per_epoch:
+        raise ValueError(f"--total-steps ({cfg.total_steps}) must be a multiple of --updates-per-epoch "
+                         f"({a.updates_per_epoch})")
     if cfg.num_envs != 1:
         raise ValueError("--num-envs does not apply to offline agents (they collect no data)")
     if cfg.plasticity.least:
         raise ValueError(f"--plasticity.least does not apply to agent {cfg.agent_name!r}: offline agents "
                          "collect no episodes to stop")
-    path, dataset, env_id = resolve_dataset(cfg)
-    cfg = dataclasses.replace(cfg, env=env_id)  # config.json (and plots) name the env evaluated on
-    evaluator = Evaluator(env_id, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
-    keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
-    k_prepare, key = keys[0], keys[1]
-    aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
 
-    state, data = initial_state(cfg, agent, dataset, keys[2:])
-    pc = cfg.plasticity
-    hooks = Hooks(pc, agent, cfg.agent_name, total_updates=cfg.total_steps)
-    state = hooks.start(state)
-    logger = RunLogger(run_dir, cfg.tensorboard)
-    epoch_fn = jax.jit(jax.vmap(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
-    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
-    meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
 
-    if resume:
-        (state, model_buffers, key), host, _ = restore(run_dir, (state, _buffers(data), key), logger, unit="update")
-        if host["dataset"] != meta["fingerprint"]:
-            raise SystemExit(f"--resume {run_dir}: the dataset {path} changed since the run started "
-                             f"({host['dataset']} != {meta['fingerprint']})")
-        data = _with_buffers(data, model_buffers)
-        step = host["step"]
-        hooks.restore(host["plasticity"])
-    else:
-        logger.write_config(to_json(cfg))
-        (Path(run_dir) / "dataset.json").write_text(json.dumps(meta, indent=2))
-        step, host = 0, None
-    schedule = Schedule(cfg, step, host)
-    end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+class OfflineIteration:
+    """One epoch per iteration: the agent's jitted epoch (e.g. model rollouts and updates) for every seed."""
 
-    def evaluate(step):
-        returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
-        logger.log_eval(step, returns, [scores(np.mean(r), env_id, dataset.metadata) for r in returns])
-        return float(np.mean(returns))
+    def __init__(self, cfg: RunConfig, agent, path, dataset, env_id: str):
+        a = cfg.agent
+        self.cfg, self.U, S = cfg, a.updates_per_epoch, cfg.seeds
+        self.evaluator = Evaluator(env_id, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+        keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
+        k_prepare, self.key = keys[0], keys[1]
+        self.aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
+        self.state, self.data = initial_state(cfg, agent, dataset, keys[2:])
+        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, total_updates=cfg.total_steps)
+        self.state = self.hooks.start(self.state)
+        self.epoch_fn = jax.jit(jax.vmap(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
+        self.meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
 
-    def save(step):
-        host = {"step": step, **schedule.host(), "plasticity": hooks.host_state(),
-                "dataset": meta["fingerprint"]}
-        return checkpoint.save(run_dir, step, (state, _buffers(data), key), host, {"config": to_json(cfg)})
+    def fresh(self):
+        pass
 
-    bar = progress(cfg, step)
-    last_eval = math.nan
-    t_log, updates_log = time.perf_counter(), 0
-    with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop:  # SIGINT / SIGTERM: checkpoint, stop
-        while step < end:
-            stop.begin()
-            if schedule.eval_due(step):
-                last_eval = evaluate(step)
-            key, k = jax.random.split(key)
-            state, data, metrics = epoch_fn(state, data, aux, jax.random.split(k, S))
-            if not all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics)):
-                raise_non_finite(metrics, step + U, run_dir, unit="update")
-            state, rows = hooks.after_updates(step, step + U, state, data, jax.random.fold_in(k, 1))
-            step += U
-            updates_log += U
-            if schedule.log_due(step, end):
-                ups = updates_log / (time.perf_counter() - t_log)
-                per_seed = [{"perf/updates_per_s": ups, **{m: float(v[j]) for m, v in metrics.items()},
-                             **(rows[j] if rows else {})} for j in range(S)]
-                logger.log_metrics(step, per_seed)
-                bar(step, ups, last_eval, last_eval)
-                t_log, updates_log = time.perf_counter(), 0
-            if schedule.checkpoint_due(step, end):
-                save(step)
-            stop.end(step)
-    last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
-    return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "env_id": env_id}
+    def tree(self):
+        return self.state, _buffers(self.data), self.key
+
+    def load(self, tree, host):
+        self.state, model_buffers, self.key = tree
+        self.data = _with_buffers(self.data, model_buffers)
+
+    def host(self) -> dict:
+        return {"dataset": self.meta["fingerprint"]}
+
+    def eval_state(self):
+        return self.state
+
+    def run_one(self, drv: Driver):
+        drv.evaluate_if_due(drv.step, self.eval_state)
+        self.key, k = jax.random.split(self.key)
+        self.state, self.data, metrics = self.epoch_fn(self.state, self.data, self.aux,
+                                                       jax.random.split(k, self.cfg.seeds))
+        finite = all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics))
+        drv.stop_if_non_finite(finite, metrics, drv.step + self.U)
+        self.state = drv.plasticity(drv.step, drv.step + self.U, self.state, self.data, jax.random.fold_in(k, 1))
+        drv.step += self.U
+        drv.advance(self.U)
+        drv.log_if_due(drv.step, metrics, last=drv.end)
 
 
 def _buffers(data):

@@ -6,8 +6,6 @@ action; everything seed-specific is vmapped over a leading seed axis.
 """
 from __future__ import annotations
 
-import math
-import time
 from functools import partial
 from pathlib import Path
 
@@ -19,12 +17,10 @@ from envs import make_vector_env, nonstationary
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity.least import LEAST
 from buffers import replay
-from training import checkpoint
-from training.config import RunConfig, dump, to_json
+from training.config import RunConfig
+from training.driver import Driver
 from training.evaluation import Evaluator
-from training.logger import RunLogger
-from training.loop import (NonFiniteLossError, Schedule, check_positive, finish, progress, raise_non_finite,
-                           restore, run_counts, StopAtIterationEnd)
+from training.loop import NonFiniteLossError, check_positive, run_counts
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
@@ -103,125 +99,108 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     agent state and the per-seed lists of returns (e.g. to keep policy snapshots); the next step
     donates the state's buffers, so copy what you keep.
     """
-    a = cfg.agent
-    S, E = cfg.seeds, cfg.num_envs
-    check_positive(**run_counts(cfg))
-    env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
-    evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
-    obs_dim, act_dim = env.obs_dim, env.act_dim
-    state, buffer, key = init_state(agent, cfg, obs_dim, act_dim)
-    num_updates = a.updates_per_step * E
-    learning_iters = cfg.total_steps // E - max(0, -(-a.learning_starts // E) - 1)  # iterations that learn
-    hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, total_updates=max(1, learning_iters * num_updates))
-    state = hooks.start(state)
-    logger = RunLogger(run_dir, cfg.tensorboard)
-    step_fn = make_step_fn(agent, a, num_updates, act_dim)
-    pc = cfg.plasticity
-    least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
-             if pc.least else None)
-    least_signals = jax.jit(jax.vmap(agent.least_signals)) if pc.least else None
-    set_noise = jax.jit(jax.vmap(agent.with_exploration_noise)) if pc.least_noise_max > 0 else None
-    eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
-
-    if resume:
-        (state, buffer, key), host, _ = restore(run_dir, (state, buffer, key), logger)
-        env, obs, action, step = host["env"], host["obs"], jnp.asarray(host["action"]), host["step"]
-        episode_log, updates_done = host["episode_log"], host["updates_done"]
-        pending, least = host["pending"], host["least"]
-        hooks.restore(host["plasticity"])
-    else:
-        logger.write_config(to_json(cfg))
-        obs = env.reset()
-        step, host = 0, None
-        episode_log = [[] for _ in range(S)]
-        updates_done, pending = 0, None
-        key, k0 = jax.random.split(key)
-        action = jax.random.uniform(k0, (S, E, act_dim), minval=-1.0, maxval=1.0)
-    counter = getattr(env, "step_counter", None)  # ns: envs share one step counter; evaluation follows it
-    if counter is not None:
-        env.steps_per_call = E  # the counter counts per-seed env steps, the unit of --total-steps
-        nonstationary.follow(evaluator.env, counter)
-    schedule = Schedule(cfg, step, host)
+    check(cfg)
+    iteration = OffPolicyIteration(cfg, agent)
+    driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator, on_eval=on_eval)
+    iteration.begin(driver, resume)
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+    last_eval = driver.run(iteration, end, cfg.total_steps)
+    return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir)}
 
-    def evaluate(step):
-        returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
-        logger.log_eval(step, returns)
-        if on_eval is not None:
-            on_eval(step, state, returns)
-        return float(np.mean(returns))
 
-    def save(step):
-        host = {"env": env, "obs": obs, "action": np.asarray(action), "step": step,
-                "episode_log": episode_log, **schedule.host(),
-                "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state(), "least": least}
-        return checkpoint.save(run_dir, step, (state, buffer, key), host, {"config": to_json(cfg)})
+def check(cfg: RunConfig):
+    """Settings the off-policy loop cannot run with (a ValueError naming the flag)."""
+    check_positive(**run_counts(cfg))
 
-    bar = progress(cfg, step)
-    last_eval, last_return = math.nan, math.nan
-    metrics, t_log, steps_log = None, time.perf_counter(), 0
-    with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop:  # SIGINT / SIGTERM: checkpoint, stop
-        while step < end:
-            stop.begin()
-            if schedule.eval_due(step):
-                last_eval = evaluate(step)
-            new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
-            transition = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs,
-                                           terminated, truncated)
-            if least is not None and step >= a.learning_starts:
-                transition, new_obs = _least_step(least, least_signals, state, transition, new_obs, env, step,
-                                                  jax.random.fold_in(key, 2), S, E)
-            step += E
-            steps_log += E
-            obs = new_obs
-            key, k = jax.random.split(key)
-            learning = step >= a.learning_starts
-            state, buffer, action, new_metrics, finite = step_fn(
-                state, buffer, transition, obs.reshape(S, E, obs_dim), k, random_actions=not learning, train=learning,
-                review=hooks.review)
-            if learning:
-                metrics = new_metrics
-                if not bool(finite):
-                    raise_non_finite(metrics, step, run_dir)
-                state, rows = hooks.after_updates(updates_done, updates_done + num_updates, state, buffer,
-                                                  jax.random.fold_in(k, 1))
-                updates_done += num_updates
-                if rows is not None:
-                    pending = rows if pending is None else [{**p, **r} for p, r in zip(pending, rows)]
-            for i, ret, length in env.pop_finished():
-                episode_log[i // E].append((ret, length))
-            if schedule.log_due(step, cfg.total_steps):
-                sps = steps_log * S / (time.perf_counter() - t_log)  # env steps/s, all seeds
-                if least is not None and pc.least_noise_max > 0:  # LEAST's optional noise increase
-                    sigma = least.noise(a.exploration_noise, pc.least_noise_max).astype(np.float32)
-                    state = set_noise(state, jnp.asarray(sigma))
-                rows = []
-                for j in range(S):
-                    row = {"perf/sps": sps}
-                    if least is not None:
-                        row["plasticity/least_stops"] = least.stops
-                        if pc.least_noise_max > 0:
-                            row["plasticity/least_noise"] = float(sigma[j])
-                    if episode_log[j]:
-                        row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
-                        row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
-                    if metrics is not None:
-                        row.update({k: float(v[j]) for k, v in metrics.items()})
-                    if pending is not None:
-                        row.update(pending[j])
-                    rows.append(row)
-                pending = None
-                recent = [r for log in episode_log for r, _ in log]
-                last_return = float(np.mean(recent)) if recent else last_return
-                episode_log = [[] for _ in range(S)]
-                logger.log_metrics(step, rows)
-                bar(step, sps, last_return, last_eval)
-                t_log, steps_log = time.perf_counter(), 0
-            if schedule.checkpoint_due(step, end):
-                save(step)
-            stop.end(step)
-    last_eval = finish(schedule, step, cfg.total_steps, evaluate, last_eval, bar, logger)
-    return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir)}
+
+class OffPolicyIteration:
+    """One vector-env step per seed: act in the envs, store the transitions, learn, pick the next actions."""
+
+    def __init__(self, cfg: RunConfig, agent):
+        a = cfg.agent
+        self.cfg, self.agent = cfg, agent
+        self.S, self.E = S, E = cfg.seeds, cfg.num_envs
+        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
+        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+        self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
+        self.state, self.buffer, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
+        self.num_updates = a.updates_per_step * E
+        learning_iters = cfg.total_steps // E - max(0, -(-a.learning_starts // E) - 1)  # iterations that learn
+        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
+                           total_updates=max(1, learning_iters * self.num_updates))
+        self.state = self.hooks.start(self.state)
+        self.step_fn = make_step_fn(agent, a, self.num_updates, self.act_dim)
+        pc = cfg.plasticity
+        self.least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps),
+                            coef=pc.least_coef) if pc.least else None)
+        self.least_signals = jax.jit(jax.vmap(agent.least_signals)) if pc.least else None
+        self.set_noise = jax.jit(jax.vmap(agent.with_exploration_noise)) if pc.least_noise_max > 0 else None
+        self.metrics, self.updates_done = None, 0
+
+    def begin(self, driver, resume: bool):
+        driver.begin(self, resume)
+        counter = getattr(self.env, "step_counter", None)  # ns: envs share one step counter; evaluation follows it
+        if counter is not None:
+            self.env.steps_per_call = self.E  # the counter counts per-seed env steps, the unit of --total-steps
+            nonstationary.follow(self.evaluator.env, counter)
+
+    def fresh(self):
+        self.obs = self.env.reset()
+        self.key, k0 = jax.random.split(self.key)
+        self.action = jax.random.uniform(k0, (self.S, self.E, self.act_dim), minval=-1.0, maxval=1.0)
+
+    def tree(self):
+        return self.state, self.buffer, self.key
+
+    def load(self, tree, host):
+        (self.state, self.buffer, self.key) = tree
+        self.env, self.obs, self.action = host["env"], host["obs"], jnp.asarray(host["action"])
+        self.updates_done, self.least = host["updates_done"], host["least"]
+
+    def host(self) -> dict:
+        return {"env": self.env, "obs": self.obs, "action": np.asarray(self.action),
+                "updates_done": self.updates_done, "least": self.least}
+
+    def eval_state(self):
+        return self.state
+
+    def run_one(self, drv: Driver):
+        a, S, E, env = self.cfg.agent, self.S, self.E, self.env
+        drv.evaluate_if_due(drv.step, self.eval_state)
+        action = np.asarray(self.action).reshape(S * E, self.act_dim)
+        new_obs, reward, terminated, truncated, next_obs = env.step(action)
+        transition = replay.Transition(self.obs, action, reward, next_obs, terminated, truncated)
+        if self.least is not None and drv.step >= a.learning_starts:
+            transition, new_obs = _least_step(self.least, self.least_signals, self.state, transition, new_obs, env,
+                                              drv.step, jax.random.fold_in(self.key, 2), S, E)
+        drv.step += E
+        drv.advance(E * S)
+        self.obs = new_obs
+        self.key, k = jax.random.split(self.key)
+        learning = drv.step >= a.learning_starts
+        self.state, self.buffer, self.action, new_metrics, finite = self.step_fn(
+            self.state, self.buffer, transition, self.obs.reshape(S, E, self.obs_dim), k,
+            random_actions=not learning, train=learning, review=self.hooks.review)
+        if learning:
+            self.metrics = new_metrics
+            drv.stop_if_non_finite(finite, new_metrics, drv.step)
+            before, self.updates_done = self.updates_done, self.updates_done + self.num_updates
+            self.state = drv.plasticity(before, self.updates_done, self.state, self.buffer, jax.random.fold_in(k, 1))
+        drv.episodes(env, E)
+        drv.log_if_due(drv.step, self.metrics, self._least_rows, last=self.cfg.total_steps)
+
+    def _least_rows(self):
+        """LEAST's columns of a log row; its optional noise increase is applied here, at log steps."""
+        pc = self.cfg.plasticity
+        if self.least is None:
+            return None
+        rows = [{"plasticity/least_stops": self.least.stops} for _ in range(self.S)]
+        if pc.least_noise_max > 0:
+            sigma = self.least.noise(self.cfg.agent.exploration_noise, pc.least_noise_max).astype(np.float32)
+            self.state = self.set_noise(self.state, jnp.asarray(sigma))
+            for j, row in enumerate(rows):
+                row["plasticity/least_noise"] = float(sigma[j])
+        return rows
 
 
 def _least_step(least, signals, state, transition, new_obs, env, step, key, S, E):

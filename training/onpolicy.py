@@ -25,10 +25,7 @@ sets the learning-rate annealing horizon.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import time
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -38,13 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import make_vector_env
-from training import checkpoint
-from training.config import RunConfig, to_json
+from envs import nonstationary
+from training.config import RunConfig
+from training.driver import Driver
 from training.evaluation import Evaluator
-from training.logger import RunLogger
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
-from training.loop import (Schedule, check_positive, finish, progress, raise_non_finite, restore,
-                           run_counts, StopAtIterationEnd)
+from training.loop import check_positive, run_counts
 
 
 class LoopState(NamedTuple):
@@ -178,7 +174,7 @@ class FlatStep:
         return self._compiled[self._current[0]](ff, fm, *args)
 
 
-def _check(cfg: RunConfig):
+def check(cfg: RunConfig):
     a = cfg.agent
     check_positive(**run_counts(cfg), num_steps=a.num_steps, num_minibatches=a.num_minibatches,
                    update_epochs=a.update_epochs)
@@ -194,124 +190,100 @@ def _check(cfg: RunConfig):
 
 def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
     """Train (or resume) a run.  ``stop_at`` ends early at the first iteration boundary at or after it."""
-    from envs import nonstationary
-
-    a = cfg.agent
-    S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
-    batch, num_iterations = _check(cfg)
-    env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend)
-    evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
-    obs_dim, act_dim = env.obs_dim, env.act_dim
-    pc = cfg.plasticity
-    state, loop, key = init_state(agent, cfg, obs_dim, act_dim)
-    logger = RunLogger(run_dir, cfg.tensorboard)
-    start_fn, step_fn, iterate_fn, reset_norm_fn, eval_act = make_fns(agent, T)
-    # plasticity metrics, resets and NE events on samples of the latest rollout; periods count gradient updates
-    updates_per_iteration = a.update_epochs * a.num_minibatches
-    hooks = Hooks(pc, agent, cfg.agent_name, total_updates=num_iterations * updates_per_iteration)
-    state = hooks.start(state)
-    shaped = lambda x: np.asarray(x).reshape(S, E, *np.shape(x)[1:])  # noqa: E731
-
-    if resume:
-        (state, loop, key), host, _ = restore(run_dir, (state, loop, key), logger)
-        env, action, step, episode_log = host["env"], jnp.asarray(host["action"]), host["step"], host["episode_log"]
-        phase, updates_done, pending = host["phase"], host["updates_done"], host["pending"]
-        hooks.restore(host["plasticity"])
-        if getattr(env, "restored_fresh", False):  # a backend that cannot pickle its simulator restarted
-            key, k = jax.random.split(key)
-            state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
-    else:
-        logger.write_config(to_json(cfg))
-        key, k = jax.random.split(key)
-        state, loop, action = start_fn(state, loop, shaped(env.reset()), k)
-        step, phase, host = 0, 0, None
-        updates_done, pending = 0, None
-        episode_log = [[] for _ in range(S)]
-    state = state.replace(num_iterations=jnp.full((S,), num_iterations, jnp.int32))
-    counter = getattr(env, "step_counter", None)  # ns: envs on the sync backend share one counter
-    if counter is not None:
-        env.steps_per_call = E  # the counter counts per-seed env steps, the unit of --total-steps
-        nonstationary.follow(evaluator.env, counter)
-    schedule = Schedule(cfg, step, host)
+    batch, num_iterations = check(cfg)
+    iteration = OnPolicyIteration(cfg, agent, num_iterations)
+    driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator)
+    iteration.begin(driver, resume)
     last_step = num_iterations * batch
     end = last_step if stop_at is None else min(stop_at, last_step)
-
-    def evaluate(step):
-        returns = evaluator(lambda o: eval_act(state, jnp.asarray(o)))
-        logger.log_eval(step, returns)
-        return float(np.mean(returns))
-
-    def save(step):
-        host = {"env": env, "action": np.asarray(action), "step": step, "episode_log": episode_log,
-                **schedule.host(), "phase": phase,
-                "updates_done": updates_done, "pending": pending, "plasticity": hooks.host_state()}
-        return checkpoint.save(run_dir, step, (state, loop, key), host, {"config": to_json(cfg)})
-
-    bar = progress(cfg, step)
-    last_eval, last_return = math.nan, math.nan
-    metrics, t_log, steps_log = None, time.perf_counter(), 0
-    with StopAtIterationEnd(save, run_dir, bar, logger, step) as stop:  # SIGINT / SIGTERM: checkpoint, stop
-        while step < end:
-            stop.begin()
-            key, k_roll = jax.random.split(key)
-            ff, fm = step_fn.flatten(state, loop)
-            for t in range(T):
-                if schedule.eval_due(step):
-                    state, loop = step_fn.unflatten(fm)
-                    last_eval = evaluate(step)
-                new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
-                step += E
-                steps_log += E
-                if counter is not None and a.ns_reset_norm:
-                    now = env.global_phase()
-                    if now != phase:
-                        state, loop = reset_norm_fn(*step_fn.unflatten(fm))
-                        ff, fm = step_fn.flatten(state, loop)
-                    phase = now
-                fm, action = step_fn(ff, fm, np.int32(t), shaped(reward), shaped(terminated), shaped(truncated),
-                                     shaped(next_obs), shaped(new_obs), k_roll)
-                for i, ret, length in env.pop_finished():
-                    episode_log[i // E].append((ret, length))
-                if schedule.log_due(step):
-                    sps = steps_log * S / (time.perf_counter() - t_log)
-                    last_return = _log(logger, step, sps, episode_log, metrics, env, S, E, last_return)
-                    episode_log = [[] for _ in range(S)]
-                    bar(step, sps, last_return, last_eval)
-                    t_log, steps_log = time.perf_counter(), 0
-            state, loop = step_fn.unflatten(fm)
-            key, k = jax.random.split(key)
-            state, loop, action, metrics, finite = iterate_fn(state, loop, k)
-            if not bool(finite):
-                raise_non_finite({k: v for k, v in metrics.items() if k.startswith("losses/")}, step, run_dir)
-            state, rows = hooks.after_updates(updates_done, updates_done + updates_per_iteration, state,
-                                              loop.buffer, jax.random.fold_in(k, 1))
-            updates_done += updates_per_iteration
-            if rows is not None:  # logged with the next metrics row
-                pending = rows if pending is None else [{**p, **r} for p, r in zip(pending, rows)]
-            if pending is not None and metrics is not None:
-                metrics = {**metrics, **{k: np.array([row[k] for row in pending]) for k in pending[0]}}
-                pending = None
-            if schedule.checkpoint_due(step, end):
-                save(step)
-            stop.end(step)
-    last_eval = finish(schedule, step, last_step, evaluate, last_eval, bar, logger)
-    return {"state": state, "step": step, "last_eval": last_eval, "run_dir": str(run_dir), "metrics": metrics}
+    last_eval = driver.run(iteration, end, last_step)
+    return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
+            "metrics": iteration.metrics}
 
 
-def _log(logger, step, sps, episode_log, metrics, env, S, E, last_return):
-    tasks = env.task_ids() if hasattr(env, "task_ids") else None
-    rows = []
-    for j in range(S):
-        row = {"perf/sps": sps}
-        if episode_log[j]:
-            row["charts/episodic_return"] = np.mean([r for r, _ in episode_log[j]])
-            row["charts/episode_length"] = np.mean([n for _, n in episode_log[j]])
-        if metrics is not None:
-            row.update({k: float(v[j]) for k, v in metrics.items()})
-        if tasks is not None:
-            row["ns/task_id"] = float(np.mean(tasks[j * E:(j + 1) * E]))
-            row["ns/phase"] = env.global_phase()
-        rows.append(row)
-    logger.log_metrics(step, rows)
-    recent = [r for log in episode_log for r, _ in log]
-    return float(np.mean(recent)) if recent else last_return
+class OnPolicyIteration:
+    """One rollout of ``num_steps`` vector steps of S seeds x E envs, then one update per seed."""
+
+    def __init__(self, cfg: RunConfig, agent, num_iterations: int):
+        a = cfg.agent
+        self.cfg, self.agent, self.num_iterations = cfg, agent, num_iterations
+        self.S, self.E, self.T = S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
+        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend)
+        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+        self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
+        self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
+        self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)
+        # plasticity metrics, resets and NE events on samples of the latest rollout; periods count gradient updates
+        self.updates_per_iteration = a.update_epochs * a.num_minibatches
+        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
+                           total_updates=num_iterations * self.updates_per_iteration)
+        self.state = self.hooks.start(self.state)
+        self.metrics, self.updates_done, self.phase = None, 0, 0
+
+    def _shaped(self, x):
+        return np.asarray(x).reshape(self.S, self.E, *np.shape(x)[1:])
+
+    def begin(self, driver, resume: bool):
+        driver.begin(self, resume)
+        S = self.S
+        if resume and getattr(self.env, "restored_fresh", False):  # a backend that cannot pickle its simulator
+            self.key, k = jax.random.split(self.key)
+            self.state, self.loop, self.action = self.start_fn(self.state, self.loop, self._shaped(self.env.reset()), k)
+        self.state = self.state.replace(num_iterations=jnp.full((S,), self.num_iterations, jnp.int32))
+        self.counter = getattr(self.env, "step_counter", None)  # ns: envs on the sync backend share one counter
+        if self.counter is not None:
+            self.env.steps_per_call = self.E  # the counter counts per-seed env steps, the unit of --total-steps
+            nonstationary.follow(self.evaluator.env, self.counter)
+
+    def fresh(self):
+        self.key, k = jax.random.split(self.key)
+        self.state, self.loop, self.action = self.start_fn(self.state, self.loop, self._shaped(self.env.reset()), k)
+
+    def tree(self):
+        return self.state, self.loop, self.key
+
+    def load(self, tree, host):
+        self.state, self.loop, self.key = tree
+        self.env, self.action = host["env"], jnp.asarray(host["action"])
+        self.phase, self.updates_done = host["phase"], host["updates_done"]
+
+    def host(self) -> dict:
+        return {"env": self.env, "action": np.asarray(self.action), "phase": self.phase,
+                "updates_done": self.updates_done}
+
+    def eval_state(self):
+        return self.state
+
+    def run_one(self, drv: Driver):
+        a, S, E, env, shaped, step_fn = self.cfg.agent, self.S, self.E, self.env, self._shaped, self.step_fn
+        self.key, k_roll = jax.random.split(self.key)
+        ff, fm = step_fn.flatten(self.state, self.loop)
+        for t in range(self.T):
+            drv.evaluate_if_due(drv.step, lambda: step_fn.unflatten(fm)[0])
+            new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(self.action).reshape(S * E, -1))
+            drv.step += E
+            drv.advance(E * S)
+            if self.counter is not None and a.ns_reset_norm:
+                now = env.global_phase()
+                if now != self.phase:
+                    self.state, self.loop = self.reset_norm_fn(*step_fn.unflatten(fm))
+                    ff, fm = step_fn.flatten(self.state, self.loop)
+                self.phase = now
+            fm, self.action = step_fn(ff, fm, np.int32(t), shaped(reward), shaped(terminated), shaped(truncated),
+                                      shaped(next_obs), shaped(new_obs), k_roll)
+            drv.episodes(env, E)
+            drv.log_if_due(drv.step, self.metrics, self._task_rows)
+        self.state, self.loop = step_fn.unflatten(fm)
+        self.key, k = jax.random.split(self.key)
+        self.state, self.loop, self.action, self.metrics, finite = self.iterate_fn(self.state, self.loop, k)
+        drv.stop_if_non_finite(finite, {k: v for k, v in self.metrics.items() if k.startswith("losses/")}, drv.step)
+        before, self.updates_done = self.updates_done, self.updates_done + self.updates_per_iteration
+        self.state = drv.plasticity(before, self.updates_done, self.state, self.loop.buffer, jax.random.fold_in(k, 1))
+
+    def _task_rows(self):
+        """Non-stationary envs: the seeds' mean task id and the global phase."""
+        if not hasattr(self.env, "task_ids"):
+            return None
+        tasks, E = self.env.task_ids(), self.E
+        return [{"ns/task_id": float(np.mean(tasks[j * E:(j + 1) * E])), "ns/phase": self.env.global_phase()}
+                for j in range(self.S)]

@@ -7,6 +7,7 @@ directory, so a mistyped command fails at once and leaves nothing behind.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -39,6 +40,16 @@ def load_config(run_dir) -> RunConfig:
         raise SystemExit(f"--resume {run_dir}: {path} is not a readable run config ({type(e).__name__}: {e})") from e
 
 
+LOOPS = {"offpolicy": "training.offpolicy", "onpolicy": "training.onpolicy", "offline": "training.offline"}
+
+
+def loop_module(agent):
+    """The module with the kind's iteration: ``check(cfg)`` and ``train(cfg, agent, run_dir, ...)``."""
+    if agent.KIND not in LOOPS:
+        raise ValueError(f"agent {agent.__name__!r} has unknown kind {agent.KIND!r}; kinds: {', '.join(LOOPS)}")
+    return importlib.import_module(LOOPS[agent.KIND])
+
+
 def preflight(cfg: RunConfig, agent=None):
     """Every check a run can make before training, cheaply and before any run directory exists.
 
@@ -50,7 +61,6 @@ def preflight(cfg: RunConfig, agent=None):
     mismatched dataset; an intervention the agent cannot take; the agent's own option checks.
     """
     from plasticity.hooks import check_applicable
-    from training.loop import check_positive, run_counts
 
     agent = agents.get(cfg.agent_name) if agent is None else agent
     if cfg.resume:
@@ -63,11 +73,7 @@ def preflight(cfg: RunConfig, agent=None):
                              "(the run stopped before its first checkpoint: start it again)")
     elif cfg.run_dir and (Path(cfg.run_dir) / "ckpt").exists():
         raise SystemExit(f"run directory {cfg.run_dir} already holds a run; use --resume {cfg.run_dir} to continue it")
-    check_positive(**run_counts(cfg))
-    if agent.KIND == "onpolicy":
-        from training.onpolicy import _check
-
-        _check(cfg)
+    loop_module(agent).check(cfg)  # counts below 1 and the kind's own arithmetic
     if agent.KIND == "offline":
         from training.offline import resolve_dataset
 
@@ -126,14 +132,7 @@ def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True) -> dict:
         run_dir, resume = (Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)), False
         if (run_dir / "ckpt").exists():
             raise SystemExit(f"run directory {run_dir} already holds a run; use --resume {run_dir} to continue it")
-    if agent.KIND == "offpolicy":
-        from training.offpolicy import train
-    elif agent.KIND == "onpolicy":
-        from training.onpolicy import train
-    elif agent.KIND == "offline":
-        from training.offline import train
-    else:
-        raise ValueError(f"agent {cfg.agent_name!r} has unknown kind {agent.KIND!r}")
+    train = loop_module(agent).train
     print(f"run directory: {run_dir}")
     existed = run_dir.exists()
     try:

@@ -1,0 +1,175 @@
+"""The one loop driver: everything a training run does around its iterations, written once.
+
+Each kind of agent supplies an *iteration* (``training/offpolicy.py``: one vector-env step;
+``training/onpolicy.py``: one rollout and its update; ``training/offline.py``: one epoch); the
+``Driver`` owns the rest: the run directory's logs, starting fresh or resuming from the last
+checkpoint, the evaluation / log / checkpoint schedule, the plasticity hooks' events and the rows
+they log, the NaN stop, Ctrl-C / SIGTERM (checkpoint at the iteration's end), the progress bar
+and the final evaluation.
+
+An iteration object provides:
+
+- ``fresh()``: set up a new run (reset envs, first actions); ``load(tree, host)``: continue from
+  a checkpoint's device tree and host dict;
+- ``tree()``: the device pytree a checkpoint stores (agent states, buffers, rng);
+  ``host()``: the kind's own host-side state (envs, counters), merged into the checkpoint's dict;
+- ``eval_state()``: the vmapped agent state to evaluate now;
+- ``run_one(driver)``: one iteration.  It advances ``driver.step`` and calls back, in its own
+  order: ``driver.evaluate_if_due(step, state_fn)`` where an evaluation may fall,
+  ``driver.stop_if_non_finite`` on the learning step's flag, ``driver.plasticity(...)`` after
+  updates, ``driver.episodes(env, E)`` after env steps, ``driver.advance(n)`` for the speed
+  counter, and ``driver.log_if_due(step, metrics, extra)`` where a log row may fall.
+
+Host work (logs, evaluation, checkpoints) happens only at those points, so an iteration whose
+whole body runs on the device (a later, accelerator-side env) fits the same driver.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from training import checkpoint
+from training.config import RunConfig, to_json
+from training.logger import RunLogger
+from training.loop import Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
+
+
+class Driver:
+    """Time, logs, checkpoints and plasticity events of one run (N vmapped seeds).
+
+    ``unit``: what ``--total-steps`` counts ("env step" or "update"); ``speed_key``: the metric
+    the speed is logged as (``perf/sps`` counts env steps of all seeds per second);
+    ``episodes``: whether the run has training episodes to log (online agents).
+    ``eval_extras(returns) -> list[dict]``: per-seed extra evaluation columns (e.g. normalised
+    scores); ``on_eval(step, state, returns)``: called right after each evaluation.
+    """
+
+    def __init__(self, cfg: RunConfig, agent, run_dir, hooks, evaluator, *, unit: str = "env step",
+                 speed_key: str = "perf/sps", episodes: bool = True, eval_extras=None, on_eval=None):
+        self.cfg, self.run_dir, self.hooks, self.evaluator = cfg, Path(run_dir), hooks, evaluator
+        self.unit, self.speed_key, self.eval_extras, self.on_eval = unit, speed_key, eval_extras, on_eval
+        self.seeds = cfg.seeds
+        self.logger = RunLogger(run_dir, cfg.tensorboard)
+        self.eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+        self.step, self.schedule, self.pending = 0, None, None
+        self.episode_log = [[] for _ in range(cfg.seeds)] if episodes else None
+        self.last_eval, self.last_return = math.nan, math.nan
+        self._count, self._t_log = 0, time.perf_counter()
+
+    # ------------------------------------------------------------------------- start and resume
+    def begin(self, iteration, resume: bool, on_fresh=None):
+        """Start a new run (config.json, ``iteration.fresh()``, ``on_fresh()``) or resume the last checkpoint."""
+        host = None
+        if resume:
+            tree, host, _ = restore(self.run_dir, iteration.tree(), self.logger,
+                                    unit="update" if self.unit == "update" else "step")
+            iteration.load(tree, host)
+            self.step, self.pending = host["step"], host.get("pending")
+            if self.episode_log is not None:
+                self.episode_log = host["episode_log"]
+            self.hooks.restore(host["plasticity"])
+        else:
+            self.logger.write_config(to_json(self.cfg))
+            if on_fresh is not None:
+                on_fresh()
+            iteration.fresh()
+        self.schedule = Schedule(self.cfg, self.step, host)
+        return host
+
+    # ------------------------------------------------------------------------- within an iteration
+    def evaluate(self, step: int, state) -> float:
+        returns = self.evaluator(lambda o: self.eval_act(state, jnp.asarray(o)))
+        extras = self.eval_extras(returns) if self.eval_extras is not None else None
+        self.logger.log_eval(step, returns, extras) if extras is not None else self.logger.log_eval(step, returns)
+        if self.on_eval is not None:
+            self.on_eval(step, state, returns)
+        self.last_eval = float(np.mean(returns))
+        return self.last_eval
+
+    def evaluate_if_due(self, step: int, state_fn):
+        """Evaluate ``state_fn()`` if an evaluation falls at ``step``."""
+        if self.schedule.eval_due(step):
+            self.evaluate(step, state_fn())
+
+    def stop_if_non_finite(self, finite, metrics: dict, step: int):
+        """Stop the run naming the non-finite statistics and the last good checkpoint."""
+        if not bool(finite):
+            raise_non_finite(metrics, step, self.run_dir, unit=self.unit)
+
+    def plasticity(self, before: int, after: int, state, data, key):
+        """The plasticity events due between update counts ``before`` and ``after`` -> state.
+
+        Their per-seed rows wait in ``pending`` for the next log row (none is dropped)."""
+        state, rows = self.hooks.after_updates(before, after, state, data, key)
+        if rows is not None:
+            self.pending = rows if self.pending is None else [{**p, **r} for p, r in zip(self.pending, rows)]
+        return state
+
+    def episodes(self, env, envs_per_seed: int):
+        """Collect the finished training episodes of a vector env of ``seeds x envs_per_seed`` envs."""
+        for i, ret, length in env.pop_finished():
+            self.episode_log[i // envs_per_seed].append((ret, length))
+
+    def advance(self, n: int):
+        """Count ``n`` units of work (env steps of all seeds, or updates) for the logged speed."""
+        self._count += n
+
+    def log_if_due(self, step: int, metrics: dict | None, extra=None, last: int | None = None) -> bool:
+        """Write one metrics row per seed if a log falls at ``step`` (or ``step`` reaches ``last``).
+
+        A row holds the speed, ``extra()``'s per-seed dicts (called only when a row is written), the
+        training episodes' mean return and length since the last row, ``metrics`` (per-seed arrays)
+        and the plasticity rows pending since the last row."""
+        if not self.schedule.log_due(step, last):
+            return False
+        speed = self._count / (time.perf_counter() - self._t_log)
+        extras = extra() if extra is not None else None
+        rows = []
+        for j in range(self.seeds):
+            row = {self.speed_key: speed, **(extras[j] if extras is not None else {})}
+            if self.episode_log is not None and self.episode_log[j]:
+                row["charts/episodic_return"] = np.mean([r for r, _ in self.episode_log[j]])
+                row["charts/episode_length"] = np.mean([n for _, n in self.episode_log[j]])
+            if metrics is not None:
+                row.update({k: float(v[j]) for k, v in metrics.items()})
+            if self.pending is not None:
+                row.update(self.pending[j])
+            rows.append(row)
+        self.pending = None
+        if self.episode_log is not None:
+            recent = [r for log in self.episode_log for r, _ in log]
+            self.last_return = float(np.mean(recent)) if recent else self.last_return
+            self.episode_log = [[] for _ in range(self.seeds)]
+        else:
+            self.last_return = self.last_eval
+        self.logger.log_metrics(step, rows)
+        self.bar(step, speed, self.last_return, self.last_eval)
+        self._count, self._t_log = 0, time.perf_counter()
+        return True
+
+    # ------------------------------------------------------------------------- the loop
+    def save(self, iteration, step: int) -> Path:
+        host = {"step": step, **self.schedule.host(), "plasticity": self.hooks.host_state(), "pending": self.pending,
+                **({"episode_log": self.episode_log} if self.episode_log is not None else {}), **iteration.host()}
+        return checkpoint.save(self.run_dir, step, iteration.tree(), host, {"config": to_json(self.cfg)})
+
+    def run(self, iteration, end: int, last: int) -> float:
+        """Iterate until ``step >= end`` (``last``: the run's final step, for the final evaluation)
+        with checkpoints on schedule and at interruptions; returns the last evaluation's mean return."""
+        self.end, self.bar = end, progress(self.cfg, self.step)
+        self._t_log = time.perf_counter()
+        save = lambda step: self.save(iteration, step)  # noqa: E731
+        with StopAtIterationEnd(save, self.run_dir, self.bar, self.logger, self.step) as stop:
+            while self.step < end:
+                stop.begin()
+                iteration.run_one(self)
+                if self.schedule.checkpoint_due(self.step, end):
+                    save(self.step)
+                stop.end(self.step)
+        return finish(self.schedule, self.step, last, lambda step: self.evaluate(step, iteration.eval_state()),
+                      self.last_eval, self.bar, self.logger)
