@@ -1,8 +1,10 @@
 """The off-policy training loop: N vmapped seeds, device-side replay, exact resume.
 
-Per env step the host makes one jitted call that stores the transition, runs the
-``updates_per_step * num_envs`` gradient steps as one ``lax.scan`` and returns the next
-action; everything seed-specific is vmapped over a leading seed axis.
+Per env step the host makes two jitted calls: ``store`` writes the transitions into the replay
+(``agent.buffer_add``, the buffer donated), then ``learn_and_act`` runs the
+``updates_per_step * num_envs`` gradient steps (``agent.train_block``, one ``lax.scan``) and
+returns the next action; everything seed-specific is vmapped over a leading seed axis.  The
+iteration (``OffPolicyIteration``) runs inside the one loop driver (``training/driver.py``).
 """
 from __future__ import annotations
 
