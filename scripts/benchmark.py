@@ -1,19 +1,36 @@
-"""Speed benchmark: env steps/s of an off-policy agent's full training step, and compile time.
+"""Speed benchmark: env steps/s of an off-policy agent at the settings train.py uses, and compile time.
 
-    python scripts/benchmark.py                       # SAC on HalfCheetah-v5, 1 and 4 vmapped seeds
+    python scripts/benchmark.py                       # SAC on HalfCheetah-v5, 1M-row buffer, 1 and 4 vmapped seeds
+    python scripts/benchmark.py --buffer-size 10000   # another replay capacity
     python scripts/benchmark.py --env dmc:cheetah-run --seeds 1 2 4 8 --steps 500
     python scripts/benchmark.py --agent mrq --steps 250 --warmup 1   # MR.Q: time whole 250-step sync periods
+    python scripts/benchmark.py --plasticity --agent mrq             # cost of plasticity metrics, resets, SIGReg
 
-MR.Q's encoder burst runs once every 250 steps, so its timed window must span a multiple of 250
-steps, or the rate (and the share of peak, which counts the burst amortised) is overstated.
+What is timed is the body of train.py's off-policy loop (training/offpolicy.py): step the envs on
+the host, build the transition, call the step function from ``make_step_fn`` (store the
+transition, run the gradient step(s), choose the next action) and read its finite flag.  The
+replay buffer is the agent's own (``buffer_fns``) with the agent config's ``buffer_size`` (1M
+rows for SAC and MR.Q) unless ``--buffer-size`` is given: a small buffer hides costs that grow
+with capacity (issue #18: a copy of the whole buffer every env step; MR.Q's LAP sampling is
+O(capacity) per update).  Networks have the paper's sizes unless ``--width`` is given.
 
-Each measurement times the real loop body (env step on the host, transfer, one jitted call
-that stores the transition, does the gradient step(s) and picks the next action) after the
-buffer holds enough data, with paper-default network sizes unless --width is given.
+Before the timed window the buffer gets ``batch_size`` uniform-random steps (train.py takes
+``learning_starts``; the per-step cost does not depend on how full the buffer is: uniform
+sampling gathers rows, LAP's mask and cdf run over every slot), then ``--warmup`` training
+steps.  Compile time (the wall time of the first collect-only and the first training step, which
+compile the jitted calls) is reported apart and is not in the timed window.
+
+The share of peak is XLA's FLOP count of one env step's training work times env steps/s,
+over the float32 matmul throughput of this machine's default JAX device, measured once per
+process (``matmul_peak``) and printed.  MR.Q's encoder burst runs once every 250 steps, so
+its timed window must span a multiple of 250 steps, or the rate (and the share of peak, which
+counts the burst amortised) is overstated.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -23,54 +40,78 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import agents
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import VectorEnv
-from training import replay
-from training.config import NetworkConfig, RunConfig
-from training.offpolicy import init_state, make_step_fn
+from buffers import replay
+from envs import make_vector_env
+from networks.config import NetworkConfig
+from plasticity.config import PlasticityConfig
+from training.config import RunConfig
+from training.offpolicy import buffer_fns, init_state, make_step_fn, make_train_block
+
+PEAK_N, PEAK_REPEAT = 2048, 20
 
 
-def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | None, warmup: int = 300):
+def setup(agent_name: str, env_id: str, seeds: int, width: int | None, buffer_size: int | None,
+          plasticity: PlasticityConfig | None = None):
+    """The agent, its config (``buffer_size``: None keeps the agent's default), the run config and a vector env."""
     agent = agents.get(agent_name)
-    acfg = dataclasses.replace(agent.CONFIG(), buffer_size=max(10 * (steps + warmup), 10_000), learning_starts=0)
-    cfg = RunConfig(env=env_id, seeds=seeds, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width))
-    env = VectorEnv(env_id, seeds, 0)
-    state, buffer, key = init_state(agent, cfg, env.obs_dim, env.act_dim)
-    step_fn = make_step_fn(agent, acfg, acfg.updates_per_step, env.act_dim)
-    obs = env.reset()
-    action = np.zeros((seeds, 1, env.act_dim), np.float32)
+    acfg = agent.CONFIG()
+    if buffer_size is not None:
+        acfg = dataclasses.replace(acfg, buffer_size=buffer_size)
+    cfg = RunConfig(env=env_id, seeds=seeds, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width),
+                    plasticity=plasticity or PlasticityConfig())
+    return agent, acfg, cfg, make_vector_env(env_id, seeds, cfg.seed * 10_000, cfg.action_repeat)
 
-    def one(state, buffer, obs, action, key, random_actions=False):
-        new_obs, r, term, trunc, next_obs = env.step(np.asarray(action).reshape(seeds, -1))
-        tr = replay.Transition(obs, np.asarray(action).reshape(seeds, -1), r, next_obs, term, trunc)
+
+def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | None, warmup: int = 300,
+            buffer_size: int | None = None) -> dict:
+    """Env steps/s of train.py's loop body (one env per seed), after compilation and ``warmup`` steps."""
+    agent, acfg, cfg, env = setup(agent_name, env_id, seeds, width, buffer_size)
+    S, E, act_dim = seeds, 1, env.act_dim
+    state, buffer, key = init_state(agent, cfg, env.obs_dim, act_dim)
+    step_fn = make_step_fn(agent, acfg, acfg.updates_per_step * E, act_dim)
+    obs = env.reset()
+    key, k0 = jax.random.split(key)
+    action = jax.random.uniform(k0, (S, E, act_dim), minval=-1.0, maxval=1.0)
+
+    def one(state, buffer, obs, action, key, learning=True):  # as in training.offpolicy.train
+        new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
+        tr = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs, terminated, truncated)
         key, k = jax.random.split(key)
-        state, buffer, action, _, finite = step_fn(state, buffer, tr, new_obs.reshape(seeds, 1, -1), k,
-                                                   random_actions=random_actions, train=not random_actions)
-        bool(finite)
+        state, buffer, action, _, finite = step_fn(state, buffer, tr, new_obs.reshape(S, E, -1), k,
+                                                   random_actions=not learning, train=learning)
+        if learning and not bool(finite):
+            raise FloatingPointError("non-finite training metrics")
+        env.pop_finished()
         return state, buffer, new_obs, action, key
 
-    for _ in range(acfg.batch_size):  # fill a batch worth of random data (compiles the collect-only variant)
-        state, buffer, obs, action, key = one(state, buffer, obs, action, key, random_actions=True)
-    t0 = time.perf_counter()
-    state, buffer, obs, action, key = one(state, buffer, obs, action, key)
+    t0 = time.perf_counter()  # first random step: compiles store and the collect-only variant
+    state, buffer, obs, action, key = one(state, buffer, obs, action, key, learning=False)
     compile_s = time.perf_counter() - t0
+    for _ in range(acfg.batch_size - 1):  # a batch worth of uniform-random data
+        state, buffer, obs, action, key = one(state, buffer, obs, action, key, learning=False)
+    t0 = time.perf_counter()  # first training step: compiles the training variant
+    state, buffer, obs, action, key = one(state, buffer, obs, action, key)
+    compile_s += time.perf_counter() - t0
     for _ in range(warmup):
         state, buffer, obs, action, key = one(state, buffer, obs, action, key)
     t0 = time.perf_counter()
     for _ in range(steps):
         state, buffer, obs, action, key = one(state, buffer, obs, action, key)
-    jax.block_until_ready(state)
+    jax.block_until_ready((state, buffer, action))
     dt = time.perf_counter() - t0
-    return {"seeds": seeds, "env_steps_per_s": steps * seeds / dt, "per_seed": steps / dt, "compile_s": compile_s}
+    return {"seeds": seeds, "buffer_size": acfg.buffer_size, "env_steps_per_s": steps * S * E / dt,
+            "per_seed": steps * E / dt, "ms_per_step": 1e3 * dt / steps, "compile_s": compile_s}
 
 
-def matmul_peak(n: int = 2048, repeat: int = 20) -> float:
-    """The machine's measured float32 matmul throughput (FLOP/s) on the default JAX device."""
+@functools.lru_cache(maxsize=None)
+def matmul_peak(n: int = PEAK_N, repeat: int = PEAK_REPEAT) -> float:
+    """Measured float32 matmul throughput (FLOP/s) of the default JAX device: an n x n jitted
+    ``x @ x``, best of 3 runs of ``repeat`` calls.  Cached: measured once per process."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     jax.block_until_ready(f(a))
@@ -84,23 +125,34 @@ def matmul_peak(n: int = 2048, repeat: int = 20) -> float:
     return best
 
 
-def flops_per_env_step(agent_name: str, env_id: str, width: int | None) -> float:
+def random_transitions(rng: np.random.Generator, seeds: int, n: int, obs_dim: int, act_dim: int) -> replay.Transition:
+    """``n`` random non-terminal transitions per seed: leaves ``(seeds, n, ...)``."""
+    f = lambda *s: rng.normal(size=(seeds, n, *s)).astype(np.float32)  # noqa: E731
+    return replay.Transition(f(obs_dim), rng.uniform(-1, 1, (seeds, n, act_dim)).astype(np.float32), f(), f(obs_dim),
+                      np.zeros((seeds, n), bool), np.zeros((seeds, n), bool))
+
+
+def fill(agent, buffer, tr: replay.Transition):
+    """Store ``tr`` (leaves ``(seeds, n, ...)``) one env step at a time, as the loop does, with the
+    agent's own add (MR.Q's LAP buffer tracks per-env streams): one jitted scan, buffer donated."""
+    _, add = buffer_fns(agent)
+
+    def one_seed(buf, tr):
+        return jax.lax.scan(lambda b, t: (add(b, jax.tree.map(lambda x: x[None], t)), None), buf, tr)[0]
+
+    return jax.jit(jax.vmap(one_seed), donate_argnums=0)(buffer, jax.tree.map(jnp.asarray, tr))
+
+
+def flops_per_env_step(agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None) -> float:
     """XLA's FLOP count of one env step's training work for one seed: the agent's
     ``work_per_env_step`` (MR.Q: value/policy update + one amortised encoder step) or one
-    ``update`` x ``updates_per_step``, plus the exploration forward pass."""
-    agent = agents.get(agent_name)
-    acfg = dataclasses.replace(agent.CONFIG(), buffer_size=10_000, learning_starts=0)
-    cfg = RunConfig(env=env_id, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width))
-    env = VectorEnv(env_id, 1, 0)
+    ``update`` x ``updates_per_step``, plus the exploration forward pass.  Counted on a sampled
+    batch, so the buffer's capacity does not enter (MR.Q's O(capacity) LAP cdf is not counted)."""
+    agent, acfg, cfg, env = setup(agent_name, env_id, 1, width, buffer_size)
     state, buffer, key = init_state(agent, cfg, env.obs_dim, env.act_dim)
+    buffer = fill(agent, buffer, random_transitions(np.random.default_rng(0), 1, 600, env.obs_dim, env.act_dim))
     state, buffer = jax.tree.map(lambda x: x[0], (state, buffer))
-    rng = np.random.default_rng(0)
-    n = 600
-    tr = replay.Transition(rng.normal(size=(n, env.obs_dim)).astype(np.float32),
-                           rng.uniform(-1, 1, (n, env.act_dim)).astype(np.float32), rng.normal(size=n).astype(np.float32),
-                           rng.normal(size=(n, env.obs_dim)).astype(np.float32), np.zeros(n, bool), np.zeros(n, bool))
-    buffer = _fill(agent, buffer, tr)
-    batch = getattr(agent, "sample_batch", replay.sample)(buffer, key, acfg.batch_size)
+    batch = agent.sample_batch(state, buffer, key, acfg.batch_size)
     work = getattr(agent, "work_per_env_step", None)
     if work is None:
         work = lambda s, b, k: agent.update(s, b, k)[0]  # noqa: E731
@@ -110,25 +162,20 @@ def flops_per_env_step(agent_name: str, env_id: str, width: int | None) -> float
     cost = jax.jit(work).lower(state, batch, key).compile().cost_analysis()
     act = jax.jit(lambda s, o, k: agent.act(s, o, k, explore=True)).lower(
         state, jnp.zeros((1, env.obs_dim)), key).compile().cost_analysis()
+    cost, act = (c[0] if isinstance(c, (list, tuple)) else c for c in (cost, act))  # older JAX: a list
     return repeats * float(cost["flops"]) + float(act["flops"])
 
 
-def _fill(agent, buffer, tr):
-    """Add transitions one env step at a time (the agent's own buffer may track per-env streams)."""
-    add = jax.jit(getattr(agent, "buffer_add", replay.add))
-    for i in range(tr.reward.shape[0]):
-        buffer = add(buffer, jax.tree.map(lambda x: jnp.asarray(x[i:i + 1]), tr))
-    return buffer
+def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None):
+    """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods.
 
-
-def plasticity_overhead(agent_name: str, env_id: str, width: int | None, updates: int = 200):
-    """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods."""
-    from plasticity.hooks import Hooks, sigreg_spec
-    from training.config import PlasticityConfig
+    The update time is that of the loop's training block (one seed, the agent's own buffer at the
+    config's capacity).  MR.Q's block spans its 250-update sync period (one encoder burst), so the
+    burst is counted amortised as in training."""
+    from plasticity.hooks import Hooks, reset_step
 
     agent = agents.get(agent_name)
-    acfg = dataclasses.replace(agent.CONFIG(), buffer_size=10_000, learning_starts=0)
-    env = VectorEnv(env_id, 1, 0)
+    updates = getattr(agent.CONFIG(), "target_update_freq", 200)
     rng = np.random.default_rng(0)
 
     def timed(fn, *args, repeat=3):
@@ -139,82 +186,88 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, updates
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / repeat
 
-    def setup(pcfg):
-        cfg = RunConfig(env=env_id, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width),
-                        plasticity=pcfg)
+    def prepare(pcfg):
+        _, acfg, cfg, env = setup(agent_name, env_id, 1, width, buffer_size, pcfg)
         state, buffer, key = init_state(agent, cfg, env.obs_dim, env.act_dim)
-        n = 2000
-        tr = replay.Transition(rng.normal(size=(1, n, env.obs_dim)), rng.uniform(-1, 1, (1, n, env.act_dim)),
-                               rng.normal(size=(1, n)), rng.normal(size=(1, n, env.obs_dim)),
-                               np.zeros((1, n), bool), np.zeros((1, n), bool))
-        buffer = jax.vmap(replay.add)(buffer, jax.tree.map(jnp.asarray, tr))
-        return cfg, state, buffer, key
+        buffer = fill(agent, buffer, random_transitions(rng, 1, 2000, env.obs_dim, env.act_dim))
+        return acfg, state, buffer, key
 
-    from training.offpolicy import make_train_block
-    from plasticity import sigreg as sigreg_lib
-
-    results = {}
+    block_time = {}
     for label, pcfg in (("plain", PlasticityConfig(metrics_every=0)),
                         ("sigreg", PlasticityConfig(metrics_every=0, sigreg_coef=0.2))):
-        cfg, state, buffer, key = setup(pcfg)
+        acfg, state, buffer, key = prepare(pcfg)
         block = make_train_block(agent, acfg, updates)
-        spec = sigreg_spec(pcfg)
 
-        def run(state, buffer, key, block=block, spec=spec):
-            with sigreg_lib.active(spec):
-                return jax.vmap(block)(state, buffer, key[None])
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def run(state, buffer, key, block=block):  # SIGReg is built into the state (init_state)
+            return jax.vmap(block)(state, buffer, key[None])
 
-        fn = jax.jit(run)
-        results[label] = timed(fn, state, buffer, key) / updates
-    t_update = results["plain"]
+        state, buffer, _ = run(state, buffer, key)  # compile
+        jax.block_until_ready(state)
+        t0, repeat = time.perf_counter(), 3
+        for i in range(repeat):  # state and buffer threaded through (donated), as in training
+            state, buffer, _ = run(state, buffer, jax.random.fold_in(key, i))
+        jax.block_until_ready(state)
+        block_time[label] = (time.perf_counter() - t0) / repeat / updates
+    t_update = block_time["plain"]
+
     pcfg = PlasticityConfig(metrics_every=10_000, regrama=True)
-    cfg, state, buffer, key = setup(pcfg)
-    hooks = Hooks(pcfg, agent, agent_name, getattr(agent, "sample_batch", replay.sample), total_updates=10**6)
+    acfg, state, buffer, key = prepare(pcfg)
+    hooks = Hooks(pcfg, agent, agent_name, total_updates=10**6)
     state = hooks.start(state)
     keys = jax.random.split(key, 1)
-    batch = hooks._sample(buffer, keys)
+    batch = hooks._sample(state, buffer, keys)
     t_metrics = timed(lambda: hooks._metrics(state, batch, hooks.init_params, keys))
-    from plasticity.hooks import reset_step
-    from functools import partial
-    rows = {}
+    resets = {}
     for method in ("redo", "regrama"):
         rc = dataclasses.replace(pcfg, regrama=method == "regrama", redo=method == "redo")
-        fn = jax.jit(jax.vmap(partial(reset_step, agent, rc, getattr(agent, "sample_batch", replay.sample))))
-        rows[method] = timed(fn, state, buffer, keys)
-    print(f"per update: {t_update * 1e3:.2f} ms (plain), {results['sigreg'] * 1e3:.2f} ms (SIGReg)")
-    print(f"SIGReg overhead: {100 * (results['sigreg'] / t_update - 1):.1f}% of update time")
+        fn = jax.jit(jax.vmap(functools.partial(reset_step, agent, rc)))
+        resets[method] = timed(fn, state, buffer, keys)
+    print(f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
+          f"update time from {updates}-update training blocks")
+    print(f"per update: {t_update * 1e3:.2f} ms (plain), {block_time['sigreg'] * 1e3:.2f} ms (SIGReg)")
+    print(f"SIGReg overhead: {100 * (block_time['sigreg'] / t_update - 1):.1f}% of update time")
     print(f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% at every 10,000 updates")
-    for method, t in rows.items():
+    for method, t in resets.items():
         print(f"{method} event: {t * 1e3:.1f} ms = {100 * t / (1_000 * t_update):.2f}% at every 1,000 updates")
+    return {"update_s": t_update, "sigreg_update_s": block_time["sigreg"], "metrics_s": t_metrics, **resets}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agent", default="sac", choices=sorted(agents.AGENTS))
     p.add_argument("--env", default="HalfCheetah-v5")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 4], help="vmapped seeds, one measurement each")
     p.add_argument("--steps", type=int, default=1000, help="timed env steps per seed")
     p.add_argument("--width", type=int, default=None, help="hidden width (default: the agent's paper value)")
     p.add_argument("--warmup", type=int, default=300, help="untimed training steps after compilation")
+    p.add_argument("--buffer-size", type=int, default=None,
+                   help="replay capacity per seed (default: the agent config's buffer_size, as train.py)")
     p.add_argument("--plasticity", action="store_true",
                    help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time")
     args = p.parse_args(argv)
     if args.plasticity:
-        return plasticity_overhead(args.agent, args.env, args.width)
-    print(f"agent={args.agent} env={args.env} backend={jax.default_backend()} devices={jax.devices()}")
-    flops = flops_per_env_step(args.agent, args.env, args.width)
+        return plasticity_overhead(args.agent, args.env, args.width, args.buffer_size)
+    buffer_size = args.buffer_size or agents.get(args.agent).CONFIG().buffer_size
+    print(f"agent={args.agent} env={args.env} buffer_size={buffer_size:,} width={args.width or 'paper default'} "
+          f"backend={jax.default_backend()} devices={jax.devices()}")
+    flops = flops_per_env_step(args.agent, args.env, args.width, args.buffer_size)
     peak = matmul_peak()
-    print(f"model FLOPs per env step (one seed, XLA count): {flops / 1e9:.3f} GFLOP; "
-          f"measured float32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'compile s':>10} {'GFLOP/s':>8} {'of peak':>8}")
+    print(f"model FLOPs per env step (one seed, XLA count): {flops / 1e9:.3f} GFLOP")
+    print(f"peak used for 'of peak': measured float32 matmul throughput of the default device "
+          f"({jax.default_backend()}; jitted {PEAK_N}x{PEAK_N} x @ x, best of 3 x {PEAK_REPEAT}): "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'ms/step':>8} {'compile s':>10} "
+          f"{'GFLOP/s':>8} {'of peak':>8}")
     rows = []
     for s in args.seeds:
-        r = measure(args.agent, args.env, s, args.steps, args.width, args.warmup)
+        r = measure(args.agent, args.env, s, args.steps, args.width, args.warmup, args.buffer_size)
         r["flops_per_step"], r["achieved_flops"] = flops, flops * r["env_steps_per_s"]
-        r["fraction_of_peak"] = r["achieved_flops"] / peak
+        r["peak_flops"], r["fraction_of_peak"] = peak, r["achieved_flops"] / peak
         rows.append(r)
-        print(f"{r['seeds']:>5} {r['env_steps_per_s']:>24.1f} {r['per_seed']:>9.1f} {r['compile_s']:>10.2f} "
-              f"{r['achieved_flops'] / 1e9:>8.1f} {100 * r['fraction_of_peak']:>7.1f}%", flush=True)
+        print(f"{r['seeds']:>5} {r['env_steps_per_s']:>24.1f} {r['per_seed']:>9.1f} {r['ms_per_step']:>8.2f} "
+              f"{r['compile_s']:>10.2f} {r['achieved_flops'] / 1e9:>8.1f} {100 * r['fraction_of_peak']:>7.1f}%",
+              flush=True)
     return rows
 
 
