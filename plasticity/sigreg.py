@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from networks import instrument
 
@@ -31,31 +32,78 @@ def _projections(z, key, num_slices: int):
     return z @ a  # (..., N, slices)
 
 
-def _ecf_error(y, t):
-    """(Re phi(t) - e^{-t^2/2})^2 + (Im phi(t))^2 for each t and slice: shape (..., T, slices)."""
-    ty = t[:, None, None] * y[..., None, :, :]  # (..., T, N, S)
-    re = jnp.cos(ty).mean(axis=-2)
-    im = jnp.sin(ty).mean(axis=-2)
-    return (re - jnp.exp(-0.5 * t**2)[:, None]) ** 2 + im**2
+def _grid(variant: str, num_points: int | None):
+    """The t grid as integer multiples of one base: (base, ks, weights, t_k) with sum_k weights_k err(t_k)
+    equal to the variant's average / quadrature over its points.
+
+    ``rl``: t = linspace(-5, 5, n), symmetric, so err(-t) = err(t) (cos is even, sin odd) and only
+    t >= 0 is evaluated, each with its multiplicity / n.  ``lejepa``: t = linspace(0, 3, n), trapezoid
+    weights times the window e^{-t^2/2}.
+    """
+    if variant == "rl":
+        n = num_points or 8
+        step = 10.0 / (n - 1)
+        if n % 2 == 0:  # +-(2j + 1) step / 2
+            base, ks = step / 2, np.arange(1, n, 2)
+            weights = np.full(len(ks), 2.0 / n)
+        else:  # 0, +-j step
+            base, ks = step, np.arange(0, (n + 1) // 2)
+            weights = np.where(ks == 0, 1.0, 2.0) / n
+    elif variant == "lejepa":
+        n = num_points or 17
+        if n % 2 == 0:
+            raise ValueError("the LeJEPA quadrature needs an odd number of points")
+        base, ks = 3.0 / (n - 1), np.arange(n)
+        t = base * ks
+        weights = np.full(n, 2 * base)
+        weights[0] = weights[-1] = base
+        weights = weights * np.exp(-0.5 * t**2)
+    else:
+        raise ValueError(f"unknown SIGReg variant {variant!r}; choose rl or lejepa")
+    return base, ks, weights, base * ks
+
+
+def _ecf_errors(y, base: float, ks):
+    """(Re phi(t_k) - e^{-t_k^2/2})^2 + (Im phi(t_k))^2 for t_k = k * base, each slice: (..., K, slices).
+
+    One cos and one sin per projection: e^{i k theta} for the other k by complex multiplication with
+    e^{i theta} (the grid points are integer multiples of one base), which matters because the
+    transcendentals, forward and backward, were most of SIGReg's cost on CPU.
+    """
+    theta = base * y  # (..., N, S)
+    one = (jnp.cos(theta), jnp.sin(theta))
+
+    def mul(u, v):
+        return u[0] * v[0] - u[1] * v[1], u[0] * v[1] + u[1] * v[0]
+
+    def power(k):  # e^{i k theta} by repeated squaring (k >= 1)
+        out, sq = None, one
+        while k:
+            if k & 1:
+                out = sq if out is None else mul(out, sq)
+            k >>= 1
+            if k:
+                sq = mul(sq, sq)
+        return out
+
+    step = ks[1] - ks[0] if len(ks) > 1 else 1  # the grids are evenly spaced in k
+    z_step = power(step)
+    z = (jnp.ones_like(theta), jnp.zeros_like(theta)) if ks[0] == 0 else power(ks[0])
+    errs = []
+    for i, k in enumerate(ks):
+        if i:
+            z = mul(z, z_step)
+        errs.append((z[0].mean(axis=-2) - np.exp(-0.5 * (k * base) ** 2)) ** 2 + z[1].mean(axis=-2) ** 2)
+    return jnp.stack(errs, axis=-2)
 
 
 def sigreg(z, key, variant: str = "rl", num_slices: int = 16, num_points: int | None = None):
     """SIGReg of features ``z`` shaped (N, D) (or (M, N, D) for an ensemble: mean over members)."""
-    if variant == "rl":
-        t = jnp.linspace(-5.0, 5.0, num_points or 8)
-        err = _ecf_error(_projections(z, key, num_slices), t)
-        value = err.mean(axis=(-2, -1))
-    elif variant == "lejepa":
-        n_pts = num_points or 17
-        if n_pts % 2 == 0:
-            raise ValueError("the LeJEPA quadrature needs an odd number of points")
-        t = jnp.linspace(0.0, 3.0, n_pts)
-        dt = t[1] - t[0]
-        w = jnp.full(n_pts, 2 * dt).at[0].set(dt).at[-1].set(dt) * jnp.exp(-0.5 * t**2)
-        err = _ecf_error(_projections(z, key, num_slices), t)
-        value = z.shape[-2] * jnp.einsum("t,...ts->...s", w, err).mean(axis=-1)
-    else:
-        raise ValueError(f"unknown SIGReg variant {variant!r}; choose rl or lejepa")
+    base, ks, weights, _ = _grid(variant, num_points)
+    err = _ecf_errors(_projections(z, key, num_slices), base, [int(k) for k in ks])  # (..., K, S)
+    value = jnp.einsum("k,...ks->...s", jnp.asarray(weights, err.dtype), err).mean(axis=-1)
+    if variant == "lejepa":
+        value = z.shape[-2] * value
     return jnp.mean(value)
 
 
