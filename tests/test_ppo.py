@@ -212,6 +212,30 @@ def test_actor_loss_adds_the_gtr_penalty_of_either_form(form):
     assert 0 < float(aux["gtr/penalty"]) < 0.5
 
 
+def test_advantages_are_normalised_per_minibatch_inside_the_actor_loss():
+    """CleanRL's norm_adv: each minibatch's advantages are standardised (ddof 1) in the loss, so the loss
+    of a minibatch does not change when its advantages become 5 A + 7; normalising once over the whole
+    rollout instead would not give that.  Checked against a numpy reference of the clipped surrogate."""
+    state = ppo.init(jax.random.key(0), 3, 2, ppo.PPOConfig(), NetworkConfig(width=16))
+    rng = np.random.default_rng(2)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    B = 16
+    mb = ppo.Minibatch(f(B, 3), f(B, 2), f(B) - 3, f(B), f(B), f(B))
+    loss, aux = ppo.actor_loss(state.actor_params, state, mb)
+    shifted, _ = ppo.actor_loss(state.actor_params, state, mb._replace(advantages=5 * mb.advantages + 7))
+    assert float(shifted) == pytest.approx(float(loss), rel=1e-5)
+    mean, log_std = state.actor(state.actor_params, mb.obs)
+    ratio = np.exp(np.asarray(ppo.gaussian_log_prob(mb.actions, mean, log_std)) - np.asarray(mb.logp))
+    a = np.asarray(mb.advantages, np.float64)
+    a = (a - a.mean()) / (a.std(ddof=1) + 1e-8)
+    eps = state.cfg.clip_coef
+    pg = np.maximum(-a * ratio, -a * np.clip(ratio, 1 - eps, 1 + eps)).mean()
+    assert float(aux["losses/policy"]) == pytest.approx(pg, rel=1e-4)
+    raw = state.replace(cfg=ppo.PPOConfig(norm_adv=False))  # the check can fail: without it the loss moves
+    assert float(ppo.actor_loss(state.actor_params, raw, mb._replace(advantages=5 * mb.advantages + 7))[0]) != \
+        pytest.approx(float(ppo.actor_loss(state.actor_params, raw, mb)[0]), rel=1e-3)
+
+
 def test_directional_efficiency_of_a_straight_and_a_zigzag_path():
     cfg = ppo.PPOConfig(diag_window=4)
     state = ppo.init(jax.random.key(0), 3, 2, cfg, NetworkConfig(width=16))
