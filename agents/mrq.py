@@ -72,11 +72,11 @@ Design notes.
 Deviations from the reference code (facebookresearch/MRQ), each deliberate:
 
 * Multi-step return: the spec's corrected formula (E4, spec section 9), not the reference's.
-* Priority: by default the TD error of the *sampled* action, |Q_k(s_t, a_t) - y| (the
-  spec's and LAP's definition).  In the reference ``MRQ.py`` we could read (commit 0f0ed0e,
-  apparently older than the spec's 8a44a7d) ``train_RL`` returns the Q of the *policy*
-  action, Q(s, pi(s)), because the variable is reused for the policy loss, so its priority is
-  |Q(s, pi(s)) - y|; ``priority_from_policy_q=True`` reproduces that (UNVERIFIED for 8a44a7d).
+* Priority: the TD error of the *sampled* action, |Q_k(s_t, a_t) - y| (LAP's definition, and
+  what the reference ``MRQ.py`` computes at its release).  A pre-release commit of the reference
+  (0f0ed0e) returned the Q of the *policy* action, Q(s, pi(s)), from ``train_RL`` because the
+  variable is reused for the policy loss, giving |Q(s, pi(s)) - y|: a bug fixed before the
+  release.  ``priority_from_policy_q=True`` reproduces that pre-release behaviour, for comparison only.
 * A window may be sampled only once all its transitions are stored (the reference can read
   a just-written terminal window before the next episode's first steps exist; masked
   anyway).  The validity mask uses max(H_enc, H_Q) for both samplers, as the reference does.
@@ -141,7 +141,7 @@ class MRQConfig(OffPolicyConfig):
     alpha: float = 0.4
     min_priority: float = 1.0
     priority_from_policy_q: bool = False
-    """priority from |Q(s, pi(s)) - y| as in the reference code, instead of |Q(s, a) - y|"""
+    """priority from |Q(s, pi(s)) - y| (a pre-release bug of the reference code) instead of |Q(s, a) - y|"""
     reward_scaling: bool = True
     """divide value targets by the buffer's mean |reward| (False = the no-reward-scaling ablation)"""
     zs_dim: int = 512

@@ -42,7 +42,8 @@ from buffers.replay import Transition
 
 @dataclass(frozen=True)
 class SACHyperparams:
-    """SAC's learning hyperparameters (defaults: Haarnoja et al. 2018 / CleanRL); RAVL reuses them."""
+    """SAC's learning hyperparameters (defaults: Haarnoja et al. 2018, with SAC-N / EDAC's ensemble
+    options from An et al. 2021); RAVL reuses them."""
 
     critics: int = 2
     """number of Q networks N (2 = SAC's clipped double Q; >2 = SAC-N)"""

@@ -62,10 +62,12 @@ def dormant_ratio(acts, tau: float):
 def grama_scores(grads, eps: float = EPS):
     """GraMa score per neuron (Liu et al. 2025, arXiv 2505.24061, Eq. 2; spec 2.1).
 
-    G_i = E_x|dL/dh_i(x)| / ((1/H) sum_k E_x|dL/dh_k(x)| + eps): the ReDo normalisation
-    applied to the loss gradient at the neuron's (post-activation) output.  The probes of
-    ``networks.instrument`` give dL/dh for the whole batch, whose per-sample rows are the
-    per-sample gradients up to the loss's 1/B factor, which the normalisation cancels.
+    G_i = E_x|dL/dz_i(x)| / ((1/H) sum_k E_x|dL/dz_k(x)| + eps): the ReDo normalisation applied
+    to the loss gradient at the neuron's *pre-activation* z (the output of its Linear or
+    LayerNorm layer), where a dead ReLU unit has gradient 0; callers pass
+    ``networks.instrument.activation_grads(..., at="pre")``.  Those probes give the gradient for
+    the whole batch, whose per-sample rows are the per-sample gradients up to the loss's 1/B
+    factor, which the normalisation cancels.
     Shapes as ``neuron_scores``.
     """
     return _normalised_mean_abs(grads, eps)
