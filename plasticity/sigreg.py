@@ -33,7 +33,7 @@ def _projections(z, key, num_slices: int):
 
 
 def _grid(variant: str, num_points: int | None):
-    """The t grid as integer multiples of one base: (base, ks, weights, t_k) with sum_k weights_k err(t_k)
+    """The t grid as integer multiples of one base: (base, ks, weights) with sum_k weights_k err(k base)
     equal to the variant's average / quadrature over its points.
 
     ``rl``: t = linspace(-5, 5, n), symmetric, so err(-t) = err(t) (cos is even, sin odd) and only
@@ -60,7 +60,7 @@ def _grid(variant: str, num_points: int | None):
         weights = weights * np.exp(-0.5 * t**2)
     else:
         raise ValueError(f"unknown SIGReg variant {variant!r}; choose rl or lejepa")
-    return base, ks, weights, base * ks
+    return base, ks, weights
 
 
 def _ecf_errors(y, base: float, ks):
@@ -99,7 +99,7 @@ def _ecf_errors(y, base: float, ks):
 
 def sigreg(z, key, variant: str = "rl", num_slices: int = 16, num_points: int | None = None):
     """SIGReg of features ``z`` shaped (N, D) (or (M, N, D) for an ensemble: mean over members)."""
-    base, ks, weights, _ = _grid(variant, num_points)
+    base, ks, weights = _grid(variant, num_points)
     err = _ecf_errors(_projections(z, key, num_slices), base, [int(k) for k in ks])  # (..., K, S)
     value = jnp.einsum("k,...ks->...s", jnp.asarray(weights, err.dtype), err).mean(axis=-1)
     if variant == "lejepa":

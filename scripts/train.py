@@ -26,6 +26,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import tyro
 
 from training import config as config_lib
+from training.loop import NonFiniteLossError
 from training.run import is_user_error, load_config, preflight, run
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
@@ -134,6 +135,11 @@ def cli(argv=None):
     argv = [a for a in argv if a != "--debug"]
     try:
         return main(argv)
+    except NonFiniteLossError as e:  # the message names the statistic, the step and the last good checkpoint
+        if debug:
+            raise
+        print(f"stopped: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except BaseException as e:
         if not is_user_error(e):
             raise  # tyro's own exits (it printed the error), Ctrl-C, NonFiniteLossError, bugs

@@ -168,6 +168,28 @@ def test_at_least_25_bad_command_lines():
     assert len(CASES) >= 25
 
 
+def test_a_non_finite_loss_stops_with_one_line_naming_it_and_exit_1(monkeypatch, capsys):
+    """The NaN stop's own message (statistic, step, last good checkpoint), without a traceback."""
+    from training.loop import NonFiniteLossError
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train as train_script
+
+    def diverge(argv):
+        raise NonFiniteLossError("non-finite losses/critic at env step 350; training stopped, the last good "
+                                 "checkpoint is runs/x/ckpt/step_000000000300")
+
+    monkeypatch.setattr(train_script, "main", diverge)
+    with pytest.raises(SystemExit) as stop:
+        train_script.cli(["sac"])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("stopped: non-finite losses/critic at env step 350") and "Traceback" not in err
+    monkeypatch.setenv("RLZOO_DEBUG", "1")
+    with pytest.raises(NonFiniteLossError):  # --debug / RLZOO_DEBUG: the exception itself
+        train_script.cli(["sac"])
+
+
 # ----------------------------------------------------------------------------- the last safety net
 
 

@@ -84,8 +84,10 @@ class Driver:
     # ------------------------------------------------------------------------- within an iteration
     def evaluate(self, step: int, state) -> float:
         returns = self.evaluator(lambda o: self.eval_act(state, jnp.asarray(o)))
-        extras = self.eval_extras(returns) if self.eval_extras is not None else None
-        self.logger.log_eval(step, returns, extras) if extras is not None else self.logger.log_eval(step, returns)
+        if self.eval_extras is None:
+            self.logger.log_eval(step, returns)
+        else:
+            self.logger.log_eval(step, returns, self.eval_extras(returns))
         if self.on_eval is not None:
             self.on_eval(step, state, returns)
         self.last_eval = float(np.mean(returns))
