@@ -108,6 +108,10 @@ class PPOConfig:
     norm_reward: bool = True
     obs_clip: float = 10.0
     reward_clip: float = 10.0
+    action_mode: Literal["clip", "rescale"] = "clip"
+    """how actions reach the env: clip = the Gaussian sample in the env's units, clipped to its bounds
+    (CleanRL's ClipAction); rescale = the sample clipped to [-1, 1] and mapped onto the bounds.  The
+    log-probability is of the unclipped sample either way; they differ where bounds are not +-1"""
     backend: Literal["sync", "gymnasium", "async", "envpool"] = "sync"
     """vector-env backend (gymnasium = sync; envpool is optional and Gymnasium ids only)"""
     trust_region: Literal["clip", "gtr"] = "clip"
@@ -357,7 +361,8 @@ def rollout_merge(state: PPOState, mutable) -> PPOState:
 
 def act(state: PPOState, obs, key, explore: bool):
     """Raw observations -> an action (unclipped Gaussian sample when exploring, the mean otherwise).
-    The env layer clips actions to [-1, 1] (CleanRL's ClipAction)."""
+    The env layer maps it to the env (``action_mode``: clip to the bounds as CleanRL's ClipAction, or
+    rescale from [-1, 1]; ``envs/actions.py``); the rollout stores the unclipped sample."""
     mean, log_std = state.actor(state.actor_params, normalize_obs(state, obs))
     if explore:
         return mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape, mean.dtype)

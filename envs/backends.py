@@ -26,6 +26,7 @@ import pickle
 import gymnasium as gym
 import numpy as np
 
+from envs.actions import check_action_mode, to_env_action
 from envs.vector import VectorEnv
 
 
@@ -62,9 +63,9 @@ class _EpisodeStats:
 class _Worker(gym.Env):
     """One env in a subprocess: a one-env ``VectorEnv`` (same-step autoreset, exact pickling)."""
 
-    def __init__(self, env_id, seed, action_repeat, index):
+    def __init__(self, env_id, seed, action_repeat, index, action_mode="rescale"):
         self.index = index
-        self.vec = VectorEnv(env_id, 1, seed, action_repeat)
+        self.vec = VectorEnv(env_id, 1, seed, action_repeat, action_mode)
         self.observation_space = self.vec.envs[0].observation_space
         self.action_space = self.vec.envs[0].action_space
 
@@ -83,16 +84,18 @@ class _Worker(gym.Env):
         self.vec = pickle.loads(states[self.index])
 
 
-def _make_worker(env_id, seed, action_repeat, index):
-    return _Worker(env_id, seed, action_repeat, index)
+def _make_worker(env_id, seed, action_repeat, index, action_mode="rescale"):
+    return _Worker(env_id, seed, action_repeat, index, action_mode)
 
 
 class AsyncVectorEnv(_EpisodeStats):
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None):
+    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
+                 action_mode: str = "rescale"):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env_id, self.num_envs, self.seed, self.action_repeat = env_id, num_envs, seed, action_repeat
-        probe = VectorEnv(env_id, 1, seed, action_repeat)  # fails fast (and clearly) on a bad id
+        self.action_mode = check_action_mode(action_mode)
+        probe = VectorEnv(env_id, 1, seed, action_repeat, action_mode)  # fails fast (and clearly) on a bad id
         self.obs_dim, self.act_dim = probe.obs_dim, probe.act_dim
         probe.close()
         self._start()
@@ -103,7 +106,8 @@ class AsyncVectorEnv(_EpisodeStats):
 
         from gymnasium.vector import AutoresetMode
 
-        fns = [partial(_make_worker, self.env_id, self.seed + i, self.action_repeat, i) for i in range(self.num_envs)]
+        fns = [partial(_make_worker, self.env_id, self.seed + i, self.action_repeat, i, self.action_mode)
+               for i in range(self.num_envs)]
         # "spawn": the workers never inherit JAX's threads (forking a process that runs JAX can deadlock)
         self._env = gym.vector.AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.DISABLED, context="spawn")
 
@@ -149,9 +153,11 @@ def _envpool():
 
 
 class EnvPoolVectorEnv(_EpisodeStats):
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None):
+    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
+                 action_mode: str = "rescale"):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        self.action_mode = check_action_mode(action_mode)
         if not isinstance(env_id, str) or env_id.startswith(("ns:", "dmc:")):
             raise ValueError(f"the envpool backend runs Gymnasium ids only, not {env_id!r}: use --backend sync "
                              "(non-stationary ns: and Control Suite dmc: envs need the zoo's own wrappers)")
@@ -198,8 +204,8 @@ class EnvPoolVectorEnv(_EpisodeStats):
         return obs.copy()
 
     def step(self, actions):
-        a = np.clip(np.asarray(actions, np.float64).reshape(self.num_envs, self.act_dim), -1.0, 1.0)
-        a = (self._low + (a + 1.0) * 0.5 * (self._high - self._low)).astype(self._act_dtype)
+        a = np.asarray(actions, np.float64).reshape(self.num_envs, self.act_dim)
+        a = to_env_action(a, self._low, self._high, getattr(self, "action_mode", "rescale")).astype(self._act_dtype)
         obs, reward, terminated, truncated, info = self._pool.step(a, np.arange(self.num_envs))
         order = np.argsort(info["env_id"])
         next_obs = self._flat(obs)[order]

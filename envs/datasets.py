@@ -669,7 +669,9 @@ def normalized_score(returns, env_id=None, metadata=None, reference: str = "d4rl
 
     ``reference="d4rl"``: D4RL's constants for ``env_id`` (or ``metadata['env_id']``);
     ``"dataset"``: the dataset's own ``ref_min_score`` / ``ref_max_score`` (uniform-random and
-    expert means, spec 2.3).  ``returns``: a number or an array.
+    expert means, spec 2.3).  ``returns``: a number or an array.  A missing reference (absent,
+    None or NaN, e.g. a random-only dataset made without a SAC run: ``ref_max_source`` "missing")
+    raises a ValueError rather than giving NaN.
     """
     metadata = metadata or {}
     if reference == "d4rl":
@@ -683,7 +685,15 @@ def normalized_score(returns, env_id=None, metadata=None, reference: str = "d4rl
         if "ref_min_score" not in metadata or "ref_max_score" not in metadata:
             raise ValueError("reference='dataset' needs metadata ref_min_score and ref_max_score "
                              f"(this metadata has: {', '.join(sorted(metadata)) or 'nothing'})")
-        lo, hi = float(metadata["ref_min_score"]), float(metadata["ref_max_score"])
+        refs = {k: metadata[k] for k in ("ref_min_score", "ref_max_score")}
+        missing = [k for k, v in refs.items() if v is None or not np.isfinite(np.asarray(v, np.float64))]
+        if missing:
+            sources = ", ".join(f"{k} = {metadata[k]!r}" for k in ("ref_min_source", "ref_max_source") if k in metadata)
+            raise ValueError(f"the dataset has no usable {' / '.join(missing)} "
+                             f"({', '.join(f'{k} = {refs[k]!r}' for k in missing)}{'; ' + sources if sources else ''}): "
+                             "normalised scores against the dataset's references are unavailable"
+                             + ("; use reference='d4rl'" if d4rl_name(env_id or metadata.get("env_id")) else ""))
+        lo, hi = float(refs["ref_min_score"]), float(refs["ref_max_score"])
         if hi == lo:
             raise ValueError(f"ref_max_score equals ref_min_score ({hi}); the normalised score is undefined")
     else:

@@ -1,4 +1,5 @@
-"""DeepMind Control Suite as a Gymnasium env: flattened float32 observations, actions in [-1, 1].
+"""DeepMind Control Suite as a Gymnasium env: flattened float32 observations, actions in [-1, 1]
+(``action_mode="clip"``: in the task's own units, clipped to its bounds; see ``envs.wrappers``).
 
 Control Suite episodes end by the time limit (1000 physics-control steps), which is a
 truncation; a last time step with discount 0 is a termination.
@@ -8,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import gymnasium as gym
 
+from envs.actions import agent_action_space, check_action_mode, to_env_action
+
 
 def _flat_size(spec) -> int:
     return int(sum(np.prod(s.shape) if s.shape else 1 for s in spec.values()))
@@ -16,7 +19,9 @@ def _flat_size(spec) -> int:
 class DMCEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
 
-    def __init__(self, domain: str, task: str, seed: int = 0, render_mode=None):
+    mode = "rescale"  # class default for envs pickled before action modes existed
+
+    def __init__(self, domain: str, task: str, seed: int = 0, render_mode=None, action_mode: str = "rescale"):
         from dm_control import suite  # imported lazily: dm_control is slow to import
 
         if (domain, task) not in suite.ALL_TASKS:
@@ -29,7 +34,8 @@ class DMCEnv(gym.Env):
         self._low, self._high = spec.minimum.astype(np.float64), spec.maximum.astype(np.float64)
         dim = _flat_size(self._env.observation_spec())
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (dim,), np.float32)
-        self.action_space = gym.spaces.Box(-1.0, 1.0, spec.shape, np.float32)
+        self.mode = check_action_mode(action_mode)
+        self.action_space = agent_action_space(self._low, self._high, self.mode)
 
     def _obs(self, ts) -> np.ndarray:
         return np.concatenate([np.asarray(v, np.float32).ravel() for v in ts.observation.values()])
@@ -41,8 +47,7 @@ class DMCEnv(gym.Env):
         return self._obs(self._env.reset()), {}
 
     def step(self, action):
-        a = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
-        a = self._low + (a + 1.0) * 0.5 * (self._high - self._low)
+        a = to_env_action(action, self._low, self._high, self.mode)
         ts = self._env.step(a)
         terminated = bool(ts.last() and ts.discount == 0.0)
         truncated = bool(ts.last() and not terminated)

@@ -15,7 +15,7 @@ BACKENDS = ("sync", "async", "envpool")
 
 
 def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                    backend: str = "sync"):
+                    backend: str = "sync", action_mode: str = "rescale"):
     """A vector env with ``VectorEnv``'s interface (same-step autoreset, true final observations).
 
     ``backend``: ``"sync"`` (this module's ``VectorEnv``; ``"gymnasium"`` is an alias), ``"async"``
@@ -29,8 +29,8 @@ def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | 
         raise ValueError(f"unknown vector-env backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "sync":
         if isinstance(env_id, str) and env_id.startswith("ns:"):
-            return CountingVectorEnv(env_id, num_envs, seed, action_repeat)
-        return VectorEnv(env_id, num_envs, seed, action_repeat)
+            return CountingVectorEnv(env_id, num_envs, seed, action_repeat, action_mode)
+        return VectorEnv(env_id, num_envs, seed, action_repeat, action_mode)
     if backend == "async":
-        return backends.AsyncVectorEnv(env_id, num_envs, seed, action_repeat)
-    return backends.EnvPoolVectorEnv(env_id, num_envs, seed, action_repeat)
+        return backends.AsyncVectorEnv(env_id, num_envs, seed, action_repeat, action_mode)
+    return backends.EnvPoolVectorEnv(env_id, num_envs, seed, action_repeat, action_mode)

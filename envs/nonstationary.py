@@ -299,17 +299,17 @@ class NonStationaryEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env_id: str, seed: int = 0, action_repeat: int | None = None):
+    def __init__(self, env_id: str, seed: int = 0, action_repeat: int | None = None, action_mode: str = "rescale"):
         self.env_id, self.spec_ns = env_id, parse(env_id)
         spec = self.spec_ns
         if spec.mode == "reward_flip":
             base = spec.bases[0]
             repeat = (DMC_ACTION_REPEAT if base.startswith("dmc:") else 1) if action_repeat is None else action_repeat
-            inner = _RewardFlip(make_env(base, seed, 1), spec.term, base)
+            inner = _RewardFlip(make_env(base, seed, 1, action_mode=action_mode), spec.term, base)
             self._flip = inner
             self.tasks = [ActionRepeat(inner, repeat) if repeat > 1 else inner]
         else:
-            self.tasks = [make_env(b, seed, action_repeat) for b in spec.bases]
+            self.tasks = [make_env(b, seed, action_repeat, action_mode=action_mode) for b in spec.bases]
         ref = self.tasks[0]
         for b, t in zip(spec.bases, self.tasks):
             if (t.observation_space.shape != ref.observation_space.shape
@@ -459,9 +459,9 @@ def _physics_state(env):
     return out, rng
 
 
-def make(env_id: str, seed: int = 0, action_repeat: int | None = None) -> NonStationaryEnv:
+def make(env_id: str, seed: int = 0, action_repeat: int | None = None, action_mode: str = "rescale") -> NonStationaryEnv:
     """The ``make_env`` entry for ``ns:`` ids (a private, self-advancing step counter)."""
-    return NonStationaryEnv(env_id, seed, action_repeat)
+    return NonStationaryEnv(env_id, seed, action_repeat, action_mode)
 
 
 def follow(vector_env, counter) -> None:

@@ -7,10 +7,12 @@ from envs import nonstationary
 from envs.wrappers import ID_FORMS, make_base_env
 
 
-def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None) -> gym.Env:
-    """A single env with flat float32 observations and actions rescaled to [-1, 1]."""
+def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,
+             action_mode: str = "rescale") -> gym.Env:
+    """A single env with flat float32 observations and actions mapped by ``action_mode``
+    (``envs.actions``: ``rescale`` from [-1, 1], ``clip`` in the env's units)."""
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
     if env_id.startswith("ns:"):  # non-stationary variants: see envs/nonstationary.py for the grammar
-        return nonstationary.make(env_id, seed, action_repeat)
-    return make_base_env(env_id, seed, action_repeat, render_mode)
+        return nonstationary.make(env_id, seed, action_repeat, action_mode)
+    return make_base_env(env_id, seed, action_repeat, render_mode, action_mode)

@@ -18,11 +18,12 @@ class VectorEnv:
     The whole object pickles (MuJoCo state included), which checkpoints use to resume exactly.
     """
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None):
+    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
+                 action_mode: str = "rescale"):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env_id, self.num_envs, self.seed = env_id, num_envs, seed
-        self.envs = [make_env(env_id, seed + i, action_repeat) for i in range(num_envs)]
+        self.envs = [make_env(env_id, seed + i, action_repeat, action_mode=action_mode) for i in range(num_envs)]
         self.obs_dim = int(self.envs[0].observation_space.shape[0])
         self.act_dim = int(self.envs[0].action_space.shape[0])
         self._returns = np.zeros(num_envs)
@@ -118,8 +119,9 @@ class CountingVectorEnv(VectorEnv):
     switch together.
     """
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None):
-        super().__init__(env_id, num_envs, seed, action_repeat)
+    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
+                 action_mode: str = "rescale"):
+        super().__init__(env_id, num_envs, seed, action_repeat, action_mode)
         self.step_counter = nonstationary.StepCounter(auto=False)
         self.steps_per_call = 1
         for e in self.envs:

@@ -1,12 +1,17 @@
 """The wrappers every env id goes through, and the base envs (Gymnasium ids and ``dmc:<domain>-<task>``).
 
-Agents always see flat float32 observations and actions in [-1, 1].  The lowest layer of ``envs``:
+Agents see flat float32 observations.  Actions reach the env through one of two maps
+(``ACTION_MODES``, see ``to_env_action``): ``rescale`` (the default) takes agent actions in [-1, 1] onto
+the env's bounds; ``clip`` takes them in the env's own units and clips them to its bounds, as
+CleanRL's PPO does (``gym.wrappers.ClipAction``).  The lowest layer of ``envs``:
 ``nonstationary`` builds on it, ``make`` dispatches over it, ``vector`` and ``backends`` step it.
 """
 from __future__ import annotations
 
 import numpy as np
 import gymnasium as gym
+
+from envs.actions import agent_action_space, check_action_mode, to_env_action
 
 ID_FORMS = (
     "valid env ids: a Gymnasium id such as 'HalfCheetah-v5', 'Hopper-v5' or 'Pendulum-v1', "
@@ -33,20 +38,22 @@ class ActionRepeat(gym.Wrapper):
 
 
 class UnitActions(gym.ActionWrapper):
-    """Agent actions in [-1, 1] mapped affinely onto the env's Box bounds (picklable)."""
+    """Agent actions mapped onto the env's Box bounds by ``to_env_action`` (picklable)."""
 
-    def __init__(self, env):
+    mode = "rescale"  # class default: checkpoints pickled before action modes existed rescale
+
+    def __init__(self, env, mode: str = "rescale"):
         super().__init__(env)
         space = env.action_space
         if not (np.all(np.isfinite(space.low)) and np.all(np.isfinite(space.high))):
-            raise ValueError("action space must be bounded to rescale actions to [-1, 1]")
+            raise ValueError("action space must be bounded to map actions onto it")
+        self.mode = check_action_mode(mode)
         self._low = np.asarray(space.low, np.float64)
         self._high = np.asarray(space.high, np.float64)
-        self.action_space = gym.spaces.Box(-1.0, 1.0, space.shape, np.float32)
+        self.action_space = agent_action_space(self._low, self._high, self.mode)
 
     def action(self, action):
-        a = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
-        return (self._low + (a + 1.0) * 0.5 * (self._high - self._low)).astype(self.env.action_space.dtype)
+        return to_env_action(action, self._low, self._high, self.mode).astype(self.env.action_space.dtype)
 
 
 class FlatFloat32(gym.ObservationWrapper):
@@ -70,9 +77,11 @@ def _gym_make(env_id: str, **kwargs) -> gym.Env:
     return env
 
 
-def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None) -> gym.Env:
-    """A Gymnasium or ``dmc:`` env with flat float32 observations and actions rescaled to [-1, 1]
+def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,
+                  action_mode: str = "rescale") -> gym.Env:
+    """A Gymnasium or ``dmc:`` env with flat float32 observations and actions mapped by ``action_mode``
     (``envs.make_env`` also dispatches ``ns:`` ids)."""
+    check_action_mode(action_mode)
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
     if env_id.startswith("ns:"):
@@ -84,12 +93,12 @@ def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, 
         if "-" not in name:
             raise ValueError(f"malformed Control Suite id {env_id!r}; {ID_FORMS}")
         domain, task = name.split("-", 1)
-        env = DMCEnv(domain, task, seed=seed, render_mode=render_mode)
+        env = DMCEnv(domain, task, seed=seed, render_mode=render_mode, action_mode=action_mode)
         repeat = DMC_ACTION_REPEAT if action_repeat is None else action_repeat
     else:
         env = _gym_make(env_id, **({} if render_mode is None else {"render_mode": render_mode}))
         repeat = 1 if action_repeat is None else action_repeat
-        env = UnitActions(env)
+        env = UnitActions(env, action_mode)
     env = FlatFloat32(env)
     if repeat < 1:
         raise ValueError(f"action repeat must be >= 1, got {repeat}")

@@ -57,10 +57,13 @@ def _mrq(plasticity=None):
                        plasticity=plasticity)
 
 
-def _ppo(trust_region: str):
+def _ppo(trust_region: str, action_mode: str = "rescale"):
     from agents.ppo import PPOConfig
 
-    agent = PPOConfig(num_steps=64, num_minibatches=4, update_epochs=2, trust_region=trust_region)
+    # recorded with actions rescaled from [-1, 1] (PPO's default before the clip mode); Pendulum's
+    # bounds are +-2, so the clip mode (the ppo_clip_actions case) takes another path
+    agent = PPOConfig(num_steps=64, num_minibatches=4, update_epochs=2, trust_region=trust_region,
+                      action_mode=action_mode)
     return _run_config("ppo", agent, total_steps=512, eval_every=256, log_every=64, checkpoint_every=512)
 
 
@@ -92,6 +95,7 @@ CASES = {
     "mrq_w64": lambda d: _mrq(),
     "ppo_clip": lambda d: _ppo("clip"),
     "ppo_gtr": lambda d: _ppo("gtr"),
+    "ppo_clip_actions": lambda d: _ppo("clip", action_mode="clip"),
     "ravl_toy": _ravl,
     "sac_redo": lambda d: _sac(_plasticity(redo=True, reset_every=50, reset_batch=32)),
     "sac_sigreg": lambda d: _sac(_plasticity(sigreg_coef=0.2)),

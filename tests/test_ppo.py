@@ -2,12 +2,15 @@ import csv
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from agents import ppo
+from envs import make_vector_env
+from networks.distributions import gaussian_log_prob
 from training import checkpoint
 from training.config import NetworkConfig, RunConfig
 from training.onpolicy import init_state, make_fns, train
@@ -302,6 +305,91 @@ def test_loop_step_writes_terminations_truncations_and_final_values():
     assert np.count_nonzero(b.final_values) == 1                       # 0 elsewhere (terminated: unused)
     assert float(state.obs_rms.count[0]) == pytest.approx(8, abs=1e-3)  # start + 3 steps, 2 envs each
     assert np.all(b.rewards[:, :3] > 0)
+
+
+class ActionRecorder(gym.Env):
+    """Bounds [-0.4, 0.4] x [-2, 3] (Humanoid-like +-0.4 in the first dim); records every action it receives."""
+
+    received: list = []
+    low = np.array([-0.4, -2.0], np.float32)
+    high = np.array([0.4, 3.0], np.float32)
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+        self.action_space = gym.spaces.Box(self.low, self.high, (2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.normal(size=3).astype(np.float32), {}
+
+    def step(self, action):
+        ActionRecorder.received.append(np.array(action, copy=True))
+        return self.np_random.normal(size=3).astype(np.float32), 0.0, False, False, {}
+
+
+if "ActionRecorder-v0" not in gym.registry:
+    gym.register("ActionRecorder-v0", entry_point=ActionRecorder, max_episode_steps=50)
+
+
+@pytest.mark.parametrize("mode", ["clip", "rescale"])
+def test_action_modes_send_the_documented_map_of_the_agent_action(mode):
+    ActionRecorder.received.clear()
+    env = make_vector_env("ActionRecorder-v0", 1, 0, action_mode=mode)
+    env.reset()
+    agent_actions = np.array([[0.5, -5.0], [-0.3, 2.5], [-1.7, 0.9], [0.39, 3.2]], np.float32)
+    for a in agent_actions:
+        env.step(a[None])
+    got = np.stack(ActionRecorder.received)
+    if mode == "clip":  # CleanRL's ClipAction: the sample in env units, clipped to the bounds
+        np.testing.assert_array_equal(got, np.clip(agent_actions, ActionRecorder.low, ActionRecorder.high))
+    else:  # [-1, 1] onto [low, high], by hand: 0.5 -> 0.2 in [-0.4, 0.4]; -5 -> -1 -> -2; 0.9 -> 2.75 in [-2, 3]
+        np.testing.assert_allclose(got, [[0.2, -2.0], [-0.12, 3.0], [-0.4, 2.75], [0.156, 3.0]], rtol=1e-6)
+    assert got.dtype == np.float32
+
+
+def test_ppo_clip_mode_stores_the_unclipped_sample_and_its_log_prob_and_sends_the_clipped_one():
+    """CleanRL: the env gets clip(sample, low, high); the rollout keeps the sample and log pi(sample)."""
+    assert ppo.PPOConfig().action_mode == "clip"  # PPO's default follows CleanRL's protocol
+    cfg = tiny(env="ActionRecorder-v0", seeds=1, num_envs=2)
+    ActionRecorder.received.clear()
+    env = make_vector_env(cfg.env, 2, 0, action_mode=cfg.agent.action_mode)
+    state, loop, key = init_state(ppo, cfg, 3, 2)
+    start, step = make_fns(ppo, 32)[:2]
+    obs = env.reset()
+    state, loop, action = start(state, loop, jnp.asarray(obs)[None], key)
+    sent = []
+    for t in range(6):
+        sent.append(np.asarray(action)[0])
+        new_obs, reward, term, trunc, next_obs = env.step(np.asarray(action)[0])
+        ff, fm = step.flatten(state, loop)
+        fm, action = step(ff, fm, np.int32(t), reward[None], term[None], trunc[None], jnp.asarray(next_obs)[None],
+                          jnp.asarray(new_obs)[None], key)
+        state, loop = step.unflatten(fm)
+    sent = np.stack(sent)                                         # (T, E, 2) what the agent sampled
+    stored = np.asarray(loop.buffer.actions[0, :6])
+    np.testing.assert_array_equal(stored, sent)                   # the rollout keeps the unclipped sample
+    assert np.any(np.abs(stored[..., 0]) > 0.4)                   # (std 1 at init: clipping happens)
+    got = np.stack(ActionRecorder.received).reshape(6, 2, 2)
+    np.testing.assert_array_equal(got, np.clip(stored, ActionRecorder.low, ActionRecorder.high))
+    s0 = jax.tree.map(lambda x: x[0], state)
+    mean, log_std = s0.actor(s0.actor_params, loop.buffer.obs[0, :6])
+    logp = gaussian_log_prob(jnp.asarray(stored), mean, log_std)   # of the unclipped sample
+    np.testing.assert_allclose(np.asarray(loop.buffer.logp[0, :6]), np.asarray(logp), rtol=1e-5, atol=1e-5)
+    clipped = gaussian_log_prob(jnp.asarray(got), mean, log_std)
+    assert not np.allclose(np.asarray(clipped), np.asarray(logp))  # (the clipped action's would differ)
+
+
+def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypatch, tmp_path):
+    import training.onpolicy as onpolicy
+
+    modes = []
+    real_vec, real_eval = onpolicy.make_vector_env, onpolicy.Evaluator
+    monkeypatch.setattr(onpolicy, "make_vector_env",
+                        lambda *a, **k: modes.append(("train", k["action_mode"])) or real_vec(*a, **k))
+    monkeypatch.setattr(onpolicy, "Evaluator", lambda *a: modes.append(("eval", a[5])) or real_eval(*a))
+    for mode in ("rescale", "clip"):
+        train(tiny(total_steps=32, eval_every=32, action_mode=mode), ppo, tmp_path / mode)
+    assert modes == [("train", "rescale"), ("eval", "rescale"), ("train", "clip"), ("eval", "clip")]
 
 
 def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_path, assert_same_logs):

@@ -13,9 +13,10 @@ class Evaluator:
     (seeds, episodes, act_dim).  Returns per seed the list of episode returns.
     """
 
-    def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None):
+    def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None,
+                 action_mode: str = "rescale"):
         self.seeds, self.episodes = seeds, episodes
-        self.env = VectorEnv(env_id, seeds * episodes, base_seed, action_repeat)
+        self.env = VectorEnv(env_id, seeds * episodes, base_seed, action_repeat, action_mode)
         self.env_seeds = [base_seed + i for i in range(seeds * episodes)]
 
     def __call__(self, policy) -> list[list[float]]:

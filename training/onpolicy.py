@@ -208,8 +208,10 @@ class OnPolicyIteration:
         a = cfg.agent
         self.cfg, self.agent, self.num_iterations = cfg, agent, num_iterations
         self.S, self.E, self.T = S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
-        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend)
-        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend,
+                                   action_mode=a.action_mode)
+        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat,
+                                   a.action_mode)
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)
