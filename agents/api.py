@@ -18,9 +18,9 @@ Every agent (``Agent``):
 Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
     buffer_init(capacity, obs_dim, act_dim) -> buffer;  buffer_add(buffer, transitions) -> buffer
     sample_batch(state, buffer, key, n) -> batch         (plasticity metrics / resets use it too)
-    train_block(state, buffer, key, num_updates, review) -> (state, buffer, metrics)
-                              the updates of one env step as one scan; ``review``: NE's review
-                              probability (None: off)
+    train_block(state, buffer, key, num_updates, replay_control) -> (state, buffer, metrics)
+                              the updates of one env step as one scan; ``replay_control``: NE's
+                              ``plasticity.expansion.ReplayControl`` (review probability, half batch; None: off)
 
 On-policy (``OnPolicyAgent``): rollouts with observation / reward normalisers in the state.
     Rollout                   the rollout buffer type (T + 1 observation slots per env)
@@ -73,7 +73,7 @@ class OffPolicyAgent(Agent, Protocol):
 
     def sample_batch(self, state, buffer, key, batch_size: int): ...
 
-    def train_block(self, state, buffer, key, num_updates: int, review=None): ...
+    def train_block(self, state, buffer, key, num_updates: int, replay_control=None): ...
 
 
 @runtime_checkable

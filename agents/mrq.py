@@ -609,13 +609,14 @@ def _run_if(pred, fn, x):
     return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), jnp.int32), x))[1]
 
 
-def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, review=None):
+def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, replay_control=None):
     """``num_updates`` MR.Q training steps as one scan -> (state, buffer with new priorities, metrics).
 
-    MR.Q samples its own LAP windows, so NE's experience review (``review``) does not apply
-    (``EXPERIENCE_REVIEW = False``: the plasticity checks refuse it before a run starts)."""
-    if review is not None:
-        raise ValueError("MR.Q samples LAP windows: NE's experience review does not apply")
+    MR.Q samples its own LAP windows, so NE's replay controls (``replay_control``: experience
+    review, auto batch) do not apply (``EXPERIENCE_REVIEW = False``: the plasticity checks refuse
+    them before a run starts)."""
+    if replay_control is not None:
+        raise ValueError("MR.Q samples LAP windows: NE's experience review and auto batch do not apply")
     cfg = state.cfg
     valid = lap.window_mask(buffer, max(cfg.enc_horizon, cfg.q_horizon))  # data is fixed within the block
 

@@ -234,9 +234,9 @@ def sample_batch(state: SACState, buffer: replay.Buffer, key, batch_size: int) -
     return replay.sample(buffer, key, batch_size)
 
 
-def train_block(state: SACState, buffer: replay.Buffer, key, num_updates: int, review=None):
-    """``num_updates`` SAC updates on uniform batches (NE's experience review given ``review``) as one scan."""
-    return replay.scan_updates(update, state, buffer, key, num_updates, state.cfg.batch_size, review)
+def train_block(state: SACState, buffer: replay.Buffer, key, num_updates: int, replay_control=None):
+    """``num_updates`` SAC updates on uniform batches (NE's review and auto batch given ``replay_control``) as one scan."""
+    return replay.scan_updates(update, state, buffer, key, num_updates, state.cfg.batch_size, replay_control)
 
 
 def plastic_losses(state: SACState, batch: Transition, key):

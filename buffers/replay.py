@@ -85,12 +85,27 @@ def sample_with_review(buffer: Buffer, key, batch_size: int, p_old, old_fraction
     return jax.tree.map(lambda d: d[idx], buffer.data)
 
 
-def scan_updates(update, state, buffer: Buffer, key, num_updates: int, batch_size: int, review=None):
+def half_batch(batch: Transition, half) -> Transition:
+    """Where ``half``: a batch of B rows made of its first B/2 rows, each twice (B even).
+
+    Every loss that is a mean over rows then equals its value on the B/2-row batch exactly, with
+    static shapes (NE's auto batch halves the batch; a masked half batch, as a JAX version needs)."""
+    n = batch.reward.shape[0]
+    rows = jnp.arange(n) % (n // 2)
+    return jax.tree.map(lambda x: jnp.where(jnp.reshape(half, (1,) * x.ndim), x[rows], x), batch)
+
+
+def scan_updates(update, state, buffer: Buffer, key, num_updates: int, batch_size: int,
+                 replay_control=None):
     """``num_updates`` gradient steps on uniform batches as one ``lax.scan`` -> (state, buffer, mean metrics).
 
-    ``update(state, batch, key) -> (state, metrics)`` is the agent's; given a probability ``review``
-    (a traced scalar) the batches come from ``sample_with_review`` (NE's experience review).
+    ``update(state, batch, key) -> (state, metrics)`` is the agent's.  ``replay_control`` (NE's
+    ``plasticity.expansion.ReplayControl``, or None): with a ``review`` probability the batches come
+    from ``sample_with_review`` (experience review); with ``half`` they are halved by ``half_batch``
+    (auto batch).  A None field is off.
     """
+    review = getattr(replay_control, "review", None)
+    half = getattr(replay_control, "half", None)
 
     def one(state, key):
         k_sample, k_update = jax.random.split(key)
@@ -98,6 +113,8 @@ def scan_updates(update, state, buffer: Buffer, key, num_updates: int, batch_siz
             batch = sample(buffer, k_sample, batch_size)
         else:
             batch = sample_with_review(buffer, k_sample, batch_size, review)
+        if half is not None:
+            batch = half_batch(batch, half)
         return update(state, batch, k_update)
 
     state, metrics = jax.lax.scan(one, state, jax.random.split(key, num_updates))

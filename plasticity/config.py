@@ -45,20 +45,28 @@ class PlasticityConfig:
     """the 'omega coefficient' c scaling the TD-loss weight (spec: 0.3-0.6)"""
     ne: bool = False
     """Neuroplastic Expansion: start sparse, grow by gradient, prune dormant connections (spec 3)"""
-    ne_every: int = 1_000
+    ne_every: int = 100
     """NE topology update period delta in updates (reference: 100 in train.py, 10000 in its README)"""
     ne_initial_sparsity: float = 0.8
     """NE sparsity at init, Erdős–Rényi per-layer densities"""
     ne_target_sparsity: float = 0.25
     """NE stops growing at this sparsity; then plain dynamic sparse training"""
-    ne_schedule: Literal["cosine", "uniform"] = "cosine"
-    """NE growth rate: cosine r = 0.25 (1 + cos(pi t / T)), or uniform r = 0.008 (share of the initial empty space)"""
-    ne_prune: Literal["redo", "magnitude"] = "redo"
-    """NE pruning (0.4 x the grown count): ReDo-dormant units' incoming connections first, or smallest |w|"""
-    ne_review: bool = True
-    """NE experience review: sample from the oldest 30% of the buffer while the critic's FAU < 0.4
-    (off-policy agents on the shared uniform replay; refused for agents with their own ``train_block``,
-    e.g. MR.Q: pass --plasticity.no-ne-review; ignored by on-policy agents, which have no replay)"""
+    ne_schedule: Literal["cosine", "uniform"] = "uniform"
+    """NE growth per event as a share r of the initial empty space: uniform r = 0.008 (the reference run's
+    default), or cosine r = 0.25 (1 + cos(pi t / T)) (its --zeta 0.5 option: dense after 2-3 events)"""
+    ne_init_space: Literal["reference", "full"] = "reference"
+    """a layer's initial empty space that growth counts are a share of: reference = initial_sparsity x
+    n_total - n_ones (the reference code's formula), full = n_total - n_ones"""
+    ne_prune: Literal["magnitude", "redo"] = "magnitude"
+    """NE pruning (0.4 x the grown count): smallest |w| (what the reference runs: its ReDo-score lookup
+    never finds the activations), or ReDo-dormant units' incoming connections first"""
+    ne_review: bool = False
+    """NE experience review (the reference's --recall, off by default): sample from the oldest 30% of the
+    buffer while the critic's FAU < 0.4 (off-policy agents on the shared uniform replay only)"""
+    ne_auto_batch: Literal["auto", "on", "off"] = "auto"
+    """NE auto batch (the reference's --auto_batch, on by default): while the critic's FAU < 0.36 the
+    updates use half a batch (static shapes: each row of the first half counted twice).  auto = on
+    for agents on the shared uniform replay (SAC family), off where it does not apply (PPO, MR.Q, RAVL)"""
     kron: bool = False
     """PSGD-Kron optimizer instead of Adam (lr / 3; needs the kron extra: psgdax)"""
 
@@ -83,3 +91,7 @@ class PlasticityConfig:
                 raise ValueError("--plasticity.ne-schedule must be cosine or uniform")
             if self.ne_prune not in ("redo", "magnitude"):
                 raise ValueError("--plasticity.ne-prune must be redo or magnitude")
+            if self.ne_init_space not in ("reference", "full"):
+                raise ValueError("--plasticity.ne-init-space must be reference or full")
+            if self.ne_auto_batch not in ("auto", "on", "off"):
+                raise ValueError("--plasticity.ne-auto-batch must be auto, on or off")

@@ -1,15 +1,20 @@
 """Neuroplastic Expansion (Liu et al., ICLR 2025, arXiv 2410.07994; spec section 3).
 
-A network starts sparse (Erdős–Rényi per-layer densities, overall sparsity 0.8) and every
-``ne_every`` updates its topology changes:
+A network starts sparse (Erdős–Rényi per-layer densities, overall sparsity s0 = 0.8) and every
+``ne_every`` updates (100, the reference ``train.py``'s delta) its topology changes:
 
 - growth phase (until the target sparsity 0.25): each masked kernel grows
   ``n_grow = int(r * initial empty space)`` connections, the inactive ones with the largest
-  |dense gradient| of the network's loss, with r = zeta/2 (1 + cos(pi t / T)), zeta = 0.5
-  ("cosine") or r = 0.008 ("uniform"); it prunes ``n_prune = int(0.4 n_grow)`` active ones:
-  the incoming connections of tau-dormant units first (ReDo score), then the smallest |w|
-  ("redo"), or just the smallest |w| ("magnitude").  The last growth event is clipped so the
-  network lands on the target.
+  |dense gradient| of the network's loss, and prunes ``n_prune = int(0.4 n_grow)`` active ones.
+  Defaults are what the reference runs (its ``stl/TD3.py`` builds ``STL_Scheduler`` without
+  ``uni``, ``init_method`` or ``tau``, so the scheduler's own defaults apply): r = 0.008 per
+  event ("uniform"), the initial empty space ``s0 * n_total - n_ones`` ("reference"; clipped at
+  0), pruning by smallest |w| ("magnitude": the reference's ReDo-score lookup never finds its
+  activations and falls back to |w|).  A layer then gains 0.6 x 0.008 x (s0 n - n_ones) per
+  event, so growth takes about 190 events (~19k updates at delta 100).  Options: r = zeta/2
+  (1 + cos(pi t / T)) with zeta = 0.5 ("cosine", dense after 2-3 events), the empty space
+  ``n_total - n_ones`` ("full"), and the incoming connections of tau-dormant units first
+  ("redo").  The last growth event is clipped so the network lands on the target.
 - afterwards plain dynamic sparse training (spec 3.4): prune ``int(d * n_active)`` of the
   smallest-|w| connections and regrow as many by gradient, d = 0.2/2 (1 + cos(pi t'/T)), t'
   counting from the end of growth (the reference restarts its clock there).
@@ -21,13 +26,19 @@ connections are zeroed.  The counts depend only on the schedule and on static sh
 computes them (``Schedule``) and passes them as traced integers: selection by rank
 (``argsort(argsort(.)) < k``) needs no static ``k``, and no event recompiles anything.
 
-Experience review (spec 3.5): ``review_probability`` turns the critic's fraction of active
-units into the probability of drawing a replay index from the oldest 30% of the buffer.
+Experience review (the reference's ``--recall``, off by default): ``review_probability`` turns the
+critic's fraction of active units (FAU) into the probability of drawing a replay index from the
+oldest 30% of the buffer.  Auto batch (its ``--auto_batch``, on by default): while the critic's
+FAU < 0.9 x 0.4 = 0.36 the updates use half a batch (``half_batch``).  The reference measures the
+FAU on a fresh batch before every update; here it is measured at each NE event on the event's
+batch and holds until the next one (every 100 updates by default).  The reference also skips the
+optimizer step at an event's update; here every update steps.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +53,7 @@ UNIFORM_RATE = 0.008  # the reference's "uniform" growth rate
 PRUNE_RATIO = 0.4  # n_prune = 0.4 n_grow
 ZETA_DST = 0.2  # drop fraction of dynamic sparse training after the target is reached
 AWAKEN = 0.4  # experience review starts when the critic's FAU < awaken
+AUTO_BATCH_FAU = 0.9 * AWAKEN  # auto batch halves the batch while the critic's FAU < 0.36
 TAMP = 0.9  # g = 1 / (1 + e^(awaken - FAU) * Tamp)
 OLD_FRACTION = 0.3  # the oldest 30% of the buffer
 
@@ -74,15 +86,25 @@ class Plan:
         return 1.0 - self.active / self.total
 
 
-def plan(params, initial_sparsity: float) -> Plan:
-    """The initial counts of a network whose params (or shapes) are ``params`` (one seed)."""
+def plan(params, initial_sparsity: float, init_space: str = "reference") -> Plan:
+    """The initial counts of a network whose params (or shapes) are ``params`` (one seed).
+
+    ``init_space``: a layer's initial empty space, the base of its growth counts: ``reference``
+    = max(0, initial_sparsity x n_total - n_ones) (the reference's ``n_init_space``), ``full`` =
+    n_total - n_ones."""
     kernels = [x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if optim_lib.maskable(p, x)]
     if not kernels:
         raise ValueError("NE found no Linear kernels to mask")
     ones = optim_lib.initial_counts(params, initial_sparsity)
     n_total = [int(x.shape[-2] * x.shape[-1]) for x in kernels]
     members = [int(np.prod(x.shape[:-2])) for x in kernels]
-    return Plan(n_total, members, list(ones), [t - o for t, o in zip(n_total, ones)], [o >= t for t, o in zip(n_total, ones)])
+    if init_space == "reference":
+        space = [max(0.0, initial_sparsity * t - o) for t, o in zip(n_total, ones)]
+    elif init_space == "full":
+        space = [t - o for t, o in zip(n_total, ones)]
+    else:
+        raise ValueError(f"unknown NE initial space {init_space!r}; choose reference or full")
+    return Plan(n_total, members, list(ones), space, [o >= t for t, o in zip(n_total, ones)])
 
 
 @dataclass
@@ -92,8 +114,8 @@ class Schedule:
     plans: dict
     total_updates: int
     target_sparsity: float = 0.25
-    kind: str = "cosine"
-    prune: str = "redo"
+    kind: str = "uniform"
+    prune: str = "magnitude"
     events: int = field(default=0)
 
     def growth_rate(self, t: int) -> float:
@@ -240,6 +262,17 @@ def update_topology(params, opt_state, grads, grow, prune, magnitude, dormant: d
     new_opt = optim_lib.replace_masked(opt_state, optim_lib.MaskedState(tuple(new_masks), inner))
     stats = {"sparsity": 1.0 - n_active / n_total, "grown": n_grown / n_total, "pruned": n_pruned / n_total}
     return new_params, new_opt, stats
+
+
+class ReplayControl(NamedTuple):
+    """NE's controls of the uniform sampler for one seed (traced scalars; a None field is off).
+
+    ``review``: probability of drawing each index from the oldest 30% (``buffers.replay.sample_with_review``);
+    ``half``: bool, use half a batch (``buffers.replay.half_batch``)."""
+
+    review: Any = None
+    half: Any = None
+
 
 
 def pooled_active_fraction(acts: dict):

@@ -11,8 +11,9 @@ Interventions an agent cannot take are refused with a clear error.
 
 NE (``plasticity.expansion``) runs here every ``ne_every`` updates: its host-side ``Schedule``
 picks the counts, one jitted event (compiled once) rewrites masks, params and moments, and the
-critic's FAU measured at the event sets the experience-review probability that the loop passes
-to its sampler (``review``).
+critic's FAU measured at the event sets NE's replay controls that the loop passes to its sampler
+until the next event (``replay_control``: the experience-review probability and the auto batch's
+half-batch flag).
 """
 from __future__ import annotations
 
@@ -55,11 +56,23 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
         raise ValueError(f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
                          "expose no representation to regularise")
     if cfg.ne and cfg.ne_review and not agent.EXPERIENCE_REVIEW:
-        why = {"onpolicy": "on-policy agents keep no replay", "offline": "offline agents learn from a fixed "
-               "dataset, with no online stream to review"}.get(agent.KIND, "it samples its own replay (e.g. LAP)")
         raise ValueError(f"--plasticity.ne-review does not apply to agent {agent_name!r}: experience review "
-                         f"draws from the oldest 30% of a uniform replay buffer and {why}; "
+                         f"draws from the oldest 30% of a uniform replay buffer and {_no_uniform_replay(agent)}; "
                          "pass --plasticity.no-ne-review")
+    if cfg.ne and cfg.ne_auto_batch == "on" and not agent.EXPERIENCE_REVIEW:
+        raise ValueError(f"--plasticity.ne-auto-batch on does not apply to agent {agent_name!r}: auto batch "
+                         f"halves the uniform replay batches of its updates and {_no_uniform_replay(agent)}; "
+                         "pass --plasticity.ne-auto-batch auto (off for this agent) or off")
+
+
+def _no_uniform_replay(agent) -> str:
+    return {"onpolicy": "on-policy agents keep no replay", "offline": "offline agents learn from a fixed "
+            "dataset, with no online stream to review"}.get(agent.KIND, "it samples its own replay (e.g. LAP)")
+
+
+def auto_batch_on(cfg: PlasticityConfig, agent) -> bool:
+    """NE's auto batch: ``on``, or ``auto`` for agents on the shared uniform replay (``EXPERIENCE_REVIEW``)."""
+    return cfg.ne and (cfg.ne_auto_batch == "on" or (cfg.ne_auto_batch == "auto" and agent.EXPERIENCE_REVIEW))
 
 
 def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
@@ -132,7 +145,7 @@ def review_network(agent) -> str:
 
 
 def ne_step(agent, cfg: PlasticityConfig, state, buffer, key, counts):
-    """One NE event for one seed -> (state, stats, review probability).
+    """One NE event for one seed -> (state, stats, ReplayControl for the updates until the next event).
 
     ``counts``: {net: (grow (L,), prune (L,), magnitude)} from ``expansion.Schedule.step``.
     """
@@ -141,7 +154,7 @@ def ne_step(agent, cfg: PlasticityConfig, state, buffer, key, counts):
     losses = agent.plastic_losses(state, batch, k_loss)
     params = agent.plastic_params(state)
     review_name = review_network(agent)
-    out, p_old = {}, jnp.zeros((), jnp.float32)
+    out, fau = {}, jnp.ones((), jnp.float32)
     for name, (p_field, o_field) in agent.PLASTIC.items():
         loss, p = losses[name], params[name]
         grads = jax.grad(loss)(p)  # dense: masked-out weights are 0, their gradients are not
@@ -155,10 +168,14 @@ def ne_step(agent, cfg: PlasticityConfig, state, buffer, key, counts):
         if name == review_name and acts:
             fau = expansion.pooled_active_fraction(acts)
             out[f"plasticity/{name}/ne_active_fraction"] = fau
-            if cfg.ne_review:
-                p_old = expansion.review_probability(fau)
-                out["plasticity/review_prob"] = p_old
-    return state, out, p_old
+    control = expansion.ReplayControl()
+    if cfg.ne_review:
+        control = control._replace(review=expansion.review_probability(fau))
+        out["plasticity/review_prob"] = control.review
+    if auto_batch_on(cfg, agent):
+        control = control._replace(half=fau < expansion.AUTO_BATCH_FAU)
+        out["plasticity/half_batch"] = control.half.astype(jnp.float32)
+    return state, out, control
 
 
 def _mask_params(agent, state):
@@ -181,7 +198,7 @@ class Hooks:
         self.cfg, self.agent = cfg, agent
         self.total_updates = total_updates
         self.schedule = None
-        self.review = None  # (seeds,) probability of reviewing old data, passed to the loop's sampler
+        self.replay_control = None  # NE's per-seed ReplayControl for the loop's sampler (None: off)
         self.ne_traces = 0  # how often the NE event was traced (it must be once per run)
         self.resetting = cfg.redo or cfg.regrama
         self.metrics_batch = None
@@ -212,12 +229,13 @@ class Hooks:
                     raise ValueError(f"--plasticity.ne: network {name!r} has no NE masks in its optimizer state "
                                      "(the loop must build the agent with static_plasticity(...))")
                 shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), getattr(state, p_field))
-                plans[name] = expansion.plan(shapes, cfg.ne_initial_sparsity)
+                plans[name] = expansion.plan(shapes, cfg.ne_initial_sparsity, cfg.ne_init_space)
             self.schedule = expansion.Schedule(plans, self.total_updates, cfg.ne_target_sparsity, cfg.ne_schedule,
                                                cfg.ne_prune)
             state = jax.jit(partial(_mask_params, self.agent))(state)
-            if cfg.ne_review:
-                self.review = jnp.zeros(seeds, jnp.float32)
+            if cfg.ne_review or auto_batch_on(cfg, self.agent):  # until the first event: neither
+                self.replay_control = expansion.ReplayControl(jnp.zeros(seeds, jnp.float32) if cfg.ne_review else None,
+                                                    jnp.zeros(seeds, bool) if auto_batch_on(cfg, self.agent) else None)
         if cfg.metrics_every:
             self.init_params = jax.tree.map(jnp.copy, self.agent.plastic_params(state))
         return state
@@ -242,24 +260,32 @@ class Hooks:
         if self.cfg.ne and after // every > before // every:
             counts = self.schedule.step(after // every * every)
             keys = jax.random.split(jax.random.fold_in(key, 2), jax.tree.leaves(state)[0].shape[0])
-            state, out, p_old = self._ne(state, buffer, keys, counts)
-            if self.review is not None:
-                self.review = p_old
+            state, out, control = self._ne(state, buffer, keys, counts)
+            if self.replay_control is not None:
+                self.replay_control = control
             rows = _merge(rows, _rows(out))
         return state, rows
 
     def host_state(self):
         return {"metrics_batch": None if self.metrics_batch is None else jax.tree.map(np.asarray, self.metrics_batch),
                 "ne": None if self.schedule is None else self.schedule.state_dict(),
-                "review": None if self.review is None else np.asarray(self.review)}
+                "review": None if self.replay_control is None or self.replay_control.review is None
+                else np.asarray(self.replay_control.review),
+                "half_batch": None if self.replay_control is None or self.replay_control.half is None
+                else np.asarray(self.replay_control.half)}
 
     def restore(self, host):
         batch = host.get("metrics_batch")
         self.metrics_batch = None if batch is None else jax.tree.map(jnp.asarray, batch)
         if self.schedule is not None and host.get("ne") is not None:
             self.schedule.load_state_dict(host["ne"])
-        if self.review is not None and host.get("review") is not None:
-            self.review = jnp.asarray(host["review"], jnp.float32)
+        c = self.replay_control
+        if c is not None:
+            if c.review is not None and host.get("review") is not None:
+                c = c._replace(review=jnp.asarray(host["review"], jnp.float32))
+            if c.half is not None and host.get("half_batch") is not None:
+                c = c._replace(half=jnp.asarray(host["half_batch"], bool))
+            self.replay_control = c
 
 
 def _rows(out: dict) -> list[dict]:

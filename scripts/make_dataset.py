@@ -2,9 +2,10 @@
 
     python scripts/make_dataset.py --env Hopper-v5 --kind medium --kind medium-replay
     python scripts/make_dataset.py --env HalfCheetah-v5 --kind expert --size 1000000 --train-steps 3000000
-    python scripts/make_dataset.py --env Hopper-v5 --kind random --out hopper-random.hdf5
+    python scripts/make_dataset.py --env Hopper-v5 --kind random --out hopper-random.hdf5    # seconds, no SAC
 
-Recipe (one SAC training serves every kind; a finished training in the run directory is reused):
+Recipe (one SAC training serves every kind but random; a finished training in the run directory is
+reused; a request of only --kind random trains nothing, see 6):
 
 1. Train SAC (agents/sac.py, paper defaults, one seed) for --train-steps, evaluating every
    --eval-every steps; each evaluation keeps a snapshot of the actor (``<run>/snapshots/``).
@@ -21,8 +22,16 @@ Recipe (one SAC training serves every kind; a finished training in the run direc
    not apply).  medium-expert: medium cut at its last complete episode, then expert (<= 2 x --size).
 5. Metadata: env_id, kind, seed, size, policy_step, policy_return, behaviour_return,
    ref_min_score (uniform-random policy) and ref_max_score (expert, deterministic), both means
-   over --ref-episodes episodes reset from seeds 123, 124, ... as Minari does; the D4RL
-   constants where they apply; the policy weights under metadata/policy; version and command.
+   over --ref-episodes episodes reset from seeds 123, 124, ... as Minari does, and where each
+   came from (ref_min_source, ref_max_source); the D4RL constants where they apply; the policy
+   weights under metadata/policy; version and command.
+6. Only --kind random: the uniform policy alone, no SAC (seconds).  ref_min_score as in 5;
+   ref_max_score from, in order: --ref-max; a finished SAC run with the same settings in the run
+   directory (its expert as in 2 and 5, nothing trained); D4RL's REF_MAX_SCORE for hopper /
+   halfcheetah / walker2d (measured on the v2 envs; ref_max_source says so); else NaN with
+   ref_max_source "missing" and a warning: normalised scores against the dataset's refs are then
+   unavailable (D.normalized_score raises).  Without a SAC run the SAC keys (train_steps,
+   algorithm, sac_run_dir, sac_config, network_config, ref_policy_step) are left out.
 
 Output: --out FILE (one kind) or --out DIR, else the dataset cache (--cache, $RLZOO_DATASETS or
 ~/.cache/rlzoo/datasets) with names like hopper-medium-v5.hdf5.  SAC flags pass through as
@@ -59,6 +68,7 @@ from training import checkpoint
 from training.config import NetworkConfig, RunConfig, to_json
 
 Kind = Literal["random", "medium", "medium-replay", "expert", "medium-expert"]
+SAC_KINDS = ("medium", "medium-replay", "expert", "medium-expert")  # the kinds that need a trained SAC
 RUN_MARKER = "dataset_run.json"  # written when the SAC training has finished
 UNCOMPARED = {"progress", "run_dir", "resume", "label", "tensorboard"}
 
@@ -88,6 +98,8 @@ class Args:
     """SAC checkpoint period (the final checkpoint, with the whole buffer, is always written)"""
     ref_episodes: int = 100
     """episodes behind ref_min_score / ref_max_score"""
+    ref_max: Optional[float] = None
+    """ref_max_score for a request of only --kind random (default: a finished SAC run's expert, else D4RL's constant)"""
     num_envs: int = 10
     """parallel envs while collecting"""
     max_episode_steps: int = D.MAX_EPISODE_STEPS
@@ -151,6 +163,26 @@ def _version() -> str:
     return f"{v}+{commit}" if commit else v
 
 
+def run_config(args: Args, run_dir: Path) -> RunConfig:
+    """The SAC training's RunConfig (a plain dataclass: nothing is built)."""
+    agent_cfg = dataclasses.replace(args.sac, buffer_size=args.train_steps)  # rows [0, T) stay in order
+    return RunConfig(env=args.env, seeds=1, seed=args.seed, total_steps=args.train_steps, num_envs=1,
+                     eval_every=args.eval_every, eval_episodes=args.eval_episodes,
+                     log_every=min(1_000, args.eval_every), checkpoint_every=args.checkpoint_every,
+                     run_dir=str(run_dir), progress=args.progress, network=args.network,
+                     agent_name="sac", agent=agent_cfg)
+
+
+def finished_run(run_dir: Path, cfg: RunConfig) -> Optional[list[str]]:
+    """None when ``run_dir`` holds no finished SAC training (no RUN_MARKER); else the comparable
+    config keys in which the finished one differs from ``cfg`` (empty: the same training)."""
+    marker = run_dir / RUN_MARKER
+    if not marker.exists():
+        return None
+    want, done = _comparable(to_json(cfg)), _comparable(json.loads(marker.read_text())["config"])
+    return sorted(k for k in set(want) | set(done) if want.get(k) != done.get(k))
+
+
 class SacRun:
     """The SAC training behind the datasets: train, resume or reuse; snapshots; policies; the buffer."""
 
@@ -158,12 +190,8 @@ class SacRun:
         self.args, self.run_dir = args, run_dir
         spaces = D.env_spaces(args.env)
         self.obs_dim, self.act_dim = spaces.obs_dim, spaces.act_dim
-        agent_cfg = dataclasses.replace(args.sac, buffer_size=args.train_steps)  # rows [0, T) stay in order
-        self.cfg = RunConfig(env=args.env, seeds=1, seed=args.seed, total_steps=args.train_steps, num_envs=1,
-                             eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-                             log_every=min(1_000, args.eval_every), checkpoint_every=args.checkpoint_every,
-                             run_dir=str(run_dir), progress=args.progress, network=args.network,
-                             agent_name="sac", agent=agent_cfg)
+        self.cfg = run_config(args, run_dir)
+        agent_cfg = self.cfg.agent
         # Shapes and the static networks only (no compute): the actor Net and its param structure.
         self.template = jax.eval_shape(lambda k: sac.init(k, self.obs_dim, self.act_dim, agent_cfg, args.network),
                                        jax.random.key(0))
@@ -193,11 +221,9 @@ class SacRun:
 
         marker = self.run_dir / RUN_MARKER
         want = _comparable(to_json(self.cfg))
-        if marker.exists():
-            done = json.loads(marker.read_text())
-            if _comparable(done["config"]) != want:
-                diff = sorted(k for k in set(want) | set(done["config"])
-                              if want.get(k) != _comparable(done["config"]).get(k))
+        diff = finished_run(self.run_dir, self.cfg)
+        if diff is not None:
+            if diff:
                 raise SystemExit(f"{self.run_dir} holds a finished SAC run with another config (differs in "
                                  f"{', '.join(diff)}); pass another --run-dir or delete it")
             print(f"reusing the finished SAC run in {self.run_dir}")
@@ -290,6 +316,15 @@ def pick_medium(snaps: list[Snapshot], expert: Snapshot, fraction: float, random
     return (min(candidates, key=lambda s: s.step) if candidates else expert), threshold
 
 
+def random_reference(env_id: str, episodes: int, max_len: int) -> float:
+    """ref_min_score: the uniform-random policy's mean return over ``episodes`` episodes reset from D.REF_SEED on."""
+    rng = np.random.default_rng(D.REF_SEED)
+    act_dim = D.env_spaces(env_id).act_dim
+    rand = D.evaluate_policy(env_id, lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32),
+                             episodes, D.REF_SEED, max_len)
+    return float(rand.mean())
+
+
 def references(run: SacRun, expert: Snapshot, episodes: int, max_len: int) -> dict:
     """ref_min_score / ref_max_score, cached in the run directory for the given expert and episodes."""
     path = run.run_dir / "references.json"
@@ -298,14 +333,52 @@ def references(run: SacRun, expert: Snapshot, episodes: int, max_len: int) -> di
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
             return saved
-    rng = np.random.default_rng(D.REF_SEED)
-    act_dim = run.act_dim
-    rand = D.evaluate_policy(run.args.env, lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32),
-                             episodes, D.REF_SEED, max_len)
+    rand = random_reference(run.args.env, episodes, max_len)
     best = D.evaluate_policy(run.args.env, run.deterministic(expert.params), episodes, D.REF_SEED, max_len)
-    out = {"key": key, "ref_min_score": float(rand.mean()), "ref_max_score": float(best.mean())}
+    out = {"key": key, "ref_min_score": rand, "ref_max_score": float(best.mean())}
     path.write_text(json.dumps(out, indent=2))
     return out
+
+
+def references_without_training(args: Args, run_dir: Path) -> tuple[dict, Optional[SacRun], Optional[Snapshot]]:
+    """The refs of a random-only request, training nothing: (refs, the reused SAC run or None, its expert or None).
+
+    ``refs``: ref_min_score, ref_max_score, ref_min_source, ref_max_source (and ref_max_note).
+    ref_max_score: --ref-max; else a finished SAC run in ``run_dir`` with the same settings (its
+    expert, as for the other kinds); else D4RL's constant; else NaN ("missing", with a warning).
+    """
+    diff = finished_run(run_dir, run_config(args, run_dir)) if args.ref_max is None else None
+    if diff == []:
+        print(f"reusing the finished SAC run in {run_dir} for ref_max_score (nothing is trained)")
+        run = SacRun(args, run_dir)
+        expert = pick_expert(run.snapshots(), args.expert)
+        refs = dict(references(run, expert, args.ref_episodes, args.max_episode_steps),
+                    ref_min_source="uniform-random", ref_max_source="sac-expert")
+        refs.pop("key", None)
+        return refs, run, expert
+    refs = {"ref_min_score": random_reference(args.env, args.ref_episodes, args.max_episode_steps),
+            "ref_min_source": "uniform-random"}
+    name = D.d4rl_name(args.env)
+    if diff:
+        print(f"note: {run_dir} holds a finished SAC run with other settings (differs in {', '.join(diff)}); "
+              "not used for ref_max_score")
+    if args.ref_max is not None:
+        refs.update(ref_max_score=float(args.ref_max), ref_max_source="--ref-max")
+    elif name is not None:
+        refs.update(ref_max_score=float(D.D4RL_REF[name][1]), ref_max_source="d4rl",
+                    ref_max_note=f"D4RL's REF_MAX_SCORE for {name} (d4rl/infos.py), measured on the v2 envs, "
+                                 f"not on {args.env}")
+        print(f"ref_max_score: D4RL's REF_MAX_SCORE for {name} ({refs['ref_max_score']:g}; D4RL's constants are "
+              f"for the v2 envs); pass --ref-max to set another")
+    else:
+        refs.update(ref_max_score=float("nan"), ref_max_source="missing")
+        print(f"warning: no ref_max_score for {args.env} (no --ref-max, no finished SAC run with these settings in "
+              f"{run_dir}, no D4RL constants): ref_max_score is NaN and normalised scores against the dataset's "
+              "refs are unavailable")
+    if np.isfinite(refs["ref_max_score"]) and refs["ref_max_score"] <= refs["ref_min_score"]:
+        raise SystemExit(f"ref_max_score {refs['ref_max_score']:g} ({refs['ref_max_source']}) is not above "
+                         f"ref_min_score {refs['ref_min_score']:g} (the uniform-random policy's mean return)")
+    return refs, None, None
 
 
 def output_paths(args: Args, kinds) -> tuple[dict, Path]:
@@ -317,14 +390,19 @@ def output_paths(args: Args, kinds) -> tuple[dict, Path]:
     return {k: D.cached_path(args.env, k, root) for k in kinds}, root
 
 
-def _check(args: Args):
+def _check(args: Args, needs_sac: bool = True):
     for name in ("size", "train_steps", "eval_every", "eval_episodes", "checkpoint_every", "ref_episodes",
                  "num_envs", "max_episode_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 < args.medium_fraction < 1.0:
         raise SystemExit(f"--medium-fraction must be in (0, 1), got {args.medium_fraction}")
-    if args.sac.learning_starts >= args.train_steps:
+    if args.ref_max is not None and not np.isfinite(args.ref_max):
+        raise SystemExit(f"--ref-max must be a finite number, got {args.ref_max}")
+    if args.ref_max is not None and needs_sac:
+        raise SystemExit("--ref-max applies to a request of only --kind random; with "
+                         f"{' / '.join(SAC_KINDS)} ref_max_score is the SAC expert's return")
+    if needs_sac and args.sac.learning_starts >= args.train_steps:
         raise SystemExit(f"--sac.learning-starts ({args.sac.learning_starts}) must be below --train-steps "
                          f"({args.train_steps}), or SAC never learns")
     try:
@@ -338,29 +416,41 @@ def make(args: Args, argv=None) -> dict:
     kinds = list(dict.fromkeys(args.kind))
     if not kinds:
         raise SystemExit(f"give at least one --kind ({', '.join(D.KINDS)})")
-    _check(args)
+    needs_sac = any(k in SAC_KINDS for k in kinds)
+    _check(args, needs_sac)
     paths, root = output_paths(args, kinds)
     run_dir = Path(args.run_dir) if args.run_dir else root / "runs" / f"{_sanitize(args.env)}-sac-seed{args.seed}"
-    run = SacRun(args, run_dir)
-    run.ensure_trained()
-    snaps = run.snapshots()
-    expert = pick_expert(snaps, args.expert)
-    refs = references(run, expert, args.ref_episodes, args.max_episode_steps)
-    medium, threshold = pick_medium(snaps, expert, args.medium_fraction, refs["ref_min_score"])
-    print(f"expert: step {expert.step} (eval return {expert.mean_return:.1f}); medium: step {medium.step} "
-          f"(eval return {medium.mean_return:.1f}, threshold {threshold:.1f})")
-    if medium.step == expert.step:
-        print("warning: no earlier snapshot reached the medium threshold; medium uses the expert policy")
+    act_dim = D.env_spaces(args.env).act_dim
+    medium = None
+    if needs_sac:
+        run = SacRun(args, run_dir)
+        run.ensure_trained()
+        snaps = run.snapshots()
+        expert = pick_expert(snaps, args.expert)
+        refs = dict(references(run, expert, args.ref_episodes, args.max_episode_steps),
+                    ref_min_source="uniform-random", ref_max_source="sac-expert")
+        medium, threshold = pick_medium(snaps, expert, args.medium_fraction, refs["ref_min_score"])
+        print(f"expert: step {expert.step} (eval return {expert.mean_return:.1f}); medium: step {medium.step} "
+              f"(eval return {medium.mean_return:.1f}, threshold {threshold:.1f})")
+        if medium.step == expert.step:
+            print("warning: no earlier snapshot reached the medium threshold; medium uses the expert policy")
+    else:  # only random: the uniform policy, no SAC training (a finished one may give ref_max_score)
+        refs, run, expert = references_without_training(args, run_dir)
 
-    common = {"env_id": args.env, "seed": args.seed, "requested_size": args.size, "train_steps": args.train_steps,
-              "algorithm": "SAC (agents/sac.py), tanh-Gaussian actor", "behaviour_sampling": "stochastic",
-              "sac_run_dir": str(run_dir), "sac_config": json.dumps(dataclasses.asdict(run.cfg.agent)),
-              "network_config": json.dumps(dataclasses.asdict(args.network)),
+    common = {"env_id": args.env, "seed": args.seed, "requested_size": args.size,
               "ref_min_score": refs["ref_min_score"], "ref_max_score": refs["ref_max_score"],
-              "ref_episodes": args.ref_episodes, "ref_seed": D.REF_SEED, "ref_policy_step": expert.step,
+              "ref_min_source": refs["ref_min_source"], "ref_max_source": refs["ref_max_source"],
+              "ref_episodes": args.ref_episodes, "ref_seed": D.REF_SEED,
               "max_episode_steps": args.max_episode_steps, "zoo_version": _version(),
               "command": shlex.join(["python", "scripts/make_dataset.py", *(sys.argv[1:] if argv is None else argv)]),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if "ref_max_note" in refs:
+        common["ref_max_note"] = refs["ref_max_note"]
+    if run is not None:  # the SAC training behind the policies (or, for random only, behind ref_max_score)
+        common.update({"train_steps": args.train_steps, "algorithm": "SAC (agents/sac.py), tanh-Gaussian actor",
+                       "sac_run_dir": str(run_dir), "sac_config": json.dumps(dataclasses.asdict(run.cfg.agent)),
+                       "network_config": json.dumps(dataclasses.asdict(args.network)),
+                       "ref_policy_step": expert.step})
     name = D.d4rl_name(args.env)
     if name is not None:
         common["d4rl_name"] = name
@@ -377,7 +467,7 @@ def make(args: Args, argv=None) -> dict:
         seed = 10_000 * args.seed + 6_000 + 100 * D.KINDS.index(kind)
         if kind == "random":
             rng = np.random.default_rng(seed)
-            pol = lambda o: rng.uniform(-1, 1, (len(o), run.act_dim)).astype(np.float32)  # noqa: E731
+            pol = lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32)  # noqa: E731
             ds = D.collect(args.env, pol, args.size, seed, args.num_envs, args.max_episode_steps)
             ds.metadata.update(behaviour_policy="uniform", behaviour_sampling="uniform")
         elif kind in ("medium", "expert"):
@@ -405,11 +495,15 @@ def make(args: Args, argv=None) -> dict:
         returns = ds.episode_returns()
         behaviour = float(returns.mean()) if len(returns) else float("nan")
         ds.metadata = {**ds.metadata, **common, "kind": kind, "size": len(ds), "episodes": int(len(returns)),
+                       "behaviour_sampling": ds.metadata.get("behaviour_sampling", "stochastic"),  # random: uniform
                        "behaviour_return": behaviour}
         D.validate(ds, args.env, paths[kind])
         D.save(paths[kind], ds)
         made[kind] = paths[kind]
-        scores = [f"dataset refs {D.normalized_score(behaviour, metadata=ds.metadata, reference='dataset'):.1f}"]
+        try:
+            scores = [f"dataset refs {D.normalized_score(behaviour, metadata=ds.metadata, reference='dataset'):.1f}"]
+        except ValueError:
+            scores = ["dataset refs unavailable (no ref_max_score)"]
         if name is not None:
             scores.insert(0, f"D4RL refs {D.normalized_score(behaviour, args.env):.1f}")
         print(f"{kind}: {paths[kind]}\n  {len(ds)} rows, {len(returns)} complete episodes, behaviour return "

@@ -111,8 +111,8 @@ def sample_batch(state: ExampleState, buffer: replay.Buffer, key, batch_size: in
     return replay.sample(buffer, key, batch_size)
 
 
-def train_block(state: ExampleState, buffer: replay.Buffer, key, num_updates: int, review=None):
-    return replay.scan_updates(update, state, buffer, key, num_updates, state.cfg.batch_size, review)
+def train_block(state: ExampleState, buffer: replay.Buffer, key, num_updates: int, replay_control=None):
+    return replay.scan_updates(update, state, buffer, key, num_updates, state.cfg.batch_size, replay_control)
 
 
 def plastic_losses(state: ExampleState, batch: replay.Transition, key):

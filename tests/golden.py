@@ -99,7 +99,10 @@ CASES = {
     "ravl_toy": _ravl,
     "sac_redo": lambda d: _sac(_plasticity(redo=True, reset_every=50, reset_batch=32)),
     "sac_sigreg": lambda d: _sac(_plasticity(sigreg_coef=0.2)),
-    "sac_ne": lambda d: _sac(_plasticity(ne=True, ne_every=50, reset_batch=32)),
+    # recorded with NE's first defaults, now options (the reference's defaults: the sac_ne_reference case)
+    "sac_ne": lambda d: _sac(_plasticity(ne=True, ne_every=50, reset_batch=32, ne_schedule="cosine",
+                                         ne_init_space="full", ne_prune="redo", ne_review=True, ne_auto_batch="off")),
+    "sac_ne_reference": lambda d: _sac(_plasticity(ne=True, ne_every=20, reset_batch=32)),
     # recorded after the redesign: resets now re-draw MR.Q's weights from its own Xavier-uniform x sqrt(2)
     "mrq_w64_regrama": lambda d: _mrq(_plasticity(regrama=True, reset_every=50, reset_batch=32)),
 }

@@ -387,14 +387,27 @@ def test_medium_replay_is_the_start_of_the_sac_buffer(made):
     assert len(D.check_continuity(rep)) == 0 and rep.terminals.any()
 
 
-def test_make_dataset_reuses_the_finished_training(made, capsys):
+def test_make_dataset_reuses_the_finished_training(made, capsys, monkeypatch):
     make_dataset, out, _ = made
+    monkeypatch.setattr(make_dataset.SacRun, "ensure_trained", lambda self: pytest.fail("random-only trained SAC"))
     paths = make_dataset.main(["--kind", "random", "--out", str(out), *TINY])
     assert "reusing the finished SAC run" in capsys.readouterr().out
     ds = D.load(paths["random"], env_id="Hopper-v5")
     assert len(ds) == 400 and ds.metadata["behaviour_policy"] == "uniform" and "policy" not in ds.metadata
-    assert ds.metadata["ref_max_score"] == D.load(out / "hopper-medium-v5.hdf5").metadata["ref_max_score"]
-    with pytest.raises(SystemExit, match="another config"):
-        make_dataset.main(["--kind", "random", "--out", str(out), *TINY, "--network.width", "8"])
+    med = D.load(out / "hopper-medium-v5.hdf5").metadata
+    for k in ("ref_min_score", "ref_max_score", "ref_policy_step", "sac_run_dir", "train_steps"):
+        assert ds.metadata[k] == med[k], k  # the finished run's expert gives ref_max_score, nothing trained
+    assert ds.metadata["ref_max_source"] == med["ref_max_source"] == "sac-expert"
+    # A finished run with other settings is not used for random: D4RL's constant, the same rows.
+    other = make_dataset.main(["--kind", "random", "--out", str(out / "other.hdf5"), *TINY, "--network.width", "8"])
+    assert "holds a finished SAC run with other settings (differs in network)" in capsys.readouterr().out
+    o = D.load(other["random"], env_id="Hopper-v5")
+    assert (o.metadata["ref_max_source"], o.metadata["ref_max_score"]) == ("d4rl", D.D4RL_REF["hopper"][1])
+    assert o.metadata["ref_min_score"] == ds.metadata["ref_min_score"] and "sac_run_dir" not in o.metadata
+    for k in D.KEYS:
+        np.testing.assert_array_equal(getattr(o, k), getattr(ds, k))
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="another config"):  # a SAC kind needs the run itself
+        make_dataset.main(["--kind", "medium", "--out", str(out), *TINY, "--network.width", "8"])
     with pytest.raises(SystemExit, match="exactly one --kind"):
         make_dataset.main(["--kind", "random", "--kind", "expert", "--out", str(out / "x.hdf5"), *TINY])

@@ -135,11 +135,13 @@ def test_pruning_removes_dormant_or_smallest_and_zeroes_their_moments(mode):
             assert np.all(b[pruned] == 0.0) and np.all(a[pruned] != 0.0) and np.array_equal(a[~pruned], b[~pruned])
 
 
-def test_schedule_grows_to_the_target_then_keeps_it():
+def test_cosine_schedule_grows_to_the_target_then_keeps_it():
+    """The options --plasticity.ne-schedule cosine --ne-init-space full --ne-prune redo (the zoo's first defaults)."""
     p = _params(shapes=((2, 16, 64), (2, 64, 64), (2, 64, 1)))
-    plan = expansion.plan(p, 0.8)
+    plan = expansion.plan(p, 0.8, "full")
     assert plan.dense == [False, False, True]  # ER density of the 64x1 head exceeds 1
-    sched = expansion.Schedule({"critic": plan}, total_updates=1000, target_sparsity=0.25)
+    sched = expansion.Schedule({"critic": plan}, total_updates=1000, target_sparsity=0.25, kind="cosine",
+                               prune="redo")
     seen = []
     for t in range(100, 1000, 100):
         grow, prune, magnitude = sched.step(t)["critic"]
@@ -149,9 +151,76 @@ def test_schedule_grows_to_the_target_then_keeps_it():
     reached = next(i for i, (_, growing, _) in enumerate(seen) if not growing)  # the last growth event
     assert reached < 4 and all(abs(s - 0.25) < 1e-3 for s, _, _ in seen[reached:])
     assert all(m for _, _, m in seen[reached + 1:])  # then magnitude-based dynamic sparse training
-    uniform = expansion.Schedule({"critic": expansion.plan(p, 0.8)}, 1000, 0.25, kind="uniform")
+    uniform = expansion.Schedule({"critic": expansion.plan(p, 0.8, "full")}, 1000, 0.25, kind="uniform")
     g, q, _ = uniform.step(100)["critic"]
     assert list(g[:2]) == [int(0.008 * s) for s in plan.init_space[:2]] and list(q) == [int(0.4 * x) for x in g]
+
+
+def test_default_schedule_is_the_reference_runs_uniform_growth_from_its_initial_space_event_by_event():
+    """Reference (STL_Scheduler defaults, train.py delta 100): n_init_space = 0.8 n_total - n_ones,
+    n_grow = int(0.008 n_init_space), n_prune = int(0.4 n_grow), magnitude pruning, every event."""
+    cfg = PlasticityConfig(ne=True)
+    assert (cfg.ne_every, cfg.ne_schedule, cfg.ne_init_space, cfg.ne_prune, cfg.ne_review, cfg.ne_auto_batch) == (
+        100, "uniform", "reference", "magnitude", False, "auto")
+    shapes = ((2, 23, 256), (2, 256, 256), (2, 256, 1))  # a SAC critic ensemble on HalfCheetah (17 + 6 inputs)
+    p = _params(shapes=shapes)
+    plan = expansion.plan(p, cfg.ne_initial_sparsity, cfg.ne_init_space)
+    n_total = [i * o for _, i, o in shapes]
+    ones = optim.initial_counts(p, 0.8)
+    assert plan.init_space == [max(0.0, 0.8 * t - o) for t, o in zip(n_total, ones)]
+    assert plan.init_space[2] == 0.0 and plan.dense[2]  # the 256x1 head: ER keeps it dense
+    sched = expansion.Schedule({"critic": plan}, total_updates=1_000_000, target_sparsity=cfg.ne_target_sparsity,
+                               kind=cfg.ne_schedule, prune=cfg.ne_prune)
+    grow = [int(0.008 * s) for s in plan.init_space]
+    prune = [int(0.4 * g) for g in grow]
+    per_event = sum(2 * (g - q) for g, q in zip(grow, prune))
+    target = round(0.75 * 2 * sum(n_total))
+    active, t, events = 2 * sum(ones), 0, 0
+    while plan.growing:
+        t += cfg.ne_every
+        g, q, magnitude = sched.step(t)["critic"]
+        events += 1
+        if plan.growing:  # every event but the last: exactly the reference's counts
+            assert list(g) == grow and list(q) == prune and bool(magnitude)
+            active += per_event
+            assert plan.active == active
+    assert abs(plan.sparsity - 0.25) < 1e-4
+    assert events == -(-(target - 2 * sum(ones)) // per_event)  # the last event is clipped onto the target
+    assert 15_000 <= t <= 22_000  # the reference's pace: dense to 75% in ~17-19k updates (not 2-3k)
+
+
+def test_auto_batch_halves_the_batch_while_the_critics_fau_is_below_036():
+    batch = replay.Transition(*(jnp.arange(8.0).reshape(8, *s) for s in ((1,), (1,), (), (1,))),
+                              jnp.zeros(8, bool), jnp.zeros(8, bool))
+    halved = replay.half_batch(batch, jnp.bool_(True))
+    np.testing.assert_array_equal(halved.reward, [0, 1, 2, 3, 0, 1, 2, 3])
+    assert float(halved.reward.mean()) == float(batch.reward[:4].mean())  # a row mean = the 4-row batch's
+    np.testing.assert_array_equal(replay.half_batch(batch, jnp.bool_(False)).reward, batch.reward)
+    # scan_updates applies it to every sampled batch (an update that returns its batch's rewards)
+    buf = replay.add(replay.init(64, 1, 1), jax.tree.map(lambda x: jnp.concatenate([x] * 8), batch))
+    last, _, _ = replay.scan_updates(lambda s, b, k: (b.reward, {}), jnp.zeros(8), buf, jax.random.key(0), 3, 8,
+                                     expansion.ReplayControl(half=jnp.bool_(True)))
+    np.testing.assert_array_equal(last[:4], last[4:])
+    assert expansion.AUTO_BATCH_FAU == pytest.approx(0.36)
+
+
+@pytest.mark.parametrize("fau,half", [(0.30, True), (0.35, True), (0.37, False), (0.9, False)])
+def test_an_ne_event_sets_the_half_batch_flag_from_the_critics_fau(monkeypatch, tiny_sac_config, fau, half):
+    from agents import sac
+    from plasticity import hooks
+    from training import offpolicy
+
+    p_cfg = PlasticityConfig(ne=True, metrics_every=0, reset_batch=16)
+    state, buffer, _ = offpolicy.init_state(sac, tiny_sac_config(plasticity=p_cfg), 3, 1)
+    one = jax.tree.map(lambda x: x[0], (state, buffer))
+    monkeypatch.setattr(expansion, "pooled_active_fraction", lambda acts: jnp.float32(fau))
+    sched = expansion.Schedule({n: expansion.plan(sac.plastic_params(one[0])[n], 0.8) for n in sac.PLASTIC}, 1000)
+    counts = sched.step(100)
+    _, out, control = hooks.ne_step(sac, p_cfg, *one, jax.random.key(0), counts)
+    assert control.review is None and bool(control.half) is half and float(out["plasticity/half_batch"]) == half
+    _, _, control = hooks.ne_step(sac, PlasticityConfig(ne=True, ne_auto_batch="off", ne_review=True), *one,
+                                  jax.random.key(0), counts)
+    assert control.half is None and control.review is not None
 
 
 def test_review_samples_only_the_oldest_30_percent():
@@ -230,7 +299,10 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     offpolicy, seen = counted_train
     cfg = tiny_sac_config(total_steps=400, learning_starts=100, eval_every=400, eval_episodes=1, log_every=40,
                           checkpoint_every=400, network=NetworkConfig(width=16, depth=1),
-                          plasticity=PlasticityConfig(metrics_every=0, ne=True, ne_every=40, kron=HAS_KRON))
+                          # the cosine options (fast growth: the target within the short run), review and auto batch on
+                          plasticity=PlasticityConfig(metrics_every=0, ne=True, ne_every=40, kron=HAS_KRON,
+                                                      ne_schedule="cosine", ne_init_space="full", ne_prune="redo",
+                                                      ne_review=True, ne_auto_batch="on"))
     out = offpolicy.train(cfg, sac, tmp_path / "r")
     st = out["state"]
     if HAS_KRON:  # Kron: 301 finite updates; the opt state is PSGD-Kron's, not Adam's
@@ -245,10 +317,10 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     assert seen["step"].learn_and_act._cache_size() == 2  # random-action warm-up + learning; growth never recompiles
     assert seen["step"].store._cache_size() == 1
     # the same schedule on the host: the logged (device) sparsity follows it exactly
-    plans = {n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8)
+    plans = {n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8, "full")
              for n, (f, _) in sac.PLASTIC.items()}
     assert all(abs(p.sparsity - 0.8) < 0.01 for p in plans.values())
-    host = expansion.Schedule(plans, total_updates=301, target_sparsity=0.25)
+    host = expansion.Schedule(plans, total_updates=301, target_sparsity=0.25, kind="cosine", prune="redo")
     rows = [r for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv")) if r.get("plasticity/critic/sparsity")]
     assert len(rows) == 7
     for k, row in enumerate(rows):
@@ -256,6 +328,7 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
         for name, plan in host.plans.items():
             assert abs(float(row[f"plasticity/{name}/sparsity"]) - plan.sparsity) < 1e-5, (k, name)
         assert 0.0 <= float(row["plasticity/review_prob"]) < 1.0
+        assert float(row["plasticity/half_batch"]) in (0.0, 1.0)
     sparsity = [float(r["plasticity/critic/sparsity"]) for r in rows]
     assert 0.25 < sparsity[0] < 0.8 and sparsity[1] < sparsity[0]
     assert all(abs(s - 0.25) < 2e-3 for s in sparsity[3:])  # target reached by the 3rd event, then kept

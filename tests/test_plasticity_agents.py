@@ -147,19 +147,24 @@ def test_mrq_refuses_ne_review(tmp_path):
     from training.offpolicy import train
 
     with pytest.raises(ValueError, match="ne-review does not apply to agent 'mrq'"):
-        train(_mrq_cfg(PlasticityConfig(ne=True)), mrq, tmp_path / "r")
+        train(_mrq_cfg(PlasticityConfig(ne=True, ne_review=True)), mrq, tmp_path / "r")
 
 
 @pytest.mark.parametrize("name", ["mrq", "ppo", "ravl"])
-def test_ne_review_is_refused_the_same_way_for_every_kind_without_uniform_replay(name):
+def test_ne_replay_controls_are_refused_the_same_way_for_every_kind_without_uniform_replay(name):
     import agents
-    from plasticity.hooks import check_applicable
+    from plasticity.hooks import auto_batch_on, check_applicable
 
     agent = agents.get(name)
     with pytest.raises(ValueError, match=f"ne-review does not apply to agent '{name}'.*--plasticity.no-ne-review"):
-        check_applicable(PlasticityConfig(ne=True), agent, name)
-    check_applicable(PlasticityConfig(ne=True, ne_review=False), agent, name)  # growth and pruning alone apply
-    check_applicable(PlasticityConfig(ne=True), agents.get("sac"), "sac")
+        check_applicable(PlasticityConfig(ne=True, ne_review=True), agent, name)
+    with pytest.raises(ValueError, match=f"ne-auto-batch on does not apply to agent '{name}'"):
+        check_applicable(PlasticityConfig(ne=True, ne_auto_batch="on"), agent, name)
+    check_applicable(PlasticityConfig(ne=True), agent, name)  # the defaults: growth and pruning alone apply
+    assert not auto_batch_on(PlasticityConfig(ne=True), agent)  # auto: off where there is no uniform replay
+    sac = agents.get("sac")
+    check_applicable(PlasticityConfig(ne=True, ne_review=True, ne_auto_batch="on"), sac, "sac")
+    assert auto_batch_on(PlasticityConfig(ne=True), sac) and not auto_batch_on(PlasticityConfig(), sac)
 
 
 def test_ppo_ne_kron(tmp_path):

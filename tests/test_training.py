@@ -147,8 +147,8 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
 
     from buffers import replay
 
-    def bad_train_block(state, buffer, key, num_updates, review=None):
-        return replay.scan_updates(bad_update, state, buffer, key, num_updates, state.cfg.batch_size, review)
+    def bad_train_block(state, buffer, key, num_updates, replay_control=None):
+        return replay.scan_updates(bad_update, state, buffer, key, num_updates, state.cfg.batch_size, replay_control)
 
     contract = {k: getattr(sac, k) for k in dir(sac) if not k.startswith("_")}
     broken = types.SimpleNamespace(**{**contract, "update": bad_update, "train_block": bad_train_block})
@@ -178,12 +178,13 @@ def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
     assert cfg_json["agent"]["critics"] == 2 and out["step"] == 6000
 
 
-@pytest.mark.parametrize("review", [False, True], ids=["uniform", "ne_review"])
+@pytest.mark.parametrize("review", [False, True], ids=["uniform", "ne_review_and_half_batch"])
 def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(review):
     """Issue: with a 1M buffer XLA copied every buffer array once per env step (the batch gathers
     fused with the in-place write of the new row).  XLA's own memory analysis of the two compiled
     per-step programs must not depend on the capacity: only the donated buffer itself does."""
     from buffers import replay
+    from plasticity.expansion import ReplayControl
     from training import offpolicy
     from training.config import NetworkConfig, RunConfig
 
@@ -197,9 +198,9 @@ def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(review)
                                        np.zeros(1, np.float32), np.zeros((1, 3), np.float32),
                                        np.zeros(1, bool), np.zeros(1, bool))
         obs = np.zeros((1, 1, 3), np.float32)
-        p_review = jnp.full((1,), 0.5, jnp.float32) if review else None
+        control = ReplayControl(jnp.full((1,), 0.5, jnp.float32), jnp.ones((1,), bool)) if review else None
         learn = step.learn_and_act.lower(state, buffer, obs, jax.random.key(0), random_actions=False, train=True,
-                                         review=p_review).compile()
+                                         replay_control=control).compile()
         store = step.store.lower(buffer, transition, obs).compile()
         temps.append((learn.memory_analysis().temp_size_in_bytes, store.memory_analysis().temp_size_in_bytes))
     assert temps[0] == temps[1], f"per-step temporaries grow with the capacity: {temps}"

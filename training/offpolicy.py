@@ -28,8 +28,9 @@ __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step
 
 
 def make_train_block(agent, cfg, num_updates: int):
-    """``agent.train_block`` with ``num_updates`` bound: ``(state, buffer, key, review=None) -> (state, buffer, metrics)``."""
-    return lambda state, buffer, key, review=None: agent.train_block(state, buffer, key, num_updates, review)
+    """``agent.train_block`` with ``num_updates`` bound: ``(state, buffer, key, replay_control=None) -> (state, buffer, metrics)``."""
+    return lambda state, buffer, key, replay_control=None: agent.train_block(state, buffer, key, num_updates,
+                                                                             replay_control)
 
 
 def buffer_fns(agent):
@@ -41,8 +42,8 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     """Two jitted calls per env step: store transitions, then learn and choose the next actions.
 
     ``sigreg`` (a ``SIGRegSpec``) switches SIGReg on in the agent's regularised losses, ``optim``
-    (an ``OptimSpec``) Kron / NE masks in its optimizers; ``review`` (per-seed probabilities, or
-    None) switches on NE's experience review.
+    (an ``OptimSpec``) Kron / NE masks in its optimizers; ``replay_control`` (a per-seed
+    ``plasticity.expansion.ReplayControl``, or None) switches on NE's experience review and auto batch.
     """
     block = make_train_block(agent, cfg, num_updates)
 
@@ -56,12 +57,12 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         return jax.vmap(agent.buffer_add)(buffer, flat)
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
-    def learn_and_act(state, buffer, obs, key, random_actions: bool, train: bool, review=None):
+    def learn_and_act(state, buffer, obs, key, random_actions: bool, train: bool, replay_control=None):
         seeds, envs = obs.shape[:2]
         k_train, k_act = jax.random.split(key)
         metrics = {}
         if train:
-            state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds), review)
+            state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds), replay_control)
         if random_actions:
             action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
         else:
@@ -69,9 +70,9 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
         return state, buffer, action, metrics, finite
 
-    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool, review=None):
+    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool, replay_control=None):
         buffer = store(buffer, transition, obs)
-        return learn_and_act(state, buffer, obs, key, random_actions=random_actions, train=train, review=review)
+        return learn_and_act(state, buffer, obs, key, random_actions=random_actions, train=train, replay_control=replay_control)
 
     step.store, step.learn_and_act = store, learn_and_act  # for the donation regression test
 
@@ -113,6 +114,10 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
 def check(cfg: RunConfig):
     """Settings the off-policy loop cannot run with (a ValueError naming the flag)."""
     check_positive(**run_counts(cfg))
+    pc, batch = cfg.plasticity, getattr(cfg.agent, "batch_size", 2)
+    if pc.ne and pc.ne_auto_batch != "off" and batch % 2:
+        raise ValueError(f"NE's auto batch halves the batch: --batch-size must be even (got {batch}), "
+                         "or pass --plasticity.ne-auto-batch off")
 
 
 class OffPolicyIteration:
@@ -182,7 +187,7 @@ class OffPolicyIteration:
         learning = drv.step >= a.learning_starts
         self.state, self.buffer, self.action, new_metrics, finite = self.step_fn(
             self.state, self.buffer, transition, self.obs.reshape(S, E, self.obs_dim), k,
-            random_actions=not learning, train=learning, review=self.hooks.review)
+            random_actions=not learning, train=learning, replay_control=self.hooks.replay_control)
         if learning:
             self.metrics = new_metrics
             drv.stop_if_non_finite(finite, new_metrics, drv.step)
