@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # SAC on Pendulum-v1 until it swings up (a few minutes on a 2-core CPU), then its learning curve.
+# --overwrite: a second `make demo` moves the previous demo run into runs/demo-sac-pendulum/.replaced-<time>/.
 demo: $(STAMP)
 	$(BIN)/python scripts/train.py sac --env Pendulum-v1 --total-steps 12000 --learning-starts 1000 \
-	    --eval-every 1000 --eval-episodes 5 --run-dir runs/demo-sac-pendulum
+	    --eval-every 1000 --eval-episodes 5 --run-dir runs/demo-sac-pendulum --overwrite
 	$(BIN)/python scripts/plot.py runs/demo-sac-pendulum --out runs/demo-sac-pendulum/curve.png
 
 test: $(STAMP)

@@ -134,3 +134,21 @@ class OffPolicyConfig:
     """uniform-random env steps before learning starts"""
     updates_per_step: int = 1
     """gradient steps per env step (update-to-data ratio)"""
+
+
+def check_range(low: float, high: float, **values: float):
+    """Raise a ValueError naming the flag (``gae_lambda`` -> ``--gae-lambda``) of the first value
+    outside [low, high] (NaN included)."""
+    for name, value in values.items():
+        if not low <= value <= high:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [{low:g}, {high:g}], got {value}")
+
+
+def check_replay(cfg: OffPolicyConfig):
+    """The replay settings an off-policy run cannot work with (a ValueError naming the flags)."""
+    for name, least in (("buffer_size", 1), ("batch_size", 1), ("updates_per_step", 1), ("learning_starts", 0)):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
+    if cfg.batch_size > cfg.buffer_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than --buffer-size {cfg.buffer_size}: "
+                         "every batch would repeat rows of a replay smaller than itself")

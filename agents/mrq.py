@@ -98,7 +98,7 @@ from plasticity import optim as optim_lib
 from plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity.sigreg import regularized
 from buffers import lap
-from agents.api import OffPolicyConfig
+from agents.api import OffPolicyConfig, check_range, check_replay
 from networks.config import NetworkConfig
 from buffers.lap import Window
 from buffers.replay import Transition
@@ -396,6 +396,8 @@ def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig
                         ("num_bins", 2)):
         if getattr(cfg, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
+    check_range(0, 1, gamma=cfg.gamma)
+    check_replay(cfg)
     w = dims(cfg, network)
     over = dataclasses.replace(network, width=None)  # widths are scaled by ``dims``, not replaced
 

@@ -74,6 +74,7 @@ from plasticity import optim as optim_lib
 from plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity.sigreg import regularized
 from networks.config import NetworkConfig
+from agents.api import check_range
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
 
@@ -276,6 +277,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig
         raise ValueError("GTR needs gtr_sigma2 > 0, gtr_logratio_sigma > 0 and gtr_beta >= 0")
     if not 0 < cfg.gtr_decay <= 1 or not 0 < cfg.gtr_ema_tau <= 1:
         raise ValueError("gtr_decay and gtr_ema_tau must lie in (0, 1]")
+    check_range(0, 1, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda)
     spec = network.trunk(TrunkSpec(64, 2, activation="tanh"))
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: PPOActor(obs_dim, act_dim, spec, rngs=r), k_actor)

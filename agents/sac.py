@@ -34,7 +34,7 @@ from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from plasticity import optim as optim_lib
 from plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity.sigreg import regularized
-from agents.api import OffPolicyConfig
+from agents.api import OffPolicyConfig, check_range, check_replay
 from networks.config import NetworkConfig
 from buffers import replay
 from buffers.replay import Transition
@@ -103,6 +103,9 @@ def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig
         raise ValueError(f"--critics must be >= 1, got {cfg.critics}")
     if cfg.eta > 0 and cfg.critics < 2:
         raise ValueError("EDAC's diversity term (--eta > 0) needs at least 2 critics")
+    check_range(0, 1, gamma=cfg.gamma)  # RAVL's too
+    if isinstance(cfg, OffPolicyConfig):
+        check_replay(cfg)
     spec = network.trunk(TrunkSpec(256, 2, hidden_bias_init=0.1 if cfg.edac_init else 0.0))
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: GaussianPolicyHead(

@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python scripts/plot.py RUN_DIR [RUN_DIR ...] --out FIG.png [--y return_mean]
-        [--metrics NAME [NAME ...]] [--smooth K] [--title T]
+        [--metrics NAME [NAME ...]] [--smooth K] [--title T] [--align]
 
 Each run directory holds ``config.json`` (keys ``agent_name``, ``env`` and optional
 ``label``), ``eval.csv`` and, for ``--metrics``, ``metrics.csv``; both CSVs
@@ -14,6 +14,14 @@ over seeds with a shaded 95% percentile-bootstrap confidence interval.
 Metric names may be glob patterns (``plasticity/critic/dormant*``); each
 matching column gets its own line. A text table of final values (unsmoothed)
 is printed and the figure is saved (format from the file extension).
+
+Pooled runs must share their evaluation (and, for ``--metrics``, log) steps
+where they overlap; a run may end earlier (the pooled curve then ends at the
+last step all runs reached).  Runs evaluated on different grids (another
+``--eval-every``) are refused with a message, or with ``--align`` every seed's
+curve is linearly interpolated onto all their steps within the span they
+share.  A CSV whose steps go back (two runs appended to one file) is refused.
+Nothing is saved, and the exit status is non-zero, when a curve would be empty.
 """
 
 import argparse
@@ -129,19 +137,64 @@ def load_run(run_dir, with_metrics=False):
 def seed_curves(table, column, path):
     """Split ``column`` of a run table into one ``{step: value}`` per seed.
 
-    Missing (NaN) values are dropped; a repeated step keeps its last value.
+    Missing (NaN) values are dropped; a repeated step keeps its last value.  A seed whose steps go
+    back is refused: the file holds more than one run.
     """
     steps = numeric_column(table, "step", path)
     seeds = numeric_column(table, "seed", path)
     values = numeric_column(table, column, path)
     if np.isnan(steps).any() or np.isnan(seeds).any():
         fail(path, "empty 'step' or 'seed' cell")
-    curves = {}
-    for step, seed, value in zip(steps, seeds, values):
+    curves, last = {}, {}
+    for line, (step, seed, value) in enumerate(zip(steps, seeds, values), start=2):
+        if step < last.get(seed, -np.inf):
+            fail(path, f"line {line}: seed {int(seed)} goes back from step {int(last[seed])} to {int(step)}; "
+                       "the file holds more than one run")
+        last[seed] = step
         curve = curves.setdefault(seed, {})
         if np.isfinite(value):
             curve[int(step)] = float(value)
     return list(curves.values())
+
+
+def step_grid(table, path):
+    """The steps a run table has rows at (whatever their values)."""
+    return {int(s) for s in numeric_column(table, "step", path) if np.isfinite(s)}
+
+
+def check_grids(runs, table_name):
+    """The steps to align pooled runs onto, or None if their grids agree where they overlap.
+
+    Grids agree when every step a run has inside the span all runs cover is a step of every run
+    (a run's own last step excepted: a shorter run's final evaluation).  Otherwise -> the steps of
+    all runs within that span (empty if the spans do not overlap)."""
+    grids = [step_grid(getattr(run, table_name), run.path / f"{table_name}.csv") for run in runs]
+    lo, hi = max(min(g) for g in grids), min(max(g) for g in grids)
+    common = set.intersection(*grids)
+    within = sorted({s for g in grids for s in g if lo <= s <= hi})
+    if lo <= hi and all(s in common for g in grids for s in g if lo <= s <= hi and s != max(g)):
+        return None
+    return within
+
+
+def describe_grids(runs, table_name):
+    """``path: N steps from A to B (every D)`` for each run, for a refusal."""
+    out = []
+    for run in runs:
+        g = sorted(step_grid(getattr(run, table_name), run.path / f"{table_name}.csv"))
+        gap = f", every {int(np.median(np.diff(g)))}" if len(g) > 1 else ""
+        out.append(f"{run.path}: {len(g)} steps from {g[0]} to {g[-1]}{gap}")
+    return "; ".join(out)
+
+
+def interpolate(curve, steps):
+    """``curve`` linearly interpolated at ``steps`` (those within the curve's own first and last step)."""
+    if not curve:
+        return {}
+    xs = np.array(sorted(curve), dtype=float)
+    ys = np.array([curve[int(x)] for x in xs])
+    inside = [s for s in steps if xs[0] <= s <= xs[-1]]
+    return dict(zip(inside, np.interp(inside, xs, ys).tolist()))
 
 
 def smooth(curve, k):
@@ -181,13 +234,37 @@ def group_runs(runs):
     return groups
 
 
-def group_curves(runs, column, table_name, k=1):
-    """Pool (smoothed) seed curves of ``column`` over runs; seeds stay per run."""
-    return [
+def group_curves(runs, column, table_name, k=1, align=False):
+    """Pool (smoothed) seed curves of ``column`` over runs; seeds stay per run.
+
+    Runs on different step grids are refused, or with ``align`` interpolated (``check_grids``)."""
+    curves = [
         smooth(curve, k)
         for run in runs
         for curve in seed_curves(getattr(run, table_name), column, run.path / f"{table_name}.csv")
     ]
+    steps = check_grids(runs, table_name) if len(runs) > 1 else None
+    if steps is None:
+        return curves
+    what = "evaluated" if table_name == "eval" else "logged"
+    paths = ", ".join(str(run.path) for run in runs)
+    if not align:
+        fail(paths, f"runs pooled under one (env, label) were {what} at different steps "
+                    f"({describe_grids(runs, table_name)}), so few or none of their steps are shared; "
+                    "plot them separately, give them different labels (config.json 'label', --label when "
+                    "training), or pass --align to interpolate every seed onto their steps")
+    if not steps:
+        fail(paths, f"runs pooled under one (env, label) were {what} over step ranges that do not overlap "
+                    f"({describe_grids(runs, table_name)}): nothing to align")
+    return [interpolate(curve, steps) for curve in curves]
+
+
+def group_aggregate(runs, column, table_name, k=1, align=False):
+    """``aggregate`` of ``group_curves``, refusing a curve without a single value."""
+    agg = aggregate(group_curves(runs, column, table_name, k, align))
+    if agg.steps.size == 0:
+        fail(", ".join(str(r.path) for r in runs), f"no values in column {column!r} of {table_name}.csv")
+    return agg
 
 
 def expand_metric(pattern, runs):
@@ -207,15 +284,16 @@ def expand_metric(pattern, runs):
 
 
 def draw(ax, agg, color, label, linestyle="-"):
-    """Draw a mean line with its shaded confidence band."""
-    ax.plot(agg.steps, agg.mean, color=color, linestyle=linestyle, label=label)
+    """Draw a mean line with its shaded confidence band (a lone point gets a marker)."""
+    ax.plot(agg.steps, agg.mean, color=color, linestyle=linestyle, label=label,
+            marker="o" if agg.steps.size == 1 else None)
     ax.fill_between(agg.steps, agg.low, agg.high, color=color, alpha=0.2, linewidth=0)
 
 
-def plot_env(axes, groups, colors, y, metrics, k):
+def plot_env(axes, groups, colors, y, metrics, k, align=False):
     """Fill one column of axes: eval curves on top, one row per metric below."""
     for label, runs in groups.items():
-        draw(axes[0], aggregate(group_curves(runs, y, "eval", k)), colors[label], label)
+        draw(axes[0], group_aggregate(runs, y, "eval", k, align), colors[label], label)
     axes[0].set_ylabel(y)
     all_runs = [run for runs in groups.values() for run in runs]
     for ax, pattern in zip(axes[1:], metrics):
@@ -223,7 +301,7 @@ def plot_env(axes, groups, colors, y, metrics, k):
         for label, runs in groups.items():
             for i, column in enumerate(columns):
                 name = label if len(columns) == 1 else f"{label}: {column}"
-                agg = aggregate(group_curves(runs, column, "metrics", k))
+                agg = group_aggregate(runs, column, "metrics", k, align)
                 draw(ax, agg, colors[label], name, LINESTYLES[i % len(LINESTYLES)])
         ax.set_ylabel(pattern)
     for ax in axes:
@@ -232,7 +310,7 @@ def plot_env(axes, groups, colors, y, metrics, k):
     axes[-1].set_xlabel("environment steps")
 
 
-def make_figure(groups, y, metrics=(), k=1, title=None):
+def make_figure(groups, y, metrics=(), k=1, title=None, align=False):
     """Build the figure: one column per env, rows = eval + one per metric."""
     labels = list(dict.fromkeys(label for env in groups.values() for label in env))
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
@@ -241,20 +319,18 @@ def make_figure(groups, y, metrics=(), k=1, title=None):
     axes = fig.subplots(n_rows, n_cols, squeeze=False)
     for col, (env, env_groups) in enumerate(groups.items()):
         axes[0, col].set_title(env)
-        plot_env(axes[:, col], env_groups, colors, y, metrics, k)
+        plot_env(axes[:, col], env_groups, colors, y, metrics, k, align)
     if title:
         fig.suptitle(title)
     return fig
 
 
-def summary_rows(groups, y):
+def summary_rows(groups, y, align=False):
     """Final-step (unsmoothed) mean and CI of ``y`` for every (env, label)."""
     rows = []
     for env, env_groups in groups.items():
         for label, runs in env_groups.items():
-            agg = aggregate(group_curves(runs, y, "eval"))
-            if agg.steps.size == 0:
-                fail(", ".join(str(r.path) for r in runs), f"no values in column {y!r}")
+            agg = group_aggregate(runs, y, "eval", align=align)
             rows.append((env, label, int(agg.n_seeds[-1]), int(agg.steps[-1]),
                          agg.mean[-1], agg.low[-1], agg.high[-1]))
     return rows
@@ -282,6 +358,9 @@ def parse_args(argv=None):
     parser.add_argument("--smooth", type=int, default=1, metavar="K",
                         help="trailing moving average over K points per seed (plot only)")
     parser.add_argument("--title", help="figure title")
+    parser.add_argument("--align", action="store_true",
+                        help="pool runs evaluated (or logged) at different steps by interpolating every seed "
+                             "onto their steps within the span they share (default: refuse them)")
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
@@ -293,8 +372,8 @@ def main(argv=None):
     args = parse_args(argv)
     runs = [load_run(path, with_metrics=bool(args.metrics)) for path in args.runs]
     groups = group_runs(runs)
-    fig = make_figure(groups, args.y, args.metrics, args.smooth, args.title)
-    print(format_table(summary_rows(groups, args.y), args.y))
+    fig = make_figure(groups, args.y, args.metrics, args.smooth, args.title, args.align)
+    print(format_table(summary_rows(groups, args.y, args.align), args.y))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(args.out)

@@ -4,11 +4,14 @@
     python scripts/train.py sac --env dmc:cheetah-run --seeds 3
     python scripts/train.py sac --env HalfCheetah-v5 --critics 10 --eta 1.0   # EDAC
     python scripts/train.py --resume runs/<dir>                              # continue a run
+    python scripts/train.py sac --run-dir runs/x --overwrite                  # start runs/x over
 
 `python scripts/train.py AGENT --help` lists every flag with its default.  A mistaken command
-line (unknown agent, env id or flag, a bad value, an intervention the agent cannot take, a
-missing dataset or checkpoint) stops with one `error:` line before a run directory is created;
-`--debug` (or RLZOO_DEBUG=1) shows the full traceback instead.
+line (unknown agent, env id or flag, a bad value or two that cannot work together, an
+intervention the agent cannot take, a missing dataset or checkpoint) stops with one `error:`
+line before a run directory is created; `--debug` (or RLZOO_DEBUG=1) shows the full traceback
+instead.  A --run-dir that already holds a run is refused: continue it with --resume, or pass
+--overwrite to move its files into RUN_DIR/.replaced-<time>/ and start a new run there.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Annotated, Optional
 
 try:
     import agents
@@ -30,6 +34,8 @@ from training.loop import NonFiniteLossError
 from training.run import is_user_error, load_config, preflight, run
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
+DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
+               "moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback of an error.")
 
 
 def _agents() -> str:
@@ -76,10 +82,14 @@ def parse(argv: list[str]):
                 raise SystemExit(f"--resume: that run trained {saved.agent_name!r}, not {name!r}")
     agent = agents.get(name)
     cls = config_lib.cli_type(name, agent.CONFIG)
+    if agent.KIND == "offline":  # --env not given is None, not RunConfig's default: that may be given too
+        env = Annotated[Optional[str], tyro.conf.arg(help="the env to evaluate on (default: the dataset's own; "
+                                                          "with --kind: the env whose cached dataset to use)")]
+        cls = dataclasses.make_dataclass(cls.__name__, [("env", env, dataclasses.field(default=None))], bases=(cls,))
     if saved is None:
-        return tyro.cli(cls, args=rest, prog=f"train.py {name}")
+        return tyro.cli(cls, args=rest, prog=f"train.py {name}", description=DESCRIPTION)
     default = cls(**{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)})
-    cfg = tyro.cli(cls, args=rest, default=default, prog=f"train.py {name}")
+    cfg = tyro.cli(cls, args=rest, default=default, prog=f"train.py {name}", description=DESCRIPTION)
     changed = [name for name in _changed(cfg, saved) if name not in config_lib.RESUME_MUTABLE]
     if changed:
         raise SystemExit(f"--resume cannot change {', '.join(changed)}: the run's config.json fixes them")
@@ -102,13 +112,18 @@ _stage = ["checks"]  # "run" once the checks passed: cli() then notes that --deb
 
 
 def main(argv=None):
-    """Parse, check and train; errors propagate (``cli`` turns the user's mistakes into one line)."""
+    """Parse, check and train; errors propagate (``cli`` turns the user's mistakes into one line).
+
+    ``--overwrite`` (anywhere in argv) lets a new run replace the one in its --run-dir, whose files
+    are moved into RUN_DIR/.replaced-<time>/ (``training.run.move_aside``)."""
     _stage[0] = "checks"
-    cfg = parse(sys.argv[1:] if argv is None else list(argv))
-    preflight(cfg)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overwrite = "--overwrite" in argv
+    cfg = parse([a for a in argv if a != "--overwrite"])
+    preflight(cfg, overwrite=overwrite)
     _stage[0] = "run"
     try:
-        out = run(cfg, check=False)
+        out = run(cfg, check=False, overwrite=overwrite)
     except KeyboardInterrupt as stopped:  # the loop has checkpointed and said how to resume
         raise SystemExit(143 if stopped.args == ("SIGTERM",) else 130) from None
     unit = "updates" if agents.get(cfg.agent_name).KIND == "offline" else "steps"

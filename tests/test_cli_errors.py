@@ -20,8 +20,9 @@ TRAIN = str(ROOT / "scripts" / "train.py")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 ENV.pop("RLZOO_DEBUG", None)
 
-RUN, DATA, GARBAGE = "{run}", "{data}", "{garbage}"
-NOCONF, BADCONF, NOCKPT, HASCKPT = "{noconf}", "{badconf}", "{nockpt}", "{hasckpt}"
+RUN, DATA, GARBAGE, EMPTY = "{run}", "{data}", "{garbage}", "{empty}"
+NOCONF, BADCONF, NOCKPT, HASCKPT, HASLOGS = "{noconf}", "{badconf}", "{nockpt}", "{hasckpt}", "{haslogs}"
+DIRS = ("noconf", "badconf", "nockpt", "hasckpt", "haslogs")  # named by the commands: left exactly as they were
 
 # id -> (argv, what the message must contain).  RUN is a fresh path that must not exist afterwards;
 # the run directories given to --resume / --run-dir must be left exactly as they were.
@@ -55,9 +56,32 @@ CASES = {
                                       "must be divisible by --num-minibatches 3"),
     "ppo-shorter-than-a-rollout": (["ppo", "--total-steps", "100", "--run-dir", RUN], "is less than one rollout"),
     "mrq-option-below-one": (["mrq", "--enc-horizon", "0", "--run-dir", RUN], "--enc-horizon must be >= 1, got 0"),
+    # values out of range, and values that cannot work together (issue #23 item 4)
+    "sac-gamma-above-one": (["sac", "--gamma", "1.5", "--run-dir", RUN], "--gamma must be in [0, 1], got 1.5"),
+    "mrq-gamma-negative": (["mrq", "--gamma", "-0.1", "--run-dir", RUN], "--gamma must be in [0, 1], got -0.1"),
+    "ppo-gamma-above-one": (["ppo", "--gamma", "1.01", "--run-dir", RUN], "--gamma must be in [0, 1], got 1.01"),
+    "ppo-gae-lambda-above-one": (["ppo", "--gae-lambda", "1.5", "--run-dir", RUN],
+                                 "--gae-lambda must be in [0, 1], got 1.5"),
+    "ravl-gamma-above-one": (["ravl", "--dataset", DATA, "--gamma", "2", "--run-dir", RUN],
+                             "--gamma must be in [0, 1], got 2.0"),
+    "sac-batch-larger-than-buffer": (["sac", "--batch-size", "512", "--buffer-size", "256", "--run-dir", RUN],
+                                     "--batch-size 512 is larger than --buffer-size 256"),
+    "mrq-batch-larger-than-buffer": (["mrq", "--buffer-size", "100", "--run-dir", RUN],
+                                     "--batch-size 256 is larger than --buffer-size 100"),
+    "sac-zero-updates-per-step": (["sac", "--updates-per-step", "0", "--run-dir", RUN],
+                                  "--updates-per-step must be >= 1, got 0"),
+    "sac-negative-learning-starts": (["sac", "--learning-starts", "-1", "--run-dir", RUN],
+                                     "--learning-starts must be >= 0, got -1"),
+    "sac-learning-starts-beyond-total-steps": (["sac", "--total-steps", "1000", "--learning-starts", "5000",
+                                                "--run-dir", RUN],
+                                               "--learning-starts 5000 is not below --total-steps 1000: the run "
+                                               "would only take random actions and train nothing"),
+    "mrq-total-steps-within-learning-starts": (["mrq", "--total-steps", "10000", "--run-dir", RUN],
+                                               "--learning-starts 10000 is not below --total-steps 10000"),
     # interventions that do not apply
     "ppo-least": (["ppo", "--plasticity.least", "--run-dir", RUN], "--plasticity.least does not apply to agent 'ppo'"),
-    "mrq-ne-with-review": (["mrq", "--plasticity.ne", "--run-dir", RUN], "pass --plasticity.no-ne-review"),
+    "mrq-ne-with-review": (["mrq", "--plasticity.ne", "--plasticity.ne-review", "--run-dir", RUN],
+                           "pass --plasticity.no-ne-review"),
     "ravl-least": (["ravl", "--dataset", DATA, "--plasticity.least", "--run-dir", RUN],
                    "--plasticity.least does not apply to agent 'ravl'"),
     "redo-and-regrama": (["sac", "--plasticity.redo", "--plasticity.regrama", "--run-dir", RUN],
@@ -67,6 +91,9 @@ CASES = {
     # offline datasets
     "ravl-no-dataset": (["ravl", "--run-dir", RUN], "give --dataset PATH or --env ENV --kind KIND"),
     "ravl-kind-without-env": (["ravl", "--kind", "medium", "--run-dir", RUN], "--kind needs --env"),
+    # an explicit --env equal to RunConfig's default is given, not "missing" (issue #23 item 4)
+    "ravl-kind-with-the-default-env": (["ravl", "--env", "Pendulum-v1", "--kind", "medium", "--dataset-root", EMPTY,
+                                        "--run-dir", RUN], "no medium dataset for Pendulum-v1"),
     "ravl-missing-dataset": (["ravl", "--dataset", "/nope.hdf5", "--run-dir", RUN], "--dataset /nope.hdf5: no such file"),
     "ravl-not-hdf5": (["ravl", "--dataset", GARBAGE, "--run-dir", RUN], "unreadable or corrupt HDF5 file"),
     "ravl-option-below-one": (["ravl", "--dataset", DATA, "--horizon", "0", "--run-dir", RUN],
@@ -79,7 +106,15 @@ CASES = {
     "resume-unreadable-config": (["--resume", BADCONF], "is not a readable run config"),
     "resume-without-checkpoint": (["--resume", NOCKPT, "--total-steps", "500"], "no checkpoint found"),
     "resume-as-another-agent": (["ppo", "--resume", NOCKPT], "that run trained 'sac', not 'ppo'"),
-    "run-dir-holds-a-run": (["sac", "--run-dir", HASCKPT], "already holds a run; use --resume"),
+    "resume-with-overwrite": (["--resume", HASCKPT, "--overwrite"],
+                              "--overwrite starts a new run; it cannot be combined with --resume"),
+    # a run directory receives one run (issue #23 item 1)
+    "run-dir-holds-a-run": (["sac", "--run-dir", HASCKPT], "already holds a run; continue it with --resume"),
+    "run-dir-holds-logs-without-a-checkpoint": (["sac", "--run-dir", HASLOGS, "--total-steps", "500"],
+                                                "already holds a run that stopped before its first checkpoint "
+                                                "(config.json, metrics.csv, eval.csv; nothing to resume): pass "
+                                                "--overwrite to move its files into"),
+    "run-dir-holds-only-a-config": (["ppo", "--run-dir", NOCKPT], "already holds a run that stopped before"),
 }
 
 # Not user errors of the command line: --debug / RLZOO_DEBUG=1 show the traceback, --help succeeds.
@@ -91,7 +126,9 @@ EXTRA = {
 
 
 def _files(d: Path) -> dict:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    """Every entry under ``d``: its bytes (None for a folder) and its modification time."""
+    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +146,20 @@ def outcomes(tmp_path_factory):
     ds.metadata.update({"env_id": "Pendulum-v1", "kind": "random"})
     datasets.save(data, ds)
     (base / "garbage.hdf5").write_bytes(b"this is not an HDF5 file\n" * 10)
-    for name in ("noconf", "badconf", "nockpt", "hasckpt"):
+    (base / "empty").mkdir()
+    for name in DIRS:
         (base / name).mkdir()
     (base / "badconf" / "config.json").write_text("{not json")
-    for name in ("nockpt", "hasckpt"):  # a sac run that stopped before its first checkpoint / one that has one
+    for name in ("nockpt", "hasckpt", "haslogs"):  # sac runs: stopped before a checkpoint / with one / with logs
         cfg = train_script.parse(["sac", "--run-dir", str(base / name)])
         (base / name / "config.json").write_text(json.dumps(to_json(cfg)))
     (base / "hasckpt" / "ckpt" / "step_000000001000").mkdir(parents=True)
-    subs = {DATA: str(data), GARBAGE: str(base / "garbage.hdf5"),
-            **{f"{{{name}}}": str(base / name) for name in ("noconf", "badconf", "nockpt", "hasckpt")}}
-    before = {name: _files(base / name) for name in ("noconf", "badconf", "nockpt", "hasckpt")}
+    (base / "haslogs" / "metrics.csv").write_text("step,seed,perf/sps\n1000,0,250.0\n")
+    (base / "haslogs" / "eval.csv").write_text("step,seed,return_mean,return_std,episode_returns\n"
+                                               "0,0,-1200.0,0.0,-1200.0\n")
+    subs = {DATA: str(data), GARBAGE: str(base / "garbage.hdf5"), EMPTY: str(base / "empty"),
+            **{f"{{{name}}}": str(base / name) for name in DIRS}}
+    before = {name: _files(base / name) for name in DIRS}
 
     def one(item):
         key, (argv, extra_env) = item
@@ -148,7 +189,8 @@ def test_user_error_is_one_message_without_a_traceback_or_run_dir(outcomes, case
 
 
 def test_run_directories_named_by_the_command_are_left_alone(outcomes):
-    assert outcomes["_unchanged"] == {"noconf": True, "badconf": True, "nockpt": True, "hasckpt": True}
+    """Bytes and modification times of every file (and folder) of each directory given to --resume or --run-dir."""
+    assert outcomes["_unchanged"] == {name: True for name in DIRS}
 
 
 def test_debug_shows_the_traceback(outcomes):
@@ -188,6 +230,42 @@ def test_a_non_finite_loss_stops_with_one_line_naming_it_and_exit_1(monkeypatch,
     monkeypatch.setenv("RLZOO_DEBUG", "1")
     with pytest.raises(NonFiniteLossError):  # --debug / RLZOO_DEBUG: the exception itself
         train_script.cli(["sac"])
+
+
+def test_the_nan_stop_names_the_loss_first_then_the_other_statistics(tmp_path):
+    """Issue #23 item 7: the message began with whatever statistic came first by name (e.g.
+    values/q_std_random) rather than the loss; now the losses/* entries come first."""
+    from training.loop import NonFiniteLossError, raise_non_finite
+
+    nan = np.full(2, np.nan)
+    metrics = {"charts/alpha": np.ones(2), "values/q_std_random": nan, "losses/critic": nan,
+               "losses/actor": np.array([1.0, np.inf]), "losses/alpha": np.ones(2), "entropy": nan}
+    with pytest.raises(NonFiniteLossError) as stop:
+        raise_non_finite(metrics, 350, tmp_path / "r")
+    assert str(stop.value) == ("non-finite losses/actor at env step 350; also non-finite: losses/critic, "
+                               "entropy, values/q_std_random; training stopped, no checkpoint was written yet")
+    with pytest.raises(NonFiniteLossError, match=r"^non-finite values/q at update 7; training stopped"):
+        raise_non_finite({"values/q": nan, "losses/critic": np.ones(2)}, 7, tmp_path / "r", unit="update")
+
+
+def test_ravl_takes_an_explicit_env_equal_to_the_default(tmp_path):
+    """Issue #23 item 4: ``--env Pendulum-v1`` (RunConfig's default) was taken as "not given"."""
+    from envs import datasets
+    from training.run import preflight
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train as train_script
+
+    rng = np.random.default_rng(0)
+    ds = datasets.collect("Pendulum-v1", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0, record_state=False)
+    del ds.metadata["env_id"]  # a file that does not record its env
+    datasets.save(tmp_path / "anon.hdf5", ds)
+    cfg = train_script.parse(["ravl", "--dataset", str(tmp_path / "anon.hdf5")])
+    with pytest.raises(SystemExit, match="does not record its environment: pass --env"):
+        preflight(cfg)
+    cfg = train_script.parse(["ravl", "--dataset", str(tmp_path / "anon.hdf5"), "--env", "Pendulum-v1"])
+    assert cfg.env == "Pendulum-v1"
+    preflight(cfg)  # no error: the env is given
 
 
 # ----------------------------------------------------------------------------- the last safety net

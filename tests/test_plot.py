@@ -219,3 +219,102 @@ def test_missing_y_column_is_named(tmp_path):
     run = _write_run(tmp_path / "run", "sac", offset=0.0)
     with pytest.raises(SystemExit, match="normalized_score"):
         plot.main([str(run), "--out", str(tmp_path / "fig.png"), "--y", "normalized_score"])
+
+
+# ------------------------------------------------------------ pooled runs' step grids
+
+
+def _write_grid_run(run_dir, steps, label="mine", slope=0.01, seeds=2, column_values=None):
+    """A run evaluated at ``steps``: return = seed + slope * step (linear, so interpolation is exact)."""
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"agent_name": "sac", "env": "Pendulum-v1", "label": label}))
+    lines = ["step,seed,return_mean,return_std,episode_returns"]
+    for step in steps:
+        for seed in range(seeds):
+            ret = seed + slope * step if column_values is None else column_values
+            lines.append(f"{step},{seed},{ret},0.0,{ret}")
+    (run_dir / "eval.csv").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def test_runs_on_different_evaluation_grids_are_refused_naming_both(tmp_path, capsys):
+    """Issue #23 item 5: eval-every 5000 and 2000 pooled kept only step 0 (an empty figure, exit 0)."""
+    a = _write_grid_run(tmp_path / "a", range(0, 10_001, 5000))
+    b = _write_grid_run(tmp_path / "b", range(0, 10_001, 2000))
+    out = tmp_path / "fig.png"
+    with pytest.raises(SystemExit) as err:
+        plot.main([str(a), str(b), "--out", str(out)])
+    message = str(err.value)
+    assert message.startswith("error: ") and "evaluated at different steps" in message and "--align" in message
+    assert f"{a}: 3 steps from 0 to 10000, every 5000" in message
+    assert f"{b}: 6 steps from 0 to 10000, every 2000" in message
+    assert not out.exists() and "final_step" not in capsys.readouterr().out
+
+
+def test_the_refusal_exits_non_zero_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    a = _write_grid_run(tmp_path / "a", range(0, 10_001, 5000))
+    b = _write_grid_run(tmp_path / "b", range(0, 10_001, 2000))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot.py"), str(a), str(b), "--out",
+                           str(tmp_path / "fig.png")], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "evaluated at different steps" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "fig.png").exists()
+
+
+def test_align_interpolates_every_seed_onto_the_shared_steps(tmp_path, capsys):
+    a = _write_grid_run(tmp_path / "a", range(0, 10_001, 5000))
+    b = _write_grid_run(tmp_path / "b", range(0, 12_001, 2000))  # runs longer: aligned up to 10000
+    out = tmp_path / "fig.png"
+    plot.main([str(a), str(b), "--out", str(out), "--align"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if "mine" in line)
+    assert row.split()[2:5] == ["4", "10000", f"{0.5 + 0.01 * 10_000:.3f}"]  # 4 seeds, mean of seeds 0, 1, 0, 1
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    agg = plot.aggregate(plot.group_curves([plot.load_run(a), plot.load_run(b)], "return_mean", "eval", align=True))
+    np.testing.assert_array_equal(agg.steps, [0, 2000, 4000, 5000, 6000, 8000, 10000])
+    np.testing.assert_allclose(agg.mean, 0.5 + 0.01 * agg.steps)  # linear curves: interpolation is exact
+    np.testing.assert_array_equal(agg.n_seeds, 4)
+
+
+def test_runs_of_different_lengths_on_one_grid_pool_up_to_the_shorter(tmp_path, capsys):
+    """Not a grid mismatch: a shorter run (with its final evaluation off the grid) ends the pooled curve."""
+    a = _write_grid_run(tmp_path / "a", [0, 3000, 6000, 9000, 10_000])
+    b = _write_grid_run(tmp_path / "b", range(0, 12_001, 3000))
+    plot.main([str(a), str(b), "--out", str(tmp_path / "fig.png")])
+    row = next(line for line in capsys.readouterr().out.splitlines() if "mine" in line)
+    assert row.split()[2:4] == ["4", "9000"]
+
+
+def test_non_overlapping_runs_cannot_be_aligned(tmp_path):
+    a = _write_grid_run(tmp_path / "a", [0, 1000])
+    b = _write_grid_run(tmp_path / "b", [2000, 3000])
+    with pytest.raises(SystemExit, match="do not overlap"):
+        plot.main([str(a), str(b), "--out", str(tmp_path / "fig.png"), "--align"])
+
+
+def test_a_log_holding_two_runs_is_refused(tmp_path):
+    """Two runs appended to one eval.csv (two step-0 rows per seed) are not pooled as one."""
+    run = _write_grid_run(tmp_path / "r", [0, 1000, 2000])
+    with open(run / "eval.csv", "a") as f:
+        f.write("0,0,5.0,0.0,5.0\n")
+    with pytest.raises(SystemExit, match=r"line 8: seed 0 goes back from step 2000 to 0; the file holds more"):
+        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+
+
+def test_a_metric_without_values_is_refused_not_drawn_empty(tmp_path):
+    run = _write_run(tmp_path / "run", "sac", offset=0.0)
+    text = (run / "metrics.csv").read_text().splitlines()
+    rows = [line.split(",") for line in text[1:]]
+    (run / "metrics.csv").write_text("\n".join([text[0]] + [",".join(r[:3] + [""] + r[4:]) for r in rows]) + "\n")
+    out = tmp_path / "fig.png"
+    with pytest.raises(SystemExit, match="no values in column 'losses/critic' of metrics.csv"):
+        plot.main([str(run), "--out", str(out), "--metrics", "losses/critic"])
+    assert not out.exists()
+
+
+def test_a_single_evaluation_is_drawn_as_a_point(tmp_path):
+    run = _write_grid_run(tmp_path / "r", [0])
+    fig = plot.make_figure(plot.group_runs([plot.load_run(run)]), "return_mean")
+    (line,) = fig.axes[0].get_lines()
+    assert line.get_marker() == "o" and len(line.get_xdata()) == 1

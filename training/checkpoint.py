@@ -1,28 +1,71 @@
-"""Checkpoints that resume a run exactly.
+"""Checkpoints that resume a run exactly, verified before they are read.
 
 A checkpoint is a directory ``ckpt/step_<N>/`` holding
 
 - ``arrays.npz``: every leaf of the device pytrees (agent state with optimizer states and
   counters, replay buffer, rng key), flattened in a fixed order and restored into a template
-  built by the same ``init`` (shapes and dtypes are checked leaf by leaf);
+  built by the same ``init`` (shapes and dtypes are checked leaf by leaf).  A large leaf (at least
+  ``TRIM_MIN_BYTES``) is stored without its trailing run of rows, along its longest axis, whose
+  elements all hold the bits of its last element: the unfilled rows of a replay buffer (zeros;
+  LAP's step array: -1), so a checkpoint grows with the filled rows, not the capacity.  Loading
+  refills those rows bit for bit (``meta.json["trimmed"]``: full shape, axis and fill bits);
 - ``host.pkl``: host-side state (vector envs with their MuJoCo state and generators, the
   pending observation and action, step counters, episode statistics);
-- ``meta.json``: step, leaf count and the config.
+- ``meta.json``: format, step, leaf count, the trimmed leaves and the config;
+- ``manifest.json``, written last: the size and sha256 of each of the three files.
 
 It is written to a temporary directory and renamed, so a crash mid-save never leaves a
-half-written checkpoint; the newest ``keep`` checkpoints are kept.
+half-written ``step_*`` directory; the newest ``keep`` checkpoints are kept (and a checkpoint
+newer than the one just written, which resume skipped as damaged, is removed).
+
+``load`` checks every file against the manifest before parsing any, and unpickles ``host.pkl``
+only from the very bytes it has hashed; ``load_latest`` walks the checkpoints newest first and
+falls back past damaged ones, saying which it skipped and why.  The manifest proves integrity
+(no truncation, no flipped bit), not authorship: whoever can write a run directory can write a
+matching manifest, and ``host.pkl`` is a pickle, so resume only run directories you trust.
+
+Checkpoints written before manifests existed are refused with a message; ``python -m
+training.checkpoint trust PATH`` adds a manifest to them (for run directories you trust).
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import pickle
 import shutil
+import sys
+import zipfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+FORMAT = 2  # 1: no manifest, full arrays (before verification); 2: manifest.json, trimmed leaves
+FILES = ("arrays.npz", "host.pkl", "meta.json")  # what the manifest must list
+TRIM_MIN_BYTES = 1 << 16  # smaller leaves are stored whole
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (the message names the checkpoint and the file)."""
+
+
+class Unusable(CheckpointError):
+    """A checkpoint ``load_latest`` steps past to an older one: damaged, incomplete or unverifiable."""
+
+    def __init__(self, path, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"checkpoint {path} is unreadable: {reason}")
+
+
+class Damaged(Unusable):
+    """Missing, truncated or altered files (a failed manifest check or a parse error)."""
+
+
+class Unverified(Unusable):
+    """Written before manifests (format 1): nothing to verify ``host.pkl`` against."""
 
 
 def _is_key(x) -> bool:
@@ -38,52 +81,251 @@ def path_for(run_dir, step: int) -> Path:
     return Path(run_dir) / "ckpt" / f"step_{step:012d}"
 
 
+# ------------------------------------------------------------------------------------------- trimming
+def _bits(dtype) -> np.dtype | None:
+    return np.dtype(f"u{dtype.itemsize}") if dtype.itemsize in (1, 2, 4, 8) else None
+
+
+def _head(axis: int, n: int):
+    return (slice(None),) * axis + (slice(0, n),)
+
+
+def trim(x: np.ndarray) -> tuple[np.ndarray, dict | None]:
+    """``x`` without its trailing rows (along its longest axis) that hold only the bits of its last
+    element, and what ``untrim`` needs to restore it; ``(x, None)`` when nothing is cut."""
+    bits = _bits(x.dtype)
+    if x.ndim == 0 or x.nbytes < TRIM_MIN_BYTES or bits is None:
+        return x, None
+    x = np.ascontiguousarray(x)
+    axis = int(np.argmax(x.shape))
+    u = x.view(bits)
+    fill = u.reshape(-1)[-1]
+    differs = np.any(u != fill, axis=tuple(i for i in range(x.ndim) if i != axis))
+    rows = np.flatnonzero(differs)
+    keep = int(rows[-1]) + 1 if rows.size else 0
+    if keep == x.shape[axis]:
+        return x, None
+    info = {"shape": list(x.shape), "axis": axis, "fill": fill.tobytes().hex()}
+    return np.ascontiguousarray(x[_head(axis, keep)]), info
+
+
+def untrim(x: np.ndarray, info: dict | None) -> np.ndarray:
+    """Inverse of ``trim``: ``x`` refilled to ``info["shape"]`` with the fill bits."""
+    if info is None:
+        return x
+    shape, axis, bits = tuple(info["shape"]), int(info["axis"]), _bits(x.dtype)
+    head = tuple(s if i == axis else shape[i] for i, s in enumerate(x.shape))
+    if bits is None or len(shape) != x.ndim or head != x.shape or x.shape[axis] > shape[axis]:
+        raise ValueError(f"stored {x.dtype}{x.shape} does not fit the recorded shape {shape} (axis {axis})")
+    full = np.empty(shape, x.dtype)
+    full.view(bits)[...] = np.frombuffer(bytes.fromhex(info["fill"]), bits)[0]
+    full[_head(axis, x.shape[axis])] = x
+    return full
+
+
+# ------------------------------------------------------------------------------------------- manifest
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(path: Path, step: int, **extra):
+    files = {name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)} for name in FILES}
+    with open(path / "manifest.json", "w") as f:
+        json.dump({"format": FORMAT, "step": step, "files": files, **extra}, f, indent=2)
+
+
+def _read_json(path: Path, name: str) -> dict:
+    try:
+        d = json.loads((path / name).read_text())
+    except (OSError, ValueError) as e:
+        raise Damaged(path, f"{name} is unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(d, dict):
+        raise Damaged(path, f"{name} is not a JSON object")
+    return d
+
+
+def verify(path) -> dict:
+    """Check every file of checkpoint ``path`` against its ``manifest.json`` (size, then sha256);
+    returns the manifest.  Raises ``Damaged`` or ``Unverified`` naming the file and the fault."""
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        try:
+            legacy = "format" not in json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError, TypeError):
+            legacy = False
+        if legacy:
+            raise Unverified(path, "it was written before checkpoints carried a manifest.json, so host.pkl "
+                                   "(a pickle) cannot be verified before it is loaded; if you trust this run "
+                                   f"directory, add one with: python -m training.checkpoint trust {path}")
+        raise Damaged(path, "manifest.json missing (an incomplete or damaged checkpoint)")
+    manifest = _read_json(path, "manifest.json")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or any(name not in files for name in FILES):
+        raise Damaged(path, f"manifest.json does not list {', '.join(FILES)}")
+    for name in FILES:
+        want, file = files[name], path / name
+        if not file.is_file():
+            raise Damaged(path, f"{name} missing")
+        size = file.stat().st_size
+        if size != want.get("bytes"):
+            raise Damaged(path, f"{name} is {size} bytes, manifest.json says {want.get('bytes')} "
+                                "(truncated or damaged)")
+        if _sha256(file) != want.get("sha256"):
+            raise Damaged(path, f"{name} sha256 mismatch (damaged)")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------- save / load
 def save(run_dir, step: int, tree, host: dict, meta: dict | None = None, keep: int = 2) -> Path:
+    """Write the checkpoint of ``step`` (``tree``: device pytree, ``host``: picklable dict, ``meta``:
+    JSON extras) atomically, then keep the newest ``keep`` checkpoints; returns its path."""
+    if keep < 1:
+        raise ValueError(f"--keep-checkpoints must be >= 1, got {keep}")
     final = path_for(run_dir, step)
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp_step_*"):  # left by a save that was killed (one writer per run directory)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp_{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     leaves = jax.tree.leaves(tree)
-    np.savez(tmp / "arrays.npz", **{f"leaf_{i:05d}": _to_numpy(x) for i, x in enumerate(leaves)})
+    arrays, trimmed = {}, {}
+    for i, leaf in enumerate(leaves):
+        arrays[f"leaf_{i:05d}"], info = trim(_to_numpy(leaf))
+        if info is not None:
+            trimmed[f"leaf_{i:05d}"] = info
+    np.savez(tmp / "arrays.npz", **arrays)
     with open(tmp / "host.pkl", "wb") as f:
         pickle.dump(host, f, protocol=pickle.HIGHEST_PROTOCOL)
     with open(tmp / "meta.json", "w") as f:
-        json.dump({"step": step, "leaves": len(leaves), **(meta or {})}, f, indent=2)
+        json.dump({"format": FORMAT, "step": step, "leaves": len(leaves), "trimmed": trimmed, **(meta or {})}, f,
+                  indent=2)
+    _write_manifest(tmp, step)  # last: a checkpoint with a valid manifest is complete
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in sorted(p for p in root.glob("step_*"))[:-keep]:
+    found = sorted(p for p in root.glob("step_*"))
+    skipped = [p for p in found if p.name > final.name]  # passed over by a resume (damaged)
+    older = [p for p in found if p.name <= final.name]
+    for old in skipped + older[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def latest(run_dir) -> Path | None:
+    """The newest checkpoint directory of ``run_dir`` by step, unverified (``load_latest`` verifies)."""
     found = sorted((Path(run_dir) / "ckpt").glob("step_*"))
     return found[-1] if found else None
 
 
 def load(path, template):
-    """Restore (tree, host, meta) from checkpoint ``path`` into the structure of ``template``."""
+    """Restore (tree, host, meta) from checkpoint ``path`` into the structure of ``template``.
+
+    Every file is checked against ``manifest.json`` first (``Damaged`` / ``Unverified`` otherwise);
+    ``host.pkl`` is unpickled only from the bytes whose sha256 matched.  A checkpoint of another
+    config raises a plain ``CheckpointError``."""
     path = Path(path)
+    manifest = verify(path)
+    meta = _read_json(path, "meta.json")
+    name = "host.pkl"
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        arrays = np.load(path / "arrays.npz")
-        with open(path / "host.pkl", "rb") as f:
-            host = pickle.load(f)
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"checkpoint {path} is unreadable or incomplete: {e}") from e
+        blob = (path / name).read_bytes()
+        if hashlib.sha256(blob).hexdigest() != manifest["files"][name]["sha256"]:
+            raise Damaged(path, f"{name} changed while it was read")
+        host = pickle.loads(blob)
+        name = "arrays.npz"
+        with np.load(path / name, allow_pickle=False) as z:
+            stored = {k: z[k] for k in z.files}
+        name = "meta.json"
+        count, trimmed = int(meta["leaves"]), meta.get("trimmed", {})
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
+        if isinstance(e, Unusable):
+            raise
+        raise Damaged(path, f"{name} is unreadable ({type(e).__name__}: {e})") from e
     leaves, treedef = jax.tree.flatten(template)
-    if meta["leaves"] != len(leaves):
-        raise ValueError(f"checkpoint {path} holds {meta['leaves']} arrays but this config expects "
-                         f"{len(leaves)}: was it written with another agent or network config?")
+    if count != len(leaves):
+        raise CheckpointError(f"checkpoint {path} holds {count} arrays but this config expects "
+                              f"{len(leaves)}: was it written with another agent or network config?")
     restored = []
     for i, ref in enumerate(leaves):
-        x = arrays[f"leaf_{i:05d}"]
+        key = f"leaf_{i:05d}"
+        if key not in stored:
+            raise Damaged(path, f"arrays.npz has no {key}")
+        try:
+            x = untrim(stored[key], trimmed.get(key))
+        except (ValueError, TypeError, KeyError) as e:
+            raise Damaged(path, f"arrays.npz {key}: {e}") from e
         ref_np = _to_numpy(ref)
         if x.shape != ref_np.shape or x.dtype != ref_np.dtype:
-            raise ValueError(f"checkpoint {path} array {i} is {x.dtype}{x.shape}, expected "
-                             f"{ref_np.dtype}{ref_np.shape}: config mismatch")
+            raise CheckpointError(f"checkpoint {path} array {i} is {x.dtype}{x.shape}, expected "
+                                  f"{ref_np.dtype}{ref_np.shape}: config mismatch")
         restored.append(jax.random.wrap_key_data(jnp.asarray(x), impl=jax.random.key_impl(ref))
                         if _is_key(ref) else jnp.asarray(x))
     return jax.tree.unflatten(treedef, restored), host, meta
+
+
+def load_latest(run_dir, template, warn=None):
+    """Load the newest intact checkpoint of ``run_dir`` -> ``(tree, host, meta, path)``.
+
+    Checkpoints that fail verification are skipped, each with one ``warning: skipping checkpoint
+    ...; resuming from ...`` line (``warn``, default: stderr); a checkpoint of another config
+    stops the walk.  Raises ``CheckpointError`` listing every fault if none is usable."""
+    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    root = Path(run_dir) / "ckpt"
+    found = sorted(root.glob("step_*"), reverse=True)
+    if not found:
+        raise CheckpointError(f"no checkpoint found in {root}")
+    skipped = []
+    for path in found:
+        try:
+            tree, host, meta = load(path, template)
+        except Unusable as e:
+            skipped.append(e)
+            continue
+        for e in skipped:
+            warn(f"warning: skipping checkpoint {e.path}: {e.reason}; resuming from {path}")
+        return tree, host, meta, path
+    faults = "; ".join(f"{e.path.name}: {e.reason}" for e in skipped)
+    raise CheckpointError(f"no usable checkpoint in {root}: {faults}")
+
+
+# ------------------------------------------------------------------------------------------- trust
+def trust(path) -> list[Path]:
+    """Add a manifest to the format-1 checkpoints at ``path`` (a checkpoint or a run directory).
+
+    Only for run directories you trust: the manifest records the files as they are now."""
+    path = Path(path)
+    dirs = [path] if (path / "meta.json").is_file() else sorted((path / "ckpt").glob("step_*"))
+    done = []
+    for d in dirs:
+        if (d / "manifest.json").is_file():
+            continue
+        meta = _read_json(d, "meta.json")
+        if "format" in meta:
+            raise Damaged(d, "manifest.json missing from a checkpoint that should have one; not adding one")
+        missing = [name for name in FILES if not (d / name).is_file()]
+        if missing:
+            raise Damaged(d, f"{', '.join(missing)} missing")
+        _write_manifest(d, int(meta["step"]), trusted="added by `python -m training.checkpoint trust`")
+        done.append(d)
+    return done
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m training.checkpoint",
+                                     description="Add manifests to checkpoints written before manifests existed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("trust", help="add manifest.json to the old checkpoints of trusted run directories")
+    p.add_argument("paths", nargs="+", help="run directories or checkpoint directories")
+    args = parser.parse_args(argv)
+    for path in args.paths:
+        try:
+            done = trust(path)
+        except CheckpointError as e:
+            raise SystemExit(f"error: {e}") from e
+        print(f"{path}: added manifest.json to {len(done)} checkpoint(s)" +
+              "".join(f"\n  {d}" for d in done))
+
+
+if __name__ == "__main__":
+    main()

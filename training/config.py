@@ -30,6 +30,8 @@ class RunConfig:
     eval_episodes: int = 10
     log_every: int = 1_000
     checkpoint_every: int = 50_000
+    keep_checkpoints: int = 2
+    """checkpoints kept in run_dir/ckpt (the newest N; 2 or more lets resume fall back past a damaged one)"""
     run_dir: Optional[str] = None
     """default: runs/<env>__<agent>__<seed>__<time>"""
     resume: Optional[str] = None
@@ -83,4 +85,5 @@ def cli_type(agent_name: str, agent_cls):
 
 # What `train.py --resume` may change: none of these alters the training trajectory (the metrics
 # hook only reads the state, with keys of its own), so an extended or rescued run stays exact.
-RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every"}
+RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every",
+                  "keep_checkpoints"}

@@ -158,7 +158,8 @@ class Driver:
     def save(self, iteration, step: int) -> Path:
         host = {"step": step, **self.schedule.host(), "plasticity": self.hooks.host_state(), "pending": self.pending,
                 **({"episode_log": self.episode_log} if self.episode_log is not None else {}), **iteration.host()}
-        return checkpoint.save(self.run_dir, step, iteration.tree(), host, {"config": to_json(self.cfg)})
+        return checkpoint.save(self.run_dir, step, iteration.tree(), host, {"config": to_json(self.cfg)},
+                               keep=self.cfg.keep_checkpoints)
 
     def run(self, iteration, end: int, last: int) -> float:
         """Iterate until ``step >= end`` (``last``: the run's final step, for the final evaluation)

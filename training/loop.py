@@ -29,7 +29,7 @@ def check_positive(**values: int):
 def run_counts(cfg) -> dict:
     """The RunConfig counts every loop needs to be positive."""
     return {name: getattr(cfg, name) for name in ("seeds", "num_envs", "total_steps", "eval_every", "log_every",
-                                                  "checkpoint_every", "eval_episodes")}
+                                                  "checkpoint_every", "eval_episodes", "keep_checkpoints")}
 
 
 class Schedule:
@@ -76,25 +76,27 @@ class Schedule:
 
 
 def restore(run_dir, template, logger, unit: str = "step"):
-    """Load the last checkpoint of ``run_dir`` into ``template``'s structure, and cut the logs back to it.
+    """Load the newest intact checkpoint of ``run_dir`` (``checkpoint.load_latest``) into ``template``'s
+    structure, and cut the logs back to it.
 
     Metric rows after the checkpoint are dropped, and so are evaluation rows the resumed run will
     redo (those at or past the checkpoint's next evaluation: a finished run's final evaluation is
     redone when the run is extended, not written twice).  Returns ``(tree, host, path)``.
     """
-    path = checkpoint.latest(run_dir)
-    if path is None:
+    if checkpoint.latest(run_dir) is None:
         raise SystemExit(f"--resume {run_dir}: no checkpoint found in {run_dir}/ckpt")
-    tree, host, _ = checkpoint.load(path, template)
+    tree, host, _, path = checkpoint.load_latest(run_dir, template)  # verified; skips damaged ones, saying so
     logger.truncate_after(host["step"], evals_before=host["next_eval"])
     print(f"resumed {run_dir} at {unit} {host['step']} from {path.name}")
     return tree, host, path
 
 
 def finish(schedule: Schedule, step: int, last: int, evaluate, last_eval: float, bar, logger) -> float:
-    """End of a loop: the final evaluation (if due), close the bar and the logs; the last eval return."""
+    """End of a loop: the final evaluation (if due), close the bar (showing that evaluation) and the
+    logs; the last eval return."""
     if schedule.final_eval_due(step, last):
         last_eval = evaluate(step)
+    bar(step, ev=last_eval)
     bar(None)
     logger.close()
     return last_eval
@@ -186,7 +188,11 @@ def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     if consistent and latest == here:
         where = f"the checkpoint at step {step} is {here}"  # just written by the periodic save
     elif consistent:
-        where = f"saved a checkpoint at step {step} ({save(step)})"
+        try:
+            where = f"saved a checkpoint at step {step} ({save(step)})"
+        except KeyboardInterrupt:  # a second Ctrl-C during that save: stop now (the save is atomic)
+            latest = checkpoint.latest(run_dir)
+            where = f"stopped during the checkpoint at step {step}; the last checkpoint is {latest}" if latest else None
     elif latest is not None:
         where = f"the last checkpoint is {latest}"
     else:
@@ -194,17 +200,25 @@ def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     bar(None)
     logger.close()
     if where is None:
-        print(f"\ninterrupted before the first checkpoint of {run_dir}: nothing to resume, start the run again")
+        print(f"\ninterrupted before the first checkpoint of {run_dir}: nothing to resume; start the run again "
+              "with --overwrite (its files move aside) or in another --run-dir")
     else:
         print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
 
 
 def raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
-    """Stop the run naming the non-finite statistics, the step and the last good checkpoint."""
+    """Stop the run naming the non-finite losses (``losses/*``) first, then the other non-finite
+    statistics (each group by name), the step and the last good checkpoint.
+
+    A diverged loss makes statistics computed from the same networks non-finite too (e.g.
+    ``values/q_std_random``); the losses say where to look.  Losses that went non-finite in the
+    same update (SAC's actor right after its critic) cannot be told apart: all are listed."""
     bad = sorted(k for k, v in metrics.items() if not np.all(np.isfinite(np.asarray(v))))
+    bad = [k for k in bad if k.startswith("losses/")] + [k for k in bad if not k.startswith("losses/")]
     last = checkpoint.latest(run_dir)
     kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-    raise NonFiniteLossError(f"non-finite {', '.join(bad) or 'loss'} at {unit} {step}; "
+    also = f"also non-finite: {', '.join(bad[1:])}; " if len(bad) > 1 else ""
+    raise NonFiniteLossError(f"non-finite {bad[0] if bad else 'loss'} at {unit} {step}; {also}"
                              f"training stopped, {kept}")
 
 
@@ -215,15 +229,19 @@ def progress(cfg, start: int):
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.total_steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
-    pos = [start]
+    pos, shown = [start], {}
 
     def update(step, sps=None, ret=None, ev=None):
+        """Move to ``step``; the values not given keep what the bar shows (``finish`` sets the last eval)."""
         if step is None:
             bar.close()
             return
         bar.update(step - pos[0])
         pos[0] = step
-        bar.set_postfix({"sps": f"{sps:.0f}", "return": f"{ret:.1f}", "eval": f"{ev:.1f}"}, refresh=False)
+        for key, value, fmt in (("sps", sps, ".0f"), ("return", ret, ".1f"), ("eval", ev, ".1f")):
+            if value is not None:
+                shown[key] = format(value, fmt)
+        bar.set_postfix(shown, refresh=False)
 
     return update
 

@@ -47,7 +47,7 @@ def resolve_dataset(cfg: RunConfig):
     if a.dataset:
         path = Path(a.dataset).expanduser()
     elif a.kind:
-        if cfg.env == DEFAULT_ENV:
+        if cfg.env is None:  # train.py's default for offline agents: --env not given
             raise SystemExit("--kind needs --env (e.g. --env hopper --kind medium) to find the dataset in the cache")
         path = datasets.find(datasets.gymnasium_id(cfg.env), a.kind, a.dataset_root)
     else:
@@ -56,8 +56,11 @@ def resolve_dataset(cfg: RunConfig):
     if not path.exists():
         raise SystemExit(f"--dataset {path}: no such file")
     stored = datasets.load(path, validate=False).env_id
-    given = None if cfg.env == DEFAULT_ENV else cfg.env
-    if stored and given and datasets.d4rl_name(given) != datasets.d4rl_name(stored) and given != stored:
+    given = cfg.env
+    # RunConfig's own default (an online env), left in a config built in code, is not held against
+    # a dataset that names its env (train.py passes None when --env is not given)
+    checked = None if given == DEFAULT_ENV else given
+    if stored and checked and datasets.d4rl_name(checked) != datasets.d4rl_name(stored) and checked != stored:
         raise SystemExit(f"--env {given} does not match the dataset's env {stored} ({path})")
     env_id = stored or (datasets.gymnasium_id(given) if given else None)
     if env_id is None:

@@ -1,15 +1,23 @@
 """Entry point shared by scripts/train.py: check the config, pick the loop for the agent, set up the run dir.
 
-``preflight(cfg, agent)`` runs every check that needs no training (flag values, env id,
-dataset, plasticity interventions, the checkpoint to resume) before ``run`` creates a run
-directory, so a mistyped command fails at once and leaves nothing behind.
+``preflight(cfg, agent)`` runs every check that needs no training (flag values and their
+relations, env id, dataset, plasticity interventions, the run directory, the checkpoint to
+resume) before ``run`` creates a run directory, so a mistyped command fails at once and leaves
+nothing behind.
+
+A run directory receives one run.  A directory that already holds a run's files (``RUN_FILES``)
+is refused unless the command resumes it (``--resume DIR``, which needs a checkpoint) or starts
+over with ``overwrite`` (``--overwrite``): the old run's files are then moved, not deleted, into
+``DIR/.replaced-<time>/``.  ``run`` claims the directory by creating its ``config.json``
+exclusively, so two commands started at once cannot share it either.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import json
-import shutil
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,15 +58,48 @@ def loop_module(agent):
     return importlib.import_module(LOOPS[agent.KIND])
 
 
-def preflight(cfg: RunConfig, agent=None):
+# What a run writes into its directory; a directory holding any of them holds a run.
+RUN_FILES = ("config.json", "metrics.csv", "eval.csv", "dataset.json", "ckpt", "tb")
+REPLACED = ".replaced-"  # DIR/.replaced-<time>/: a run moved aside by --overwrite
+
+
+def run_files(run_dir) -> list[str]:
+    """The names in ``RUN_FILES`` that ``run_dir`` holds (none if it does not exist)."""
+    d = Path(run_dir)
+    return [name for name in RUN_FILES if (d / name).exists()] if d.is_dir() else []
+
+
+def holds_a_run(run_dir, held) -> str:
+    """The refusal for a new run into ``run_dir``, which holds ``held`` (from ``run_files``)."""
+    from training import checkpoint
+
+    d = Path(run_dir)
+    over = f"pass --overwrite to move its files into {d / REPLACED}<time>/ and start a new run there"
+    if checkpoint.latest(d) is not None:
+        return f"run directory {d} already holds a run; continue it with --resume {d}, or {over}"
+    return (f"run directory {d} already holds a run that stopped before its first checkpoint "
+            f"({', '.join(held)}; nothing to resume): {over}, or choose another --run-dir")
+
+
+def check_relations(cfg: RunConfig, agent):
+    """Settings that are each valid but cannot work together (a ValueError naming the flags)."""
+    starts = getattr(cfg.agent, "learning_starts", None)
+    if agent.KIND == "offpolicy" and starts is not None and starts >= cfg.total_steps:
+        raise ValueError(f"--learning-starts {starts} is not below --total-steps {cfg.total_steps}: the run would "
+                         "only take random actions and train nothing")
+
+
+def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
     """Every check a run can make before training, cheaply and before any run directory exists.
 
     Raises what the loops raise for the same mistakes (ValueError, SystemExit with a message,
     ``envs.datasets.DatasetError``), through the loops' own helpers: for ``--resume`` a run
-    directory without a checkpoint (without one, a run directory that already holds a run);
-    counts below 1 and the agent kind's checks (PPO's batch arithmetic); an unknown or malformed
-    env id (the env is built once and closed) or, for an offline agent, a missing, unreadable or
-    mismatched dataset; an intervention the agent cannot take; the agent's own option checks.
+    directory without a checkpoint (without one, a ``--run-dir`` that already holds a run, unless
+    ``overwrite``); counts below 1 and the agent kind's checks (PPO's batch arithmetic); settings
+    that cannot work together (``check_relations``); an unknown or malformed env id (the env is
+    built once and closed) or, for an offline agent, a missing, unreadable or mismatched dataset;
+    an intervention the agent cannot take; the agent's own option checks (ranges such as the
+    discount's, the replay's batch and capacity).
     """
     from plasticity.hooks import check_applicable
 
@@ -66,14 +107,18 @@ def preflight(cfg: RunConfig, agent=None):
     if cfg.resume:
         from training import checkpoint
 
+        if overwrite:
+            raise SystemExit(f"--overwrite starts a new run; it cannot be combined with --resume {cfg.resume}")
         if not (Path(cfg.resume) / "config.json").is_file():
             load_config(cfg.resume)  # raises, naming the missing config.json
         if checkpoint.latest(cfg.resume) is None:
             raise SystemExit(f"--resume {cfg.resume}: no checkpoint found in {Path(cfg.resume) / 'ckpt'} "
-                             "(the run stopped before its first checkpoint: start it again)")
-    elif cfg.run_dir and (Path(cfg.run_dir) / "ckpt").exists():
-        raise SystemExit(f"run directory {cfg.run_dir} already holds a run; use --resume {cfg.run_dir} to continue it")
+                             "(the run stopped before its first checkpoint: start it again with --overwrite, "
+                             "which moves its files aside, or in another --run-dir)")
+    elif cfg.run_dir and not overwrite and run_files(cfg.run_dir):
+        raise SystemExit(holds_a_run(cfg.run_dir, run_files(cfg.run_dir)))
     loop_module(agent).check(cfg)  # counts below 1 and the kind's own arithmetic
+    check_relations(cfg, agent)
     if agent.KIND == "offline":
         from training.offline import resolve_dataset
 
@@ -103,42 +148,97 @@ def check_agent_config(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
 
 
-def _only_empty_logs(run_dir: Path) -> bool:
-    """True if ``run_dir`` holds nothing a user would miss: config.json, dataset.json and CSV logs
-    without rows (header only)."""
-    for p in run_dir.iterdir():
-        if p.is_dir():
-            return False
-        if p.name in ("config.json", "dataset.json"):
-            continue
-        if p.suffix == ".csv":
-            with open(p) as f:
-                if sum(1 for line in f if line.strip()) <= 1:
-                    continue
-        return False
-    return True
+def move_aside(run_dir: Path) -> Path | None:
+    """``--overwrite``: move everything in ``run_dir`` (but earlier ``.replaced-*`` folders) into a new
+    ``run_dir/.replaced-<time>/``, say so, and return it (None if there was nothing to move)."""
+    if not run_dir.is_dir():
+        return None
+    old = sorted(p for p in run_dir.iterdir() if not p.name.startswith(REPLACED))
+    if not old:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, i = run_dir / f"{REPLACED}{stamp}", 1
+    while dest.exists():
+        dest, i = run_dir / f"{REPLACED}{stamp}-{i}", i + 1
+    dest.mkdir()
+    for p in old:
+        os.replace(p, dest / p.name)
+    print(f"--overwrite: moved the previous run's files ({', '.join(p.name for p in old)}) into {dest}/")
+    return dest
 
 
-def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True) -> dict:
-    """Train (or resume, with ``cfg.resume``) a run.  ``check=False`` skips ``preflight`` (the caller ran it)."""
+def claim(run_dir: Path, cfg: RunConfig, default: bool) -> tuple[Path, bool]:
+    """Make ``run_dir`` this run's: create it and its config.json exclusively -> (run_dir, whether
+    it existed).  A directory that holds a run is refused; for the default directory (named by the
+    time to the second) the next free ``<name>-<i>`` is taken instead."""
+    for i in range(1000):
+        d = run_dir if i == 0 else run_dir.with_name(f"{run_dir.name}-{i}")
+        existed = d.exists()
+        d.mkdir(parents=True, exist_ok=True)
+        held = run_files(d)
+        if not held:
+            try:
+                with open(d / "config.json", "x") as f:  # exclusive: of two runs started at once, one wins
+                    f.write(config_lib.dump(cfg))
+                return d, existed
+            except FileExistsError:
+                held = ["config.json"]
+        if not default:
+            raise SystemExit(holds_a_run(d, held))
+    raise SystemExit(f"no free run directory next to {run_dir}")
+
+
+def _empty_log(p: Path) -> bool:
+    """A run file a user would not miss: config.json, dataset.json or a CSV log without rows."""
+    if p.name in ("config.json", "dataset.json"):
+        return True
+    if p.suffix == ".csv" and p.is_file():
+        with open(p) as f:
+            return sum(1 for line in f if line.strip()) <= 1
+    return False
+
+
+def discard_empty_start(run_dir: Path, existed: bool):
+    """After a user error inside the loop: remove the new run's files if they hold nothing but
+    empty logs (and the directory if this run created it and it is empty now)."""
+    files = [run_dir / name for name in run_files(run_dir)]
+    if not all(_empty_log(p) for p in files):
+        return
+    for p in files:
+        p.unlink(missing_ok=True)
+    if not existed and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
+def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrite: bool = False) -> dict:
+    """Train (or resume, with ``cfg.resume``) a run.  ``check=False`` skips ``preflight`` (the caller ran it).
+
+    A new run claims its directory (``claim``); with ``overwrite`` a run already there is first
+    moved into ``run_dir/.replaced-<time>/`` (``move_aside``)."""
     agent = agents.get(cfg.agent_name)
     if check:
-        preflight(cfg, agent)
+        preflight(cfg, agent, overwrite=overwrite)
     if cfg.resume:
-        run_dir, resume = Path(cfg.resume), True
+        if overwrite:
+            raise SystemExit(f"--overwrite starts a new run; it cannot be combined with --resume {cfg.resume}")
+        run_dir, resume, existed = Path(cfg.resume), True, True
     else:
         from training.loop import default_run_dir
 
+        if agent.KIND == "offline" and cfg.env is None:  # the command line's "not given": the dataset's env
+            from training.offline import resolve_dataset
+
+            cfg = dataclasses.replace(cfg, env=resolve_dataset(cfg)[2])
         run_dir, resume = (Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)), False
-        if (run_dir / "ckpt").exists():
-            raise SystemExit(f"run directory {run_dir} already holds a run; use --resume {run_dir} to continue it")
+        if overwrite:
+            move_aside(run_dir)
+        run_dir, existed = claim(run_dir, cfg, default=not cfg.run_dir)
     train = loop_module(agent).train
     print(f"run directory: {run_dir}")
-    existed = run_dir.exists()
     try:
         return train(cfg, agent, run_dir, resume=resume, stop_at=stop_at)
     except BaseException as e:
-        # A mistake the preflight could not see: do not leave an empty run directory behind.
-        if is_user_error(e) and not resume and not existed and run_dir.is_dir() and _only_empty_logs(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
+        # A mistake the preflight could not see: do not leave an empty run behind.
+        if is_user_error(e) and not resume and run_dir.is_dir():
+            discard_empty_start(run_dir, existed)
         raise

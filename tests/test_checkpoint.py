@@ -1,0 +1,215 @@
+"""Checkpoints: verified before they are read, falling back past damaged ones, storing only the filled
+rows of large buffers, never unpickling unverified bytes (training/checkpoint.py)."""
+import json
+import re
+import pickle
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import sac
+from buffers import replay
+from training import checkpoint
+from training.offpolicy import init_state, train
+
+
+def _bits(tree):
+    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x).tobytes()
+            for x in jax.tree.leaves(tree)]
+
+
+def _tree(seeds=2, capacity=200_000, filled=300):
+    """A seed-batched replay buffer filled ``filled`` rows deep, a -1-initialised int array (LAP's
+    step), a -0.0 and a NaN with a payload in the filled part, small leaves and an rng key."""
+    buf = jax.vmap(lambda _: replay.init(capacity, 3, 1))(jnp.arange(seeds))
+    rng = np.random.default_rng(0)
+    obs = np.zeros((seeds, capacity, 3), np.float32)
+    obs[:, :filled] = rng.normal(size=(seeds, filled, 3))
+    obs[0, filled - 1, 2] = -0.0
+    obs[-1, 5, 0] = np.frombuffer(np.uint32(0x7FC01234).tobytes(), np.float32)[0]
+    step = np.full((seeds, capacity), -1, np.int32)
+    step[:, :filled] = np.arange(filled)
+    buf = buf._replace(data=buf.data._replace(obs=jnp.asarray(obs)), size=jnp.full((seeds,), filled, jnp.int32))
+    return {"buffer": buf, "step": jnp.asarray(step), "w": jnp.ones((seeds, 4, 4)), "key": jax.random.key(3)}
+
+
+def _template(seeds=2, capacity=200_000):
+    return _tree(seeds, capacity, filled=1)
+
+
+def _flip(file: Path, offset=None):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------------------------------- format
+def test_trim_stores_the_filled_rows_and_refills_the_rest_bit_for_bit():
+    tree = _tree()
+    for x in jax.tree.leaves(jax.tree.map(lambda a: jax.random.key_data(a) if jnp.issubdtype(
+            a.dtype, jax.dtypes.prng_key) else a, tree)):
+        x = np.asarray(x)
+        stored, info = checkpoint.trim(x)
+        back = checkpoint.untrim(stored, info)
+        assert back.dtype == x.dtype and back.shape == x.shape and back.tobytes() == x.tobytes()
+        if x.nbytes >= checkpoint.TRIM_MIN_BYTES and x.ndim >= 2:
+            assert stored.shape[1] <= 300  # the capacity axis is cut after the last filled row
+    full = np.random.default_rng(1).normal(size=(100_000, 2)).astype(np.float32)
+    assert checkpoint.trim(full)[1] is None  # a full buffer is stored whole
+    stored, info = checkpoint.trim(np.ones((100_000,), np.float32))  # a constant array: its fill alone
+    assert stored.shape == (0,) and info["fill"] == np.float32(1).tobytes().hex()
+
+
+def test_checkpoint_size_grows_with_the_filled_rows_not_the_capacity(tmp_path):
+    capacity = 1_000_000
+    full_bytes = 2 * capacity * (3 + 1 + 1 + 3) * 4 + 2 * capacity * (2 + 4)  # the float fields, flags and step
+    sizes = {}
+    for filled in (1000, 10_000):
+        tree = _tree(2, capacity, filled)
+        path = checkpoint.save(tmp_path / str(filled), 1, tree, {"step": 1})
+        sizes[filled] = (path / "arrays.npz").stat().st_size
+        restored, host, meta = checkpoint.load(path, _template(2, capacity))
+        assert _bits(restored) == _bits(tree) and host == {"step": 1} and meta["format"] == checkpoint.FORMAT
+    assert sizes[10_000] < 400_000 < full_bytes  # 2 seeds x 16 bytes a filled row (obs and step)
+    assert 8 < sizes[10_000] / sizes[1000] < 11
+
+
+def test_keep_checkpoints_prunes_the_oldest_stale_temporaries_and_skipped_newer_ones(tmp_path):
+    tree = _tree(1, 1000, 10)
+    for step in (1, 2, 3, 4, 5):
+        checkpoint.save(tmp_path, step, tree, {"step": step}, keep=3)
+    names = lambda: sorted(p.name for p in (tmp_path / "ckpt").iterdir())  # noqa: E731
+    assert names() == ["step_000000000003", "step_000000000004", "step_000000000005"]
+    (tmp_path / "ckpt" / ".tmp_step_000000000006").mkdir()  # a save killed midway
+    (tmp_path / "ckpt" / ".tmp_step_000000000006" / "arrays.npz").write_bytes(b"PK")
+    assert checkpoint.load_latest(tmp_path, _template(1, 1000))[3].name == "step_000000000005"
+    # resume fell back to 4 (5 damaged); the next save (at 4 again or later) removes 5 and the temporary
+    checkpoint.save(tmp_path, 4, tree, {"step": 4}, keep=3)
+    assert names() == ["step_000000000003", "step_000000000004"]
+    with pytest.raises(ValueError, match="--keep-checkpoints must be >= 1"):
+        checkpoint.save(tmp_path, 6, tree, {}, keep=0)
+
+
+def test_keep_checkpoints_flag_is_checked_and_may_change_on_resume(tiny_sac_config):
+    from training import config as config_lib
+    from training.offpolicy import check
+
+    with pytest.raises(ValueError, match="--keep-checkpoints must be >= 1"):
+        check(tiny_sac_config(keep_checkpoints=0))
+    assert "keep_checkpoints" in config_lib.RESUME_MUTABLE
+
+
+# ------------------------------------------------------------------------------------------- verification
+@pytest.mark.parametrize("damage, reason", [
+    (lambda p: (p / "arrays.npz").write_bytes((p / "arrays.npz").read_bytes()[:100]),
+     r"arrays.npz is 100 bytes, manifest.json says \d+ \(truncated or damaged\)"),
+    (lambda p: _flip(p / "arrays.npz"), r"arrays.npz sha256 mismatch \(damaged\)"),
+    (lambda p: _flip(p / "host.pkl"), r"host.pkl sha256 mismatch \(damaged\)"),
+    (lambda p: _flip(p / "meta.json", 3), r"meta.json sha256 mismatch \(damaged\)"),
+    (lambda p: (p / "manifest.json").unlink(), r"manifest.json missing \(an incomplete or damaged checkpoint\)"),
+    (lambda p: (p / "manifest.json").write_text('{"format": 2, "fi'), r"manifest.json is unreadable"),
+    (lambda p: (p / "host.pkl").unlink(), r"host.pkl missing"),
+])
+def test_damaged_latest_checkpoint_is_skipped_with_a_message_naming_the_file(tmp_path, damage, reason):
+    old, new = _tree(filled=100), _tree(filled=200)
+    checkpoint.save(tmp_path, 100, old, {"step": 100})
+    path = checkpoint.save(tmp_path, 200, new, {"step": 200})
+    damage(path)
+    with pytest.raises(checkpoint.Damaged, match=f"checkpoint {re.escape(str(path))} is unreadable: {reason}"):
+        checkpoint.load(path, _template())
+    warnings = []
+    tree, host, meta, used = checkpoint.load_latest(tmp_path, _template(), warn=warnings.append)
+    assert used == checkpoint.path_for(tmp_path, 100) and host == {"step": 100} and _bits(tree) == _bits(old)
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping checkpoint {path}: ")
+    assert warnings[0].endswith(f"; resuming from {used}")
+    # with every checkpoint damaged, the error lists each and why
+    _flip(used / "arrays.npz")
+    with pytest.raises(checkpoint.CheckpointError, match=r"no usable checkpoint in .*ckpt: step_000000000200: .*; "
+                                                         r"step_000000000100: arrays.npz sha256 mismatch"):
+        checkpoint.load_latest(tmp_path, _template())
+
+
+def test_a_checkpoint_of_another_config_stops_the_walk(tmp_path):
+    checkpoint.save(tmp_path, 1, _tree(), {})
+    checkpoint.save(tmp_path, 2, _tree(), {})
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000000000002 array 0 is float32\(2, 200000, 3\), "
+                                                         r"expected float32\(2, 100000, 3\): config mismatch"):
+        checkpoint.load_latest(tmp_path, _template(capacity=100_000))
+
+
+class _Payload:
+    """A pickle that runs code when loaded: it creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_resume_never_unpickles_bytes_the_manifest_does_not_vouch_for(tmp_path, monkeypatch):
+    path = checkpoint.save(tmp_path / "r", 1, _tree(), {"step": 1})
+    marker = tmp_path / "code-ran"
+    (path / "host.pkl").write_bytes(pickle.dumps({"step": 1, "x": _Payload(marker)}))  # swapped in afterwards
+    calls = []
+    monkeypatch.setattr(checkpoint.pickle, "loads", lambda b: calls.append(b))
+    monkeypatch.setattr(checkpoint.pickle, "load", lambda f: calls.append(f))
+    with pytest.raises(checkpoint.CheckpointError, match="host.pkl"):
+        checkpoint.load_latest(tmp_path / "r", _template())
+    assert calls == [] and not marker.exists()
+
+
+def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, capsys):
+    tree = _tree(1, 1000, 10)
+    path = checkpoint.save(tmp_path, 7, tree, {"step": 7})
+    (path / "manifest.json").unlink()  # what the previous format wrote: no manifest, meta without format
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("format", "trimmed")}))
+    with pytest.raises(checkpoint.CheckpointError, match=r"written before checkpoints carried a manifest.json.*"
+                                                         r"python -m training.checkpoint trust "):
+        checkpoint.load_latest(tmp_path, _template(1, 1000))
+    checkpoint.main(["trust", str(tmp_path)])
+    assert "added manifest.json to 1 checkpoint(s)" in capsys.readouterr().out
+    restored, host, _ = checkpoint.load(path, _template(1, 1000))
+    assert _bits(restored) == _bits(tree) and host == {"step": 7}
+    # a current-format checkpoint that lost its manifest is damaged, not old: trust refuses it
+    other = checkpoint.save(tmp_path / "b", 1, tree, {})
+    (other / "manifest.json").unlink()
+    with pytest.raises(SystemExit, match="manifest.json missing from a checkpoint that should have one"):
+        checkpoint.main(["trust", str(other)])
+
+
+# ------------------------------------------------------------------------------------------- a real run
+def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identical(tiny_sac_config, tmp_path, capfd,
+                                                                                  assert_same_logs):
+    """1M-row replay buffer, 400 steps: checkpoints are small; a truncated arrays.npz or a bit-flipped
+    host.pkl at step 400 makes resume say so and continue from 200, ending as the uninterrupted run."""
+    cfg = tiny_sac_config(total_steps=600, checkpoint_every=200, buffer_size=1_000_000)
+    full = train(cfg, sac, tmp_path / "full")
+    train(cfg, sac, tmp_path / "part", stop_at=400)
+    part = tmp_path / "part" / "ckpt"
+    assert sorted(p.name for p in part.iterdir()) == ["step_000000000200", "step_000000000400"]
+    size = sum(f.stat().st_size for f in (part / "step_000000000400").iterdir())
+    assert size < 300_000  # the whole buffer would be 1M x 10 fields = 34 MB
+    saved, _, _ = checkpoint.load(part / "step_000000000400", init_state(sac, cfg, 3, 1))
+    assert int(np.asarray(saved[1].size)[0]) == 400 and saved[1].data.obs.shape == (1, 1_000_000, 3)
+    assert not np.asarray(saved[1].data.obs)[:, 400:].any() and np.asarray(saved[1].data.obs)[:, 399].any()
+    for name, damage in (("truncated", lambda p: (p / "arrays.npz").write_bytes((p / "arrays.npz").read_bytes()[:-50])),
+                         ("flipped", lambda p: _flip(p / "host.pkl"))):
+        run_dir = tmp_path / name
+        shutil.copytree(tmp_path / "part", run_dir)
+        damage(checkpoint.path_for(run_dir, 400))
+        capfd.readouterr()
+        resumed = train(cfg, sac, run_dir, resume=True)
+        err = capfd.readouterr().err
+        assert f"warning: skipping checkpoint {checkpoint.path_for(run_dir, 400)}: " in err
+        assert f"; resuming from {checkpoint.path_for(run_dir, 200)}" in err
+        assert resumed["step"] == 600
+        assert _bits(resumed["state"]) == _bits(full["state"])
+        assert_same_logs(tmp_path / "full", run_dir)
+        assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000000000400", "step_000000000600"]
+        checkpoint.verify(checkpoint.path_for(run_dir, 400))  # rewritten whole by the resumed run
