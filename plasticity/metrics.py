@@ -86,8 +86,42 @@ def active_fraction(acts):
     return jnp.mean((acts > 0).astype(jnp.float32))
 
 
+# Singular values, one matrix per LAPACK call.  jaxlib 0.10's CPU LAPACK kernels split a batched call
+# (leading axes: ensemble members, vmapped seeds) into chunks that they schedule on XLA's intra-op
+# thread pool and then block a pool thread waiting for them (``ParallelBatchMap``).  When XLA runs
+# as many independent batched SVDs at once as the pool has threads (2 on a 2-core CPU), every pool
+# thread waits for chunks that no thread is free to run: the process hangs with no CPU use (the
+# plasticity-metrics hang of docs/benchmarks.md, reproduced on full-size MR.Q with 3 seeds; fixed
+# upstream in jax commit 859992407d, "Don't try to parallelize LAPACK kernels in opensource
+# builds").  A batch of one runs inline, so every SVD here is one unbatched call in a loop, under
+# any ``vmap`` too (``sequential_vmap``); the explicit JVP keeps ``grad`` working through it.
+@jax.custom_batching.sequential_vmap
+def _sv_one(x):
+    return jnp.linalg.svd(x, compute_uv=False)
+
+
+@jax.custom_batching.sequential_vmap
+def _svd_one(x):
+    return jnp.linalg.svd(x, full_matrices=False)
+
+
+def _one_matrix_per_call(fn, x):
+    """``fn`` on each ``(B, H)`` matrix of ``x`` (leading axes flattened), one after another."""
+    out = jax.lax.map(fn, x.reshape((-1,) + x.shape[-2:]))
+    return jax.tree.map(lambda o: o.reshape(x.shape[:-2] + o.shape[1:]), out)
+
+
+@jax.custom_jvp
 def _singular_values(features):
-    return jnp.linalg.svd(features, compute_uv=False)  # (..., min(B, H)), descending
+    """``(..., B, H) -> (..., min(B, H))``, descending."""
+    return _one_matrix_per_call(_sv_one, features)
+
+
+@_singular_values.defjvp
+def _singular_values_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    u, s, vt = _one_matrix_per_call(_svd_one, x)
+    return s, jnp.einsum("...ji,...jk,...ik->...i", u, dx, vt)  # d sigma_i = u_i^T dX v_i
 
 
 def srank(features, delta: float = 0.01):
@@ -97,7 +131,10 @@ def srank(features, delta: float = 0.01):
     values (descending) of the ``(B, H)`` feature matrix.  ``(..., B, H) -> (...)``; an
     all-zero matrix has srank 0.
     """
-    s = _singular_values(features)
+    return _srank(_singular_values(features), delta)
+
+
+def _srank(s, delta):
     c = jnp.cumsum(s, axis=-1)
     total = c[..., -1:]
     k = jnp.sum(c < (1.0 - delta) * total, axis=-1) + 1
@@ -110,7 +147,10 @@ def effective_rank(features):
     exp(-sum_i p_i log p_i) with p_i = sigma_i / sum_j sigma_j (0 log 0 = 0).
     ``(..., B, H) -> (...)``; an all-zero matrix gets 0.
     """
-    s = _singular_values(features)
+    return _effective_rank(_singular_values(features))
+
+
+def _effective_rank(s):
     total = jnp.sum(s, axis=-1, keepdims=True)
     p = s / jnp.where(total > 0, total, 1.0)
     ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
@@ -125,9 +165,20 @@ def feature_rank(features, eps: float = 0.01):
     the count comparable across batch sizes (sigma_j^2 / B are the eigenvalues of the
     feature second-moment matrix Phi^T Phi / B).  ``(..., B, H) -> (...)``.
     """
-    b = features.shape[-2]
-    s = _singular_values(features) / jnp.sqrt(jnp.asarray(b, features.dtype))
+    return _feature_rank(_singular_values(features), features.shape[-2], eps)
+
+
+def _feature_rank(s, batch: int, eps: float = 0.01):
+    s = s / jnp.sqrt(jnp.asarray(batch, s.dtype))
     return jnp.sum(s > eps, axis=-1).astype(jnp.float32)
+
+
+def rank_metrics(features) -> dict:
+    """``srank``, ``effective_rank`` and ``feature_rank`` of ``(..., B, H)`` features, averaged over
+    the leading axes (ensemble members), from one SVD per matrix."""
+    s = _singular_values(features)
+    return {"srank": jnp.mean(_srank(s, 0.01)), "effective_rank": jnp.mean(_effective_rank(s)),
+            "feature_rank": jnp.mean(_feature_rank(s, features.shape[-2]))}
 
 
 def _sq_norm(tree):
@@ -191,9 +242,7 @@ def network_metrics(acts: dict, act_grads: dict, params, init_params=None, param
         fau = active_fraction(a)
         out[f"{p}/active_fraction"] = fau
         active, entries = active + fau * a.size, entries + a.size
-        out[f"{p}/srank"] = jnp.mean(srank(a))
-        out[f"{p}/effective_rank"] = jnp.mean(effective_rank(a))
-        out[f"{p}/feature_rank"] = jnp.mean(feature_rank(a))
+        out.update({f"{p}/{metric}": v for metric, v in rank_metrics(a).items()})
     if n_total:
         for t in dormant_taus:
             out[f"{prefix}/dormant_{t}"] = dormant[t] / n_total
@@ -232,6 +281,5 @@ def compute(loss_fns: dict[str, Callable], params: dict, init_params: dict | Non
                                    prefix=f"{prefix}/{name}", **kw))
         # rank of the representation the head reads (spec section 8: penultimate features)
         feats = instrument.features(lambda: loss(p), [name])[name]
-        for metric, fn in (("srank", srank), ("effective_rank", effective_rank), ("feature_rank", feature_rank)):
-            out[f"{prefix}/{name}/features/{metric}"] = jnp.mean(fn(feats))
+        out.update({f"{prefix}/{name}/features/{metric}": v for metric, v in rank_metrics(feats).items()})
     return out

@@ -86,7 +86,7 @@ def _ravl(workdir: Path):
     agent = RAVLConfig(dataset=str(path), critics=3, eta=1.0, rollout_batch=100, horizon=3, updates_per_epoch=100,
                        batch_size=32, dataset_ratio=0.25, dynamics=dyn)
     return _run_config("ravl", agent, network=NetworkConfig(width=16), total_steps=300, eval_every=200,
-                       log_every=100, checkpoint_every=300)
+                       log_every=100, checkpoint_every=300, env=None)  # the dataset's env
 
 
 CASES = {

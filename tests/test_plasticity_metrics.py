@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,3 +234,93 @@ def test_zeroed_critic_unit_is_dormant(sac_setup):
     assert float(jnp.abs(state.critic_params["trunk"]["layers"][0]["kernel"][..., :, 0]).sum()) > 0
     # GraMa scores at the pre-activation: the dead ReLU unit has exactly zero gradient there
     assert float(out["plasticity/critic/layer0/grama_0.01"]) >= 1 / WIDTH
+
+
+# ---------------------------------------------------------------- LAPACK calls: one matrix each (the metrics hang)
+
+
+def _lapack_batch_dims(hlo: str) -> set[int]:
+    """``num_batch_dims`` of every LAPACK custom call in a lowered program."""
+    calls = re.findall(r"custom_call @lapack_\w+(.*)", hlo)
+    assert calls, "no LAPACK call in the program"
+    return {int(re.search(r'num_batch_dims = "(\d+)"', c).group(1)) for c in calls}
+
+
+def test_singular_values_take_one_matrix_per_lapack_call_under_vmap_and_grad():
+    # jaxlib 0.10's batched LAPACK kernels block an XLA pool thread waiting for chunks they schedule on
+    # the same pool; as many concurrent batched SVDs as pool threads deadlock (docs/benchmarks.md, MR.Q)
+    x = jax.random.normal(jax.random.key(0), (3, 2, 6, 4))  # (seeds, members, B, H)
+    ref = np.linalg.svd(np.asarray(x), compute_uv=False)
+    f = jax.jit(jax.vmap(jax.vmap(M._singular_values)))
+    np.testing.assert_allclose(f(x), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(M._singular_values(x), ref, rtol=1e-5, atol=1e-6)
+    assert _lapack_batch_dims(f.lower(x).as_text()) == {0}
+    # grad through the loop of SVDs equals grad through jnp's batched SVD, also vmapped
+    g = jax.grad(lambda x: M.effective_rank(x).sum())(x)
+    g_ref = jax.grad(lambda x: M._effective_rank(jnp.linalg.svd(x, compute_uv=False)).sum())(x)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6)
+    gv = jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(M._singular_values(x) ** 2))))
+    np.testing.assert_allclose(gv(x), 2 * x, rtol=1e-4, atol=1e-5)  # sum sigma^2 = ||X||_F^2
+    assert _lapack_batch_dims(gv.lower(x).as_text()) == {0}
+    # the three rank metrics from one SVD agree with the separate functions
+    r = M.rank_metrics(x[0])
+    assert float(r["srank"]) == float(jnp.mean(M.srank(x[0])))
+    assert float(r["effective_rank"]) == pytest.approx(float(jnp.mean(M.effective_rank(x[0]))))
+    assert float(r["feature_rank"]) == float(jnp.mean(M.feature_rank(x[0])))
+
+
+@pytest.fixture(scope="module")
+def mrq_hook():
+    """A full-size (512-wide) MR.Q state, 1 seed, built as the off-policy loop builds it, with a small
+    replay of random rows, and the metrics hook as the loop calls it (``--plasticity.metrics-every 1``)."""
+    from agents import mrq
+    from buffers import lap
+    from plasticity.config import PlasticityConfig
+    from plasticity.hooks import Hooks
+    from training.config import RunConfig
+    from training.offpolicy import init_state
+
+    cfg = RunConfig(env="dmc:cartpole-balance", seeds=1, agent_name="mrq", agent=mrq.MRQConfig(buffer_size=512),
+                    network=NetworkConfig(), plasticity=PlasticityConfig(metrics_every=1))
+    obs_dim, act_dim, envs = 5, 1, 32
+    state, buffer, key = init_state(mrq, cfg, obs_dim, act_dim)
+    assert state.value_params["trunk"]["layers"][0]["kernel"].shape[-1] == 512  # the paper's width
+    rng = np.random.default_rng(0)
+    add = jax.jit(jax.vmap(lap.add))
+    for _ in range(8):  # 8 consecutive transitions per env stream: windows of H_enc = 5 are valid
+        f = lambda *shape: jnp.asarray(rng.normal(size=(1, envs, *shape)), jnp.float32)  # noqa: E731
+        no = jnp.zeros((1, envs), bool)
+        buffer = add(buffer, Transition(f(obs_dim), jnp.clip(f(act_dim), -1, 1), f(), f(obs_dim), no, no))
+    hooks = Hooks(cfg.plasticity, mrq, "mrq", total_updates=100)
+    state = hooks.start(state)
+    return mrq, hooks, state, buffer, key
+
+
+def test_metrics_program_of_full_size_mrq_has_no_batched_lapack_call(mrq_hook):
+    _, hooks, state, buffer, key = mrq_hook
+    batch = hooks._sample(state, buffer, jax.random.split(key, 1))
+    lowered = hooks._metrics.lower(state, batch, hooks.init_params, jax.random.split(key, 1))
+    assert _lapack_batch_dims(lowered.as_text()) == {0}
+
+
+@pytest.mark.slow
+def test_metrics_hook_on_full_size_mrq(mrq_hook):
+    mrq, hooks, state, buffer, key = mrq_hook
+    for before in (0, 1):  # the first event draws the fixed metrics batch and compiles; the second reuses both
+        out_state, rows = hooks.after_updates(before, before + 1, state, buffer, jax.random.fold_in(key, before))
+        assert out_state is state and len(rows) == 1
+    row = rows[0]
+    for net in mrq.PLASTIC:
+        for m in ("dormant_0.0", "dormant_0.025", "dormant_0.1", "grama_0.01", "active_fraction", "weight_norm",
+                  "weight_norm_ratio", "grad_norm", "features/srank", "features/effective_rank",
+                  "features/feature_rank"):
+            assert f"plasticity/{net}/{m}" in row, (net, m)
+        assert any(k.startswith(f"plasticity/{net}/layer") and k.endswith("/srank") for k in row), net
+    for k, v in row.items():
+        assert np.isfinite(v), k
+        if any(t in k for t in ("dormant", "grama", "active_fraction")):
+            assert 0 <= v <= 1, k
+        if "rank" in k and "ratio" not in k:
+            assert 0 <= v <= 512, k
+    assert row["plasticity/value/weight_norm_ratio"] == pytest.approx(1.0)  # no update since start()
+    assert row["plasticity/value/features/srank"] > 1 and row["plasticity/value/grad_norm"] > 0

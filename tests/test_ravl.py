@@ -88,7 +88,7 @@ def _ravl_config(dataset, run_dir, total=2000, **kw):
                 "updates_per_epoch": 200, "batch_size": 64, "dataset_ratio": 0.25, "dynamics": dyn,
                 **{k: kw.pop(k) for k in list(kw) if k in ravl.RAVLConfig.__dataclass_fields__}}
     agent = ravl.RAVLConfig(**agent_kw)
-    return RunConfig(**{"total_steps": total, "eval_every": 1000, "eval_episodes": 4, "log_every": 200,
+    return RunConfig(**{"env": None, "total_steps": total, "eval_every": 1000, "eval_episodes": 4, "log_every": 200,
                         "checkpoint_every": 1000, "progress": False, "run_dir": str(run_dir),
                         "network": NetworkConfig(width=32), "agent_name": "ravl", "agent": agent, **kw})
 
@@ -146,6 +146,10 @@ def test_offline_cli_errors(toy_dataset, tmp_path):
         main(["ravl", "--run-dir", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="does not match the dataset's env"):
         main(["ravl", "--dataset", str(toy_dataset), "--env", "Hopper-v5", "--run-dir", str(tmp_path / "y")])
+    # an explicit --env equal to RunConfig's default (Pendulum-v1) is held against the dataset too (#23)
+    with pytest.raises(SystemExit, match="--env Pendulum-v1 does not match the dataset's env ToyReach-v0"):
+        main(["ravl", "--dataset", str(toy_dataset), "--env", "Pendulum-v1", "--run-dir", str(tmp_path / "v")])
+    assert not (tmp_path / "v").exists()
     with pytest.raises(ValueError, match="plasticity.least does not apply"):
         main(["ravl", "--dataset", str(toy_dataset), "--plasticity.least", "--run-dir", str(tmp_path / "z")])
     with pytest.raises(SystemExit, match="no such file"):

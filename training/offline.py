@@ -38,7 +38,6 @@ from training.driver import Driver
 from training.evaluation import Evaluator
 from training.loop import check_positive, run_counts
 
-DEFAULT_ENV = RunConfig.env
 
 
 def resolve_dataset(cfg: RunConfig):
@@ -56,12 +55,11 @@ def resolve_dataset(cfg: RunConfig):
     if not path.exists():
         raise SystemExit(f"--dataset {path}: no such file")
     stored = datasets.load(path, validate=False).env_id
-    given = cfg.env
-    # RunConfig's own default (an online env), left in a config built in code, is not held against
-    # a dataset that names its env (train.py passes None when --env is not given)
-    checked = None if given == DEFAULT_ENV else given
-    if stored and checked and datasets.d4rl_name(checked) != datasets.d4rl_name(stored) and checked != stored:
-        raise SystemExit(f"--env {given} does not match the dataset's env {stored} ({path})")
+    given = cfg.env  # None: not given (train.py's default for offline agents; env=None in code)
+    if stored and given and given != stored and not (  # hopper / Hopper-v4 match Hopper-v5
+            datasets.d4rl_name(given) is not None and datasets.d4rl_name(given) == datasets.d4rl_name(stored)):
+        raise SystemExit(f"--env {given} does not match the dataset's env {stored} ({path}); leave --env out "
+                         "to evaluate on the dataset's env (in code: RunConfig(env=None, ...))")
     env_id = stored or (datasets.gymnasium_id(given) if given else None)
     if env_id is None:
         raise SystemExit(f"{path} does not record its environment: pass --env (e.g. Hopper-v5)")

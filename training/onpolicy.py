@@ -248,10 +248,14 @@ class OnPolicyIteration:
         self.state, self.loop, self.key = tree
         self.env, self.action = host["env"], jnp.asarray(host["action"])
         self.phase, self.updates_done = host["phase"], host["updates_done"]
+        # the last update's statistics: the log rows of the next rollout show them (as uninterrupted)
+        metrics = host.get("metrics")
+        self.metrics = None if metrics is None else {k: jnp.asarray(v) for k, v in metrics.items()}
 
     def host(self) -> dict:
         return {"env": self.env, "action": np.asarray(self.action), "phase": self.phase,
-                "updates_done": self.updates_done}
+                "updates_done": self.updates_done,
+                "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()}}
 
     def eval_state(self):
         return self.state

@@ -1,0 +1,161 @@
+"""Fault drill: kill -9 training runs at random points, resume each to the end, compare with an uninterrupted run.
+
+    python scripts/fault_drill.py --runs 10 --out /tmp/drill
+
+For each agent in ``--agents`` (tiny SAC / PPO / MR.Q on Pendulum-v1, a checkpoint every few
+hundred steps) one uninterrupted reference run; then ``--runs`` trials cycling over the agents
+and over two kill modes:
+
+- ``ckpt``: SIGKILL as soon as a checkpoint write has begun (its ``ckpt/.tmp_*`` directory
+  appears), so the kill lands inside the write;
+- ``random``: SIGKILL after a uniformly random delay within the reference run's wall time
+  (compilation, env steps, updates, evaluations, checkpoint writes alike).
+
+Each killed run is continued with ``train.py --resume DIR`` (repeated if a resume is itself cut
+short) and compared with its reference: every row of ``eval.csv`` and ``metrics.csv`` (timing
+columns ``perf/*`` aside) and every array of the final checkpoint must be identical.  Steps lost
+= the last step logged before the kill minus the step the resume started from (at most one
+checkpoint interval when checkpoints work).  Exit code 1 if any trial differs.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
+COMMON = ["--env", "Pendulum-v1", "--no-progress", "--eval-episodes", "5", "--network.width", "32"]
+AGENTS = {
+    "sac": ["sac", "--total-steps", "3000", "--learning-starts", "500", "--eval-every", "500",
+            "--checkpoint-every", "400", "--log-every", "100", "--buffer-size", "100000"],
+    "ppo": ["ppo", "--total-steps", "8192", "--num-steps", "512", "--eval-every", "1024",
+            "--checkpoint-every", "1024", "--log-every", "512"],
+    "mrq": ["mrq", "--total-steps", "1500", "--learning-starts", "300", "--eval-every", "300",
+            "--checkpoint-every", "300", "--log-every", "100", "--buffer-size", "20000", "--batch-size", "32"],
+}
+
+
+def run(args: list[str], log: Path) -> int:
+    with open(log, "a") as f:
+        return subprocess.call(args, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def last_step(run_dir: Path) -> int:
+    r = rows(run_dir / "metrics.csv")
+    return int(r[-1]["step"]) if r else 0
+
+
+def final_arrays(run_dir: Path) -> dict:
+    ckpts = sorted((run_dir / "ckpt").glob("step_*"))
+    with np.load(ckpts[-1] / "arrays.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def differences(ref: Path, got: Path) -> list[str]:
+    out = []
+    for name in ("eval.csv", "metrics.csv"):
+        a, b = rows(ref / name), rows(got / name)
+        if a != b:
+            bad = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append(f"{name}: {len(a)} vs {len(b)} rows, first difference at row {bad}")
+    a, b = final_arrays(ref), final_arrays(got)
+    if a.keys() != b.keys():
+        out.append("final checkpoint: different arrays")
+    else:
+        out += [f"final checkpoint: {k} differs" for k in a if not np.array_equal(a[k], b[k])]
+    return out
+
+
+def kill_during_checkpoint(proc: subprocess.Popen, run_dir: Path, skip: int) -> None:
+    """SIGKILL once the (skip+1)-th checkpoint write has begun (a ckpt/.tmp_* directory exists)."""
+    seen: set = set()
+    while proc.poll() is None:
+        tmp = [p.name for p in (run_dir / "ckpt").glob(".tmp_*")] if (run_dir / "ckpt").exists() else []
+        new = [t for t in tmp if t not in seen]
+        if new:
+            if len(seen) >= skip:
+                proc.send_signal(signal.SIGKILL)
+                return
+            seen.update(new)
+        time.sleep(0.0005)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--out", default="/tmp/fault-drill")
+    p.add_argument("--agents", nargs="+", default=["sac", "ppo", "mrq"], choices=list(AGENTS))
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(a.seed)
+    refs, wall = {}, {}
+    for agent in a.agents:
+        refs[agent] = out / f"ref-{agent}"
+        if not (refs[agent] / "done.json").exists():
+            t0 = time.time()
+            rc = run(TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(refs[agent])], out / f"ref-{agent}.log")
+            if rc != 0:
+                print(f"reference run {agent} failed (exit {rc}); see {out}/ref-{agent}.log")
+                return 1
+            (refs[agent] / "done.json").write_text(json.dumps({"wall_s": time.time() - t0}))
+        wall[agent] = json.loads((refs[agent] / "done.json").read_text())["wall_s"]
+    failures = 0
+    print("| trial | agent | kill | killed at step | resumed from step | steps lost | resumes | identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i in range(a.runs):
+        agent = a.agents[i % len(a.agents)]
+        mode = ("ckpt", "random")[(i // len(a.agents)) % 2]
+        run_dir = out / f"trial-{i:02d}-{agent}-{mode}"
+        log = out / f"trial-{i:02d}.log"
+        for stale in (run_dir, log):
+            if stale.exists():
+                subprocess.call(["rm", "-rf", str(stale)])
+        proc = subprocess.Popen(TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(run_dir)], cwd=ROOT,
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        if mode == "ckpt":
+            kill_during_checkpoint(proc, run_dir, skip=rng.randrange(3))
+        else:
+            time.sleep(rng.uniform(0.3, 0.95) * wall[agent])
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at = last_step(run_dir)
+        ckpts = sorted((run_dir / "ckpt").glob("step_*")) if (run_dir / "ckpt").exists() else []
+        resumed_from = int(ckpts[-1].name.split("_")[1]) if ckpts else 0
+        resumes = 0
+        rc = proc.returncode
+        while rc != 0 and resumes < 3:
+            resumes += 1
+            args = TRAIN + ["--resume", str(run_dir)] if ckpts else TRAIN + AGENTS[agent] + COMMON + [
+                "--run-dir", str(run_dir), "--overwrite"]
+            rc = run(args, log)
+        diffs = differences(refs[agent], run_dir) if rc == 0 else [f"resume failed (exit {rc}); see {log}"]
+        failures += bool(diffs)
+        lost = max(0, killed_at - resumed_from)
+        print(f"| {i} | {agent} | {mode} (exit {proc.returncode}) | {killed_at} | {resumed_from} | {lost} | "
+              f"{resumes} | {'yes' if not diffs else 'NO: ' + '; '.join(diffs)} |", flush=True)
+    print(f"{a.runs - failures} of {a.runs} trials identical to the uninterrupted run")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
