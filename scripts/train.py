@@ -22,6 +22,11 @@ import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
+# OpenBLAS (the LAPACK behind the plasticity metrics' SVDs) starts its own threads inside each call,
+# and they fight XLA's for the cores: one full-size MR.Q metrics event took 32-103 s on a 2-core CPU
+# with them and 3.6-5 s without (docs/benchmarks.md).  Set before numpy / jax load; a user's value wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 try:
     import agents
 except ImportError:  # running from a checkout without `pip install -e .`

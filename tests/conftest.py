@@ -5,6 +5,7 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as scripts/train.py: LAPACK's threads fight XLA's
 # XLA compiles dominate the suite's time, and many tests (and the training subprocesses of the CLI
 # tests, which inherit the variables) compile the same programs again.  A persistent compilation
 # cache, empty at the start of every session and removed at its end, compiles each program once per
