@@ -8,8 +8,9 @@ and over two kill modes:
 
 - ``ckpt``: SIGKILL as soon as a checkpoint write has begun (its ``ckpt/.tmp_*`` directory
   appears), so the kill lands inside the write;
-- ``random``: SIGKILL after a uniformly random delay within the reference run's wall time
-  (compilation, env steps, updates, evaluations, checkpoint writes alike).
+- ``random``: SIGKILL at a random moment: once the run has logged a step drawn uniformly from
+  5-95% of its length, after a further random 0-1 s (env steps, updates, evaluations and
+  checkpoint writes alike; independent of the machine's speed).
 
 Each killed run is continued with ``train.py --resume DIR`` (repeated if a resume is itself cut
 short) and compared with its reference: every row of ``eval.csv`` and ``metrics.csv`` (timing
@@ -55,6 +56,11 @@ def rows(path: Path) -> list[dict]:
         return []
     with open(path) as f:
         return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def total_steps(agent: str) -> int:
+    args = AGENTS[agent]
+    return int(args[args.index("--total-steps") + 1])
 
 
 def last_step(run_dir: Path) -> int:
@@ -107,7 +113,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
-    refs, wall = {}, {}
+    refs = {}
     for agent in a.agents:
         refs[agent] = out / f"ref-{agent}"
         if not (refs[agent] / "done.json").exists():
@@ -117,7 +123,6 @@ def main(argv=None) -> int:
                 print(f"reference run {agent} failed (exit {rc}); see {out}/ref-{agent}.log")
                 return 1
             (refs[agent] / "done.json").write_text(json.dumps({"wall_s": time.time() - t0}))
-        wall[agent] = json.loads((refs[agent] / "done.json").read_text())["wall_s"]
     failures = 0
     print("| trial | agent | kill | killed at step | resumed from step | steps lost | resumes | identical |")
     print("|---|---|---|---|---|---|---|---|")
@@ -134,7 +139,10 @@ def main(argv=None) -> int:
         if mode == "ckpt":
             kill_during_checkpoint(proc, run_dir, skip=rng.randrange(3))
         else:
-            time.sleep(rng.uniform(0.3, 0.95) * wall[agent])
+            target = rng.uniform(0.05, 0.95) * total_steps(agent)
+            while proc.poll() is None and last_step(run_dir) < target:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 1.0))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
         proc.wait()
