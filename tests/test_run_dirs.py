@@ -227,6 +227,20 @@ def test_a_second_ctrl_c_during_the_stop_checkpoint_abandons_it_and_keeps_the_pe
     assert f"continue with: python scripts/train.py --resume {tmp_path / 'r'}" in out
 
 
+def test_an_evaluation_shows_on_the_progress_bar_at_once(tiny_sac_config, tmp_path):
+    """Issue #23 item 7: during a run the bar's eval= showed an evaluation only at the next log row."""
+    import jax.numpy as jnp
+
+    from training.driver import Driver
+
+    agent = types.SimpleNamespace(act=lambda s, o, k, explore: o[..., :1])
+    drv = Driver(tiny_sac_config(seeds=1), agent, tmp_path, hooks=None, evaluator=lambda policy: [[1.0, 3.0]])
+    seen = []
+    drv.bar = lambda step, *a, **k: seen.append((step, a, k))
+    assert drv.evaluate(300, jnp.zeros(1)) == 2.0
+    assert seen == [(300, (), {"ev": 2.0})]
+
+
 def test_the_progress_bar_ends_showing_the_final_evaluation(tiny_sac_config, capsys):
     """Issue #23 item 7: the bar's eval= lagged one evaluation behind the final `done:` line."""
     from training.loop import Schedule, finish, progress

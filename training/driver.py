@@ -91,6 +91,9 @@ class Driver:
         if self.on_eval is not None:
             self.on_eval(step, state, returns)
         self.last_eval = float(np.mean(returns))
+        bar = getattr(self, "bar", None)  # set by run(); shows the evaluation now, not at the next log row
+        if bar is not None:
+            bar(step, ev=self.last_eval)
         return self.last_eval
 
     def evaluate_if_due(self, step: int, state_fn):
