@@ -348,3 +348,24 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     losses = [float(r[k]) for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv"))
               for k in ("losses/critic", "losses/actor") if r.get(k)]
     assert len(losses) >= 14 and np.all(np.isfinite(losses))
+
+
+def test_an_ne_run_with_review_and_auto_batch_resumes_bit_identically(tiny_sac_config, tmp_path, assert_same_logs):
+    """The schedule, masks and replay controls (review probability, half-batch flag) are checkpointed."""
+    from agents import sac
+    from training import offpolicy
+
+    cfg = tiny_sac_config(total_steps=600, learning_starts=100, checkpoint_every=300, log_every=100,
+                          network=NetworkConfig(width=16, depth=1),
+                          plasticity=PlasticityConfig(metrics_every=0, ne=True, ne_every=50, ne_review=True,
+                                                      ne_auto_batch="on", reset_batch=16))
+    full = offpolicy.train(cfg, sac, tmp_path / "full")
+    part = offpolicy.train(cfg, sac, tmp_path / "part", stop_at=350)
+    assert part["step"] < 600
+    resumed = offpolicy.train(cfg, sac, tmp_path / "part", resume=True)
+    assert resumed["step"] == 600
+    for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_array_equal(x, y)
+    assert_same_logs(tmp_path / "full", tmp_path / "part")
+    rows = list(csv.DictReader(open(tmp_path / "full" / "metrics.csv")))
+    assert any(r.get("plasticity/half_batch") not in (None, "") for r in rows)
