@@ -15,12 +15,10 @@ instead.  A --run-dir that already holds a run is refused: continue it with --re
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
 
 # OpenBLAS (the LAPACK behind the plasticity metrics' SVDs) starts its own threads inside each call,
 # and they fight XLA's for the cores: one full-size MR.Q metrics event took 32-103 s on a 2-core CPU
@@ -32,86 +30,9 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import agents
-import tyro
-
-from training import config as config_lib
+from training.cli import parse  # noqa: F401  (the command line's parsing; tests call train.parse)
 from training.loop import NonFiniteLossError
-from training.run import is_user_error, load_config, preflight, run
-
-USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
-DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
-               "moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback of an error.")
-
-
-def _agents() -> str:
-    return ", ".join(sorted(agents.AGENTS))
-
-
-def _resume_dir(argv: list[str]) -> str | None:
-    """The value of ``--resume DIR`` / ``--resume=DIR`` in ``argv``, or None if there is no --resume."""
-    for i, a in enumerate(argv):
-        if a.startswith("--resume="):
-            value = a.split("=", 1)[1]
-        elif a == "--resume":
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        else:
-            continue
-        if not value or value.startswith("-"):
-            raise SystemExit("--resume needs the run directory to continue: --resume RUN_DIR")
-        return value
-    return None
-
-
-def parse(argv: list[str]):
-    """argv -> RunConfig.  Resuming reuses the run's config.json; only a few flags may change."""
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + f"\n\nagents: {_agents()}")
-        raise SystemExit(0)
-    if not argv:
-        raise SystemExit(f"no agent given; {USAGE}; agents: {_agents()}")
-    resume = _resume_dir(argv)
-    if argv[0].startswith("-"):
-        if resume is None:
-            raise SystemExit(f"the first argument must be an agent ({_agents()}) or --resume RUN_DIR, "
-                             f"not {argv[0]!r}")
-        saved = load_config(resume)
-        name, rest = saved.agent_name, argv
-    else:
-        name, rest = argv[0], argv[1:]
-        if name not in agents.AGENTS:
-            raise SystemExit(f"unknown agent {name!r}; available agents: {_agents()}")
-        saved = None
-        if resume is not None:
-            saved = load_config(resume)
-            if saved.agent_name != name:
-                raise SystemExit(f"--resume: that run trained {saved.agent_name!r}, not {name!r}")
-    agent = agents.get(name)
-    cls = config_lib.cli_type(name, agent.CONFIG)
-    if agent.KIND == "offline":  # --env not given is None, not RunConfig's default: that may be given too
-        env = Annotated[Optional[str], tyro.conf.arg(help="the env to evaluate on (default: the dataset's own; "
-                                                          "with --kind: the env whose cached dataset to use)")]
-        cls = dataclasses.make_dataclass(cls.__name__, [("env", env, dataclasses.field(default=None))], bases=(cls,))
-    if saved is None:
-        return tyro.cli(cls, args=rest, prog=f"train.py {name}", description=DESCRIPTION)
-    default = cls(**{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)})
-    cfg = tyro.cli(cls, args=rest, default=default, prog=f"train.py {name}", description=DESCRIPTION)
-    changed = [name for name in _changed(cfg, saved) if name not in config_lib.RESUME_MUTABLE]
-    if changed:
-        raise SystemExit(f"--resume cannot change {', '.join(changed)}: the run's config.json fixes them")
-    return cfg
-
-
-def _changed(new, old, prefix=""):
-    """Names of the (nested) dataclass fields whose values differ."""
-    out = []
-    for f in dataclasses.fields(new):
-        a, b = getattr(new, f.name), getattr(old, f.name)
-        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-            out += _changed(a, b, f"{prefix}{f.name}.")
-        elif a != b:
-            out.append(prefix + f.name)
-    return out
-
+from training.run import is_user_error, preflight, run
 
 _stage = ["checks"]  # "run" once the checks passed: cli() then notes that --debug shows where an error arose
 
@@ -123,6 +44,9 @@ def main(argv=None):
     are moved into RUN_DIR/.replaced-<time>/ (``training.run.move_aside``)."""
     _stage[0] = "checks"
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + f"\n\nagents: {', '.join(sorted(agents.AGENTS))}")
+        raise SystemExit(0)
     overwrite = "--overwrite" in argv
     cfg = parse([a for a in argv if a != "--overwrite"])
     preflight(cfg, overwrite=overwrite)

@@ -38,6 +38,8 @@ class RunConfig:
     """continue the run in this directory from its last checkpoint"""
     label: Optional[str] = None
     """name for plots (default: the agent name)"""
+    preset: Optional[str] = None
+    """the --preset names applied, comma-separated (training/presets.py); set by the command line"""
     tensorboard: bool = False
     """also write TensorBoard events (needs tensorboardX)"""
     progress: bool = True
@@ -79,6 +81,7 @@ def cli_type(agent_name: str, agent_cls):
     return dataclasses.make_dataclass(
         f"{agent_name.upper()}Run",
         [("agent_name", tyro.conf.Suppress[str], field(default=agent_name)),
+         ("preset", tyro.conf.Suppress[Optional[str]], field(default=None)),
          ("agent", Annotated[agent_cls, tyro.conf.arg(name="")], field(default_factory=agent_cls))],
         bases=(RunConfig,))
 

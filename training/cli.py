@@ -1,0 +1,124 @@
+"""The training command line: ``argv -> RunConfig`` (scripts/train.py and scripts/sweep.py parse with it).
+
+``parse`` reads ``AGENT [FLAGS...]`` or ``--resume RUN_DIR [FLAGS...]`` with tyro over the agent's
+run-config dataclass.  ``--preset NAME`` (repeatable; ``training/presets.py``) puts a paper's flags
+before the user's, so the user's own flags win; ``--preset list`` prints the presets and exits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Optional
+
+import tyro
+
+import agents
+from training import config as config_lib
+from training import presets as presets_lib
+from training.run import load_config
+
+USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
+DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
+               "moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback of an error.")
+
+
+def _agents() -> str:
+    return ", ".join(sorted(agents.AGENTS))
+
+
+def _resume_dir(argv: list[str]) -> str | None:
+    """The value of ``--resume DIR`` / ``--resume=DIR`` in ``argv``, or None if there is no --resume."""
+    for i, a in enumerate(argv):
+        if a.startswith("--resume="):
+            value = a.split("=", 1)[1]
+        elif a == "--resume":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        else:
+            continue
+        if not value or value.startswith("-"):
+            raise SystemExit("--resume needs the run directory to continue: --resume RUN_DIR")
+        return value
+    return None
+
+
+def _take_presets(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``--preset NAME`` / ``--preset=NAME`` (repeatable, or comma-separated) out of ``argv``."""
+    names, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--preset" or a.startswith("--preset="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            if not value or value.startswith("-"):
+                raise SystemExit("--preset needs a name: --preset NAME (--preset list shows them)")
+            names += [v for v in value.split(",") if v]
+        else:
+            rest.append(a)
+            i += 1
+    return names, rest
+
+
+def parse(argv: list[str]):
+    """argv -> RunConfig.  Resuming reuses the run's config.json; only a few flags may change.
+
+    The flags of ``--preset`` names are parsed first and become the defaults the user's flags
+    are parsed over; the names are stored in ``cfg.preset``."""
+    preset_names, argv = _take_presets(list(argv))
+    if "list" in preset_names:
+        print(presets_lib.listing())
+        raise SystemExit(0)
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\nagents: {_agents()}\n`train.py AGENT --help` lists the agent's flags; "
+              "`--preset list` the named presets.")
+        raise SystemExit(0)
+    if not argv:
+        raise SystemExit(f"no agent given; {USAGE}; agents: {_agents()}")
+    resume = _resume_dir(argv)
+    if argv[0].startswith("-"):
+        if resume is None:
+            raise SystemExit(f"the first argument must be an agent ({_agents()}) or --resume RUN_DIR, "
+                             f"not {argv[0]!r}")
+        saved = load_config(resume)
+        name, rest = saved.agent_name, argv
+    else:
+        name, rest = argv[0], argv[1:]
+        if name not in agents.AGENTS:
+            raise SystemExit(f"unknown agent {name!r}; available agents: {_agents()}")
+        saved = None
+        if resume is not None:
+            saved = load_config(resume)
+            if saved.agent_name != name:
+                raise SystemExit(f"--resume: that run trained {saved.agent_name!r}, not {name!r}")
+    agent = agents.get(name)
+    cls = config_lib.cli_type(name, agent.CONFIG)
+    if agent.KIND == "offline":  # --env not given is None, not RunConfig's default: that may be given too
+        env = Annotated[Optional[str], tyro.conf.arg(help="the env to evaluate on (default: the dataset's own; "
+                                                          "with --kind: the env whose cached dataset to use)")]
+        cls = dataclasses.make_dataclass(cls.__name__, [("env", env, dataclasses.field(default=None))], bases=(cls,))
+    if saved is None:
+        if not preset_names:
+            return tyro.cli(cls, args=rest, prog=f"train.py {name}", description=DESCRIPTION)
+        base = tyro.cli(cls, args=presets_lib.flags(preset_names, name), prog=f"train.py {name}")
+        cfg = tyro.cli(cls, args=rest, default=base, prog=f"train.py {name}", description=DESCRIPTION)
+        presets_lib.check_env(preset_names, cfg.env)
+        return dataclasses.replace(cfg, preset=",".join(preset_names))
+    if preset_names:
+        raise SystemExit(f"--resume cannot apply --preset {','.join(preset_names)}: the run's config.json "
+                         "fixes its flags")
+    default = cls(**{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)})
+    cfg = tyro.cli(cls, args=rest, default=default, prog=f"train.py {name}", description=DESCRIPTION)
+    changed = [name for name in _changed(cfg, saved) if name not in config_lib.RESUME_MUTABLE]
+    if changed:
+        raise SystemExit(f"--resume cannot change {', '.join(changed)}: the run's config.json fixes them")
+    return cfg
+
+
+def _changed(new, old, prefix=""):
+    """Names of the (nested) dataclass fields whose values differ."""
+    out = []
+    for f in dataclasses.fields(new):
+        a, b = getattr(new, f.name), getattr(old, f.name)
+        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+            out += _changed(a, b, f"{prefix}{f.name}.")
+        elif a != b:
+            out.append(prefix + f.name)
+    return out

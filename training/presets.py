@@ -1,0 +1,127 @@
+"""Named sets of flags from the papers: ``train.py AGENT --preset NAME`` (``--preset list`` shows them).
+
+A preset is the command-line flags a paper's protocol or an intervention's published setting
+amounts to, with its source.  It is applied before the user's own flags, so any flag given on the
+command line wins over the preset's value for it; several presets apply in the order given
+(``--preset mrq-dmc --preset redo-sokar``).  The run's ``config.json`` stores the resulting
+values like any flag's, and the names in its ``preset`` field.
+
+A preset names the agents it is for (``None``: any agent that takes its flags, as the
+plasticity presets) and, where the protocol is for one env family, the env ids it fits.
+Values below are the papers' own; where a paper leaves one open, the preset leaves it at the
+zoo's default and says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    flags: tuple[str, ...]
+    source: str
+    """paper and section (or table) the values come from"""
+    agents: tuple[str, ...] | None = None
+    """agents the preset is for; None: any agent that accepts its flags"""
+    env_family: str | None = None
+    """'dmc' (dmc: ids), 'gym' (Gymnasium ids) or None (any env)"""
+    note: str = ""
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    # MR.Q's benchmark protocols: one hyperparameter set (the agent's defaults, Table 3); the
+    # benchmarks differ in steps, action repeat and evaluation.
+    Preset("mrq-gym", ("--total-steps", "1000000", "--action-repeat", "1", "--eval-every", "5000",
+                       "--eval-episodes", "10"),
+           "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: Gymnasium MuJoCo, 1M env steps, no preprocessing, "
+           "10 deterministic episodes every 5k steps", agents=("mrq",), env_family="gym"),
+    Preset("mrq-dmc", ("--total-steps", "500000", "--action-repeat", "2", "--eval-every", "5000",
+                       "--eval-episodes", "10"),
+           "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: DMC proprioceptive, action repeat 2, 500k agent steps "
+           "(1M frames), 10 deterministic episodes every 5k agent steps", agents=("mrq",), env_family="dmc"),
+    # PPO: the CleanRL 1M-step MuJoCo protocol (the zoo's defaults, spelled out) and SB3/SBX's defaults.
+    Preset("ppo-cleanrl", ("--total-steps", "1000000", "--num-envs", "1", "--num-steps", "2048",
+                           "--num-minibatches", "32", "--update-epochs", "10", "--learning-rate", "3e-4",
+                           "--anneal-lr", "--gamma", "0.99", "--gae-lambda", "0.95", "--clip-coef", "0.2",
+                           "--ent-coef", "0.0", "--vf-coef", "0.5", "--max-grad-norm", "0.5", "--norm-obs",
+                           "--norm-reward", "--action-mode", "clip"),
+           "Huang et al. 2022 (CleanRL), ppo_continuous_action.py defaults: the 1M-step MuJoCo protocol",
+           agents=("ppo",)),
+    Preset("ppo-sb3", ("--num-steps", "2048", "--num-minibatches", "32", "--update-epochs", "10",
+                       "--learning-rate", "3e-4", "--no-anneal-lr", "--no-norm-obs", "--no-norm-reward"),
+           "Raffin et al. 2021 (Stable-Baselines3) PPO defaults: n_steps 2048, batch 64 (32 minibatches of one "
+           "env's 2048 steps), 10 epochs, constant lr 3e-4, no VecNormalize",
+           agents=("ppo",), note="SB3's default network (64-64 tanh, no orthogonal init) is not reproduced: "
+                                 "the zoo's PPO network keeps CleanRL's orthogonal init"),
+    # RAVL: the one setting the reference code's README gives (the paper's per-task table is an image).
+    Preset("ravl-halfcheetah-medium", ("--critics", "10", "--eta", "1.0", "--horizon", "5",
+                                       "--dataset-ratio", "0.05", "--total-steps", "3000000",
+                                       "--updates-per-epoch", "1000"),
+           "Sims et al. 2024 (RAVL, NeurIPS), the training loop and the reference code's README example for halfcheetah-medium: "
+           "N = 10, eta = 1, k = 5, r = 0.05; 3000 epochs x 1000 updates",
+           agents=("ravl",), note="the paper's per-task values for the other datasets are published only as "
+                                  "an image and are not transcribed"),
+    # Plasticity interventions at their papers' settings (any agent that takes them).
+    Preset("redo-sokar", ("--plasticity.redo", "--plasticity.redo-tau", "0.025", "--plasticity.reset-every", "1000"),
+           "Sokar et al. 2023 (ReDo, ICML), the default setting: tau = 0.025, recycle every 1000 gradient steps"),
+    Preset("regrama-bro", ("--plasticity.regrama", "--plasticity.regrama-tau", "0.01",
+                           "--plasticity.reset-every", "1000"),
+           "Liu et al. 2025 (GraMa / ReGraMa, NeurIPS), App. A: tau = 0.01, reset every 1000 steps (BRO-net on DMC)"),
+    Preset("regrama-sac", ("--plasticity.regrama", "--plasticity.regrama-tau", "0.0", "--plasticity.reset-every",
+                           "1000", "--plasticity.reset-max-fraction", "0.05"),
+           "Liu et al. 2025 (GraMa / ReGraMa), App. A: CleanRL SAC, tau = 0, every 1000 steps, at most 5% of "
+           "neurons per event"),
+    Preset("sigreg-rl", ("--plasticity.sigreg-coef", "0.2", "--plasticity.sigreg-variant", "rl",
+                         "--plasticity.sigreg-slices", "16"),
+           "Saheb et al., arXiv 2602.19373 (SIGReg in deep RL), the reference scripts: the RL variant, 16 slices, lambda = 0.2 (the smaller "
+           "of the scripts' two non-zero values)"),
+    Preset("ne-reference", ("--plasticity.ne",),
+           "Liu et al. 2025 (Neuroplastic Expansion, ICLR), the reference code's defaults: an event every 100 updates, "
+           "uniform growth, magnitude pruning, review off, auto batch (the zoo's --plasticity.ne-* defaults)"),
+)}
+
+
+class PresetError(ValueError):
+    pass
+
+
+def listing() -> str:
+    """The table ``--preset list`` prints."""
+    lines = ["presets (train.py AGENT --preset NAME; flags given on the command line win):"]
+    for p in PRESETS.values():
+        who = ", ".join(p.agents) if p.agents else "any agent"
+        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs"}.get(p.env_family, "any env")
+        lines.append(f"  {p.name}  [{who}; {fam}]\n      {' '.join(p.flags)}\n      source: {p.source}"
+                     + (f"\n      note: {p.note}" if p.note else ""))
+    return "\n".join(lines)
+
+
+def lookup(name: str, agent_name: str) -> Preset:
+    if name not in PRESETS:
+        raise PresetError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (--preset list describes them)")
+    p = PRESETS[name]
+    if p.agents is not None and agent_name not in p.agents:
+        raise PresetError(f"preset {name!r} is for {', '.join(p.agents)}, not {agent_name!r}")
+    return p
+
+
+def flags(names: list[str], agent_name: str) -> list[str]:
+    """The flags of ``names`` in order (a later preset's value for a flag wins over an earlier one's)."""
+    out: list[str] = []
+    for name in names:
+        out += lookup(name, agent_name).flags
+    return out
+
+
+def check_env(names: list[str], env: str | None):
+    """A preset for one env family refuses an env of another (e.g. ``mrq-dmc`` on HalfCheetah-v5)."""
+    if env is None:
+        return
+    is_dmc = env.startswith("dmc:") or (env.startswith("ns:") and ":dmc:" in env)
+    for name in names:
+        fam = PRESETS[name].env_family
+        if fam == "dmc" and not is_dmc:
+            raise PresetError(f"preset {name!r} is the DMC protocol; --env {env} is not a dmc: env")
+        if fam == "gym" and is_dmc:
+            raise PresetError(f"preset {name!r} is the Gymnasium MuJoCo protocol; --env {env} is a dmc: env")
