@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 
 # OpenBLAS (the LAPACK behind the plasticity metrics' SVDs) starts its own threads inside each call,
@@ -30,9 +29,9 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import agents
-from training.cli import parse  # noqa: F401  (the command line's parsing; tests call train.parse)
+from training.cli import parse, report_user_error, take_debug  # tests call train.parse
 from training.loop import NonFiniteLossError
-from training.run import is_user_error, preflight, run
+from training.run import preflight, run
 
 _stage = ["checks"]  # "run" once the checks passed: cli() then notes that --debug shows where an error arose
 
@@ -60,23 +59,13 @@ def main(argv=None):
     return out
 
 
-def _message(e: BaseException) -> str:
-    if isinstance(e, SystemExit):
-        return e.code
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        return f"{e.filename}: {e.strerror}"
-    return str(e) or type(e).__name__
-
-
 def cli(argv=None):
     """The command line: ``main``, with a user error (bad flag value, env id, dataset, checkpoint, ...)
     reported as ``error: <message>`` on stderr and exit status 2 instead of a traceback.
 
     ``--debug`` (anywhere in argv) or RLZOO_DEBUG=1 lets the exception through with its traceback.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("RLZOO_DEBUG", "").strip() not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
+    debug, argv = take_debug(list(sys.argv[1:] if argv is None else argv))
     try:
         return main(argv)
     except NonFiniteLossError as e:  # the message names the statistic, the step and the last good checkpoint
@@ -85,16 +74,10 @@ def cli(argv=None):
         print(f"stopped: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except BaseException as e:
-        if not is_user_error(e):
-            raise  # tyro's own exits (it printed the error), Ctrl-C, NonFiniteLossError, bugs
-        if debug:
-            if isinstance(e, SystemExit):  # Python prints no traceback for SystemExit
-                traceback.print_exc()
-            raise
-        print(f"error: {_message(e)}", file=sys.stderr)
-        if _stage[0] == "run" and not isinstance(e, SystemExit):  # not a check's message: maybe a bug
-            print("(raised after the checks; --debug or RLZOO_DEBUG=1 shows the traceback)", file=sys.stderr)
-        raise SystemExit(2) from None
+        # a check's message is enough; an error raised while training may be a bug: say how to see where
+        late = _stage[0] == "run" and not isinstance(e, SystemExit)
+        report_user_error(e, debug, "(raised after the checks; --debug or RLZOO_DEBUG=1 shows the traceback)"
+                          if late else None)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ before the user's, so the user's own flags win; ``--preset list`` prints the pre
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import traceback
 from typing import Annotated, Optional
 
 import tyro
@@ -14,7 +17,7 @@ import tyro
 import agents
 from training import config as config_lib
 from training import presets as presets_lib
-from training.run import load_config
+from training.run import is_user_error, load_config
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
 DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
@@ -122,3 +125,33 @@ def _changed(new, old, prefix=""):
         elif a != b:
             out.append(prefix + f.name)
     return out
+
+
+def take_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """``--debug`` (anywhere in argv) or RLZOO_DEBUG=1 -> (True, argv without --debug)."""
+    debug = "--debug" in argv or os.environ.get("RLZOO_DEBUG", "").strip() not in ("", "0")
+    return debug, [a for a in argv if a != "--debug"]
+
+
+def error_message(e: BaseException) -> str:
+    """The one line a user error is reported with."""
+    if isinstance(e, SystemExit):
+        return e.code
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def report_user_error(e: BaseException, debug: bool, note: str | None = None):
+    """A command line's user error: re-raised (not one: a bug, Ctrl-C, argparse's / tyro's own exit;
+    or with ``debug``, with its traceback), else printed as ``error: <message>`` and exit status 2."""
+    if not is_user_error(e):
+        raise e
+    if debug:
+        if isinstance(e, SystemExit):  # Python prints no traceback for SystemExit
+            traceback.print_exc()
+        raise e
+    print(f"error: {error_message(e)}", file=sys.stderr)
+    if note:
+        print(note, file=sys.stderr)
+    raise SystemExit(2) from None

@@ -1,23 +1,42 @@
-"""Deterministic evaluation at fixed evaluation seeds."""
+"""Deterministic evaluation at fixed evaluation seeds, and a run's policy restored from a checkpoint.
+
+Every loop builds its evaluator as ``run_evaluator(cfg, agent)`` does: seed ``j``'s evaluation
+episode ``k`` resets its env with seed ``eval_base_seed(cfg) + j * episodes + k``, the action
+repeat is the run's and the action mode the loop's (``eval_action_mode``).  ``restore_policy``
+loads a run directory's checkpoint into the structure the loop would build
+(``checkpoint_template``) without building the loop, and ``SeedPolicy`` acts with it as
+``Driver.evaluate`` does, so ``scripts/evaluate.py`` reproduces a run's own evaluations.
+"""
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from envs import VectorEnv
+
+EVAL_SEED_OFFSET = 5_000  # evaluation env seeds: cfg.seed * 10_000 + 5_000 + i (training envs: cfg.seed * 10_000 + i)
 
 
 class Evaluator:
     """``episodes`` evaluation episodes per seed; every evaluation resets to the same env seeds.
 
-    ``policy(obs)`` maps observations shaped (seeds, episodes, obs_dim) to actions shaped
-    (seeds, episodes, act_dim).  Returns per seed the list of episode returns.
+    Seed ``j``'s episode ``k`` resets with env seed ``base_seed + j * stride + k`` (``stride``:
+    default ``episodes``, i.e. ``base_seed + i`` for the ``i``-th env).  ``policy(obs)`` maps
+    observations shaped (seeds, episodes, obs_dim) to actions shaped (seeds, episodes, act_dim).
+    Returns per seed the list of episode returns.
     """
 
     def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None,
-                 action_mode: str = "rescale"):
+                 action_mode: str = "rescale", stride: int | None = None):
         self.seeds, self.episodes = seeds, episodes
         self.env = VectorEnv(env_id, seeds * episodes, base_seed, action_repeat, action_mode)
-        self.env_seeds = [base_seed + i for i in range(seeds * episodes)]
+        stride = episodes if stride is None else stride
+        self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(episodes)]
 
     def __call__(self, policy) -> list[list[float]]:
         n = self.seeds * self.episodes
@@ -31,3 +50,189 @@ class Evaluator:
             done |= terminated | truncated
         self.env.pop_finished()
         return returns.reshape(self.seeds, self.episodes).tolist()
+
+
+def eval_base_seed(cfg) -> int:
+    """The env seed of a run's first evaluation episode (seed 0, episode 0)."""
+    return cfg.seed * 10_000 + EVAL_SEED_OFFSET
+
+
+def eval_action_mode(cfg, agent) -> str:
+    """How the evaluation envs map actions: the on-policy loop's ``--action-mode``; ``rescale`` otherwise."""
+    return cfg.agent.action_mode if agent.KIND == "onpolicy" else "rescale"
+
+
+def run_evaluator(cfg, agent, env_id: str | None = None, episodes: int | None = None, seeds: int | None = None,
+                  first_seed: int = 0) -> Evaluator:
+    """The evaluator of a run (``cfg``, ``agent``): on ``env_id`` (default ``cfg.env``), ``episodes``
+    per seed (default ``cfg.eval_episodes``), for ``seeds`` seeds (default ``cfg.seeds``) starting at
+    seed index ``first_seed``.  Seed ``j``'s episode ``k`` resets with the env seed
+    ``eval_base_seed(cfg) + j * cfg.eval_episodes + k``, so the run's own evaluation episodes come first."""
+    episodes = cfg.eval_episodes if episodes is None else episodes
+    seeds = cfg.seeds if seeds is None else seeds
+    return Evaluator(cfg.env if env_id is None else env_id, seeds, episodes,
+                     eval_base_seed(cfg) + first_seed * cfg.eval_episodes, cfg.action_repeat,
+                     eval_action_mode(cfg, agent), stride=cfg.eval_episodes)
+
+
+def deterministic_act(agent):
+    """``act(states, obs)``: the agent's deterministic action, vmapped over the seed axis (as ``Driver.evaluate``)."""
+    return jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+
+
+class SeedPolicy:
+    """The deterministic policy of seeds ``seeds`` (indices) of a vmapped agent ``state``, for ``Evaluator``.
+
+    ``obs``: (len(seeds), n, obs_dim).  Each call acts for all the state's seeds on arrays of the
+    run's own evaluation shape, (seeds, ``block``, obs_dim) with ``block`` its episodes per seed, as
+    the run's evaluation does: the same program on the same shapes, with each episode of the run in
+    its own place, gives the same actions to the bit (XLA's results can differ in the last bit
+    between shapes, and an episode's return with them).  Rows of seeds not asked for, and the
+    padding of the last block, hold zeros and are dropped.
+    """
+
+    def __init__(self, agent, state, seeds, block: int | None = None):
+        self.state, self.seeds, self.block = state, list(seeds), block
+        self.total = jax.tree.leaves(state)[0].shape[0]
+        self.act = deterministic_act(agent)
+
+    def __call__(self, obs):
+        obs = np.asarray(obs, np.float32)
+        n = obs.shape[1]
+        block = self.block or n
+        out = []
+        for start in range(0, n, block):
+            part = obs[:, start:start + block]
+            full = np.zeros((self.total, block, obs.shape[2]), np.float32)
+            full[self.seeds, :part.shape[1]] = part
+            out.append(np.asarray(self.act(self.state, jnp.asarray(full)))[self.seeds, :part.shape[1]])
+        return np.concatenate(out, axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's policy from its checkpoint
+# ----------------------------------------------------------------------------------------------
+def checkpoint_template(cfg, agent, obs_dim: int, act_dim: int):
+    """A tree with the structure, shapes and dtypes of the device tree the run's loop checkpoints
+    (``iteration.tree()``), built abstractly from the loop's own initialisers (nothing is computed;
+    the arrays are zeros, which the OS allocates lazily, so a large replay capacity costs nothing
+    until the checkpoint's rows are read).  The agent state is its first element."""
+    kind = agent.KIND
+    if kind == "offpolicy":
+        from training.offpolicy import init_state
+
+        build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (state, buffer, key)
+    elif kind == "onpolicy":
+        from training.onpolicy import init_state
+
+        build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (state, loop, key)
+    elif kind == "offline":
+        from buffers.replay import Transition
+        from training.offline import _buffers, initial_state
+
+        class _Shapes:  # the dataset as initial_state reads it; its rows are not checkpointed
+            def __init__(self, real):
+                self.obs_dim, self.act_dim, self.real = obs_dim, act_dim, real
+
+            def transitions(self, unit_actions=False):
+                return self.real
+
+        def build():
+            real = Transition(jnp.zeros((1, obs_dim)), jnp.zeros((1, act_dim)), jnp.zeros(1), jnp.zeros((1, obs_dim)),
+                              jnp.zeros(1, bool), jnp.zeros(1, bool))
+            keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
+            state, data = initial_state(cfg, agent, _Shapes(real), keys[2:])
+            return state, _buffers(data), keys[1]  # OfflineIteration.tree()
+    else:
+        raise ValueError(f"agent {cfg.agent_name!r} has unknown kind {kind!r}")
+    abstract = jax.eval_shape(build)
+
+    def zeros(leaf):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        return np.zeros(leaf.shape, leaf.dtype)
+
+    return jax.tree.map(zeros, abstract)
+
+
+@dataclass
+class RestoredRun:
+    """A run's agent at one checkpoint: ``state`` is vmapped over the run's seeds."""
+
+    run_dir: Path
+    cfg: object          # training.config.RunConfig
+    agent: object        # the agent module
+    state: object
+    step: int
+    path: Path           # the checkpoint directory
+    env_id: str          # the env the run evaluates on
+    counter: object = None  # ns: ids: the training envs' step counter at the checkpoint (evaluations follow it)
+
+    def evaluator(self, env_id: str | None = None, episodes: int | None = None, seed: int | None = None) -> Evaluator:
+        """The run's evaluator (``run_evaluator``) on ``env_id`` (default: the run's, following its
+        non-stationary schedule as the run does), for one seed index or all (``seed=None``)."""
+        ev = run_evaluator(self.cfg, self.agent, env_id or self.env_id, episodes,
+                           seeds=None if seed is None else 1, first_seed=seed or 0)
+        if env_id in (None, self.env_id) and self.counter is not None:
+            from envs import nonstationary
+
+            nonstationary.follow(ev.env, self.counter)
+        return ev
+
+    def policy(self, seed: int | None = None) -> SeedPolicy:
+        """The deterministic policy of one seed index or all, acting as the run's evaluation acts."""
+        return SeedPolicy(self.agent, self.state, range(self.cfg.seeds) if seed is None else [seed],
+                          block=self.cfg.eval_episodes)
+
+
+def run_env_id(run_dir, cfg) -> str:
+    """The env a run evaluates on: ``cfg.env``, else (offline runs) the dataset's env from dataset.json."""
+    if cfg.env:
+        return cfg.env
+    meta = Path(run_dir) / "dataset.json"
+    if meta.is_file():
+        return json.loads(meta.read_text())["env_id"]
+    raise SystemExit(f"{run_dir}: config.json names no env and there is no dataset.json")
+
+
+def checkpoint_steps(run_dir) -> list[int]:
+    """The steps of the checkpoints in ``run_dir/ckpt``, ascending."""
+    return sorted(int(p.name.split("_")[1]) for p in (Path(run_dir) / "ckpt").glob("step_*")
+                  if p.name.split("_")[1].isdigit())
+
+
+def restore_policy(run_dir, step: int | None = None, warn=None) -> RestoredRun:
+    """The agent of run directory ``run_dir`` at its newest intact checkpoint (``checkpoint.load_latest``,
+    skipping damaged ones with a warning), or at ``step``; nothing in the directory is written.
+
+    Raises SystemExit (a message) for a directory that is not a run or has no such checkpoint, and
+    ``checkpoint.CheckpointError`` (a ValueError) for a checkpoint that cannot be read."""
+    import agents
+    from envs import make_env
+    from training import checkpoint
+    from training.run import load_config
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise SystemExit(f"{run_dir}: no such run directory")
+    if not (run_dir / "config.json").is_file():
+        raise SystemExit(f"{run_dir}: not a run directory (no config.json)")
+    cfg = load_config(run_dir)
+    agent = agents.get(cfg.agent_name)
+    env_id = run_env_id(run_dir, cfg)
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise SystemExit(f"{run_dir}: no checkpoint in {run_dir / 'ckpt'} (the run stopped before its first one)")
+    if step is not None and step not in steps:
+        raise SystemExit(f"{run_dir}: no checkpoint at step {step}; checkpoints: {', '.join(map(str, steps))}")
+    env = make_env(env_id, 0, cfg.action_repeat, action_mode=eval_action_mode(cfg, agent))
+    obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
+    env.close()
+    template = checkpoint_template(cfg, agent, obs_dim, act_dim)
+    if step is None:
+        tree, host, _, path = checkpoint.load_latest(run_dir, template, warn=warn)
+    else:
+        path = checkpoint.path_for(run_dir, step)
+        tree, host, _ = checkpoint.load(path, template)
+    counter = getattr(host.get("env"), "step_counter", None)
+    return RestoredRun(run_dir, cfg, agent, tree[0], int(host["step"]), path, env_id, counter)

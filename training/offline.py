@@ -35,7 +35,7 @@ from envs import datasets
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training.config import RunConfig
 from training.driver import Driver
-from training.evaluation import Evaluator
+from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import check_positive, run_counts
 
 
@@ -136,7 +136,8 @@ class OfflineIteration:
     def __init__(self, cfg: RunConfig, agent, path, dataset, env_id: str):
         a = cfg.agent
         self.cfg, self.U, S = cfg, a.updates_per_epoch, cfg.seeds
-        self.evaluator = Evaluator(env_id, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+        self.evaluator = Evaluator(env_id, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
+                                   eval_action_mode(cfg, agent))
         keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
         k_prepare, self.key = keys[0], keys[1]
         self.aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)

@@ -21,7 +21,7 @@ from plasticity.least import LEAST
 from buffers import replay
 from training.config import RunConfig
 from training.driver import Driver
-from training.evaluation import Evaluator
+from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import NonFiniteLossError, check_positive, run_counts
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
@@ -128,7 +128,8 @@ class OffPolicyIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = S, E = cfg.seeds, cfg.num_envs
         self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
-        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat)
+        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
+                                   eval_action_mode(cfg, agent))
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.buffer, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.num_updates = a.updates_per_step * E

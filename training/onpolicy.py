@@ -38,7 +38,7 @@ from envs import make_vector_env
 from envs import nonstationary
 from training.config import RunConfig
 from training.driver import Driver
-from training.evaluation import Evaluator
+from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training.loop import check_positive, run_counts
 
@@ -210,8 +210,8 @@ class OnPolicyIteration:
         self.S, self.E, self.T = S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
         self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend,
                                    action_mode=a.action_mode)
-        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, cfg.seed * 10_000 + 5_000, cfg.action_repeat,
-                                   a.action_mode)
+        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
+                                   eval_action_mode(cfg, agent))  # --action-mode
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)
