@@ -95,3 +95,95 @@ def stratified_bootstrap_ci(scores, statistic=iqm, n_boot=2000, ci=0.95, rng=Non
     boots = statistic(resampled.reshape(n_boot, runs * tasks), axis=1)
     low, high = _percentile_interval(boots, ci)
     return point, low, high
+
+
+# ---- aggregates over tasks with per-task run lists (Agarwal et al. 2021, Sec. 4 and App. A) -----------
+#
+# ``tasks`` is a list with one 1-D array of (normalised) run scores per task; tasks may hold different
+# numbers of runs.  For a rectangular (runs, tasks) matrix every function below equals rliable's
+# definition: IQM and the optimality gap over all run-task scores, mean and median of the per-task
+# mean scores.  With ragged tasks IQM pools all run-task scores, the others weight tasks equally.
+# Each ``*_of`` takes resampled tasks shaped (n_boot, runs_t) and returns (n_boot,).
+
+
+def iqm_of(tasks):
+    """Interquartile mean of all run-task scores (rliable ``aggregate_iqm``)."""
+    return iqm(np.concatenate(tasks, axis=-1), axis=-1)
+
+
+def mean_of(tasks):
+    """Mean over tasks of the mean score per task (rliable ``aggregate_mean``)."""
+    return np.mean(np.stack([t.mean(axis=-1) for t in tasks], axis=-1), axis=-1)
+
+
+def median_of(tasks):
+    """Median over tasks of the mean score per task (rliable ``aggregate_median``)."""
+    return np.median(np.stack([t.mean(axis=-1) for t in tasks], axis=-1), axis=-1)
+
+
+def optimality_gap_of(tasks, gamma: float = 1.0):
+    """How far scores fall short of ``gamma``: the mean of max(gamma - score, 0) (rliable
+    ``aggregate_optimality_gap``; per task, then over tasks)."""
+    return np.mean(np.stack([np.maximum(gamma - t, 0.0).mean(axis=-1) for t in tasks], axis=-1), axis=-1)
+
+
+AGGREGATES = {"IQM": iqm_of, "mean": mean_of, "median": median_of, "optimality gap": optimality_gap_of}
+
+
+def _as_tasks(tasks):
+    out = [np.asarray(t, dtype=float).reshape(-1) for t in tasks]
+    if not out or any(t.size == 0 for t in out):
+        raise ValueError("every task needs at least one run score")
+    return out
+
+
+def _resample(tasks, n_boot, rng):
+    """Runs drawn with replacement within each task (the stratified bootstrap): (n_boot, runs_t) per task."""
+    return [t[rng.integers(0, t.size, size=(n_boot, t.size))] for t in tasks]
+
+
+def stratified_interval(tasks, statistic, n_boot=2000, ci=0.95, rng=None):
+    """``(point, low, high)`` of ``statistic(tasks)`` with a stratified percentile bootstrap interval."""
+    tasks = _as_tasks(tasks)
+    point = float(np.asarray(statistic([t[None] for t in tasks]))[0])
+    boots = statistic(_resample(tasks, n_boot, np.random.default_rng(rng)))
+    low, high = _percentile_interval(boots, ci)
+    return point, low, high
+
+
+def score_distribution(tasks, taus):
+    """Performance profile: for each threshold tau, the share of runs scoring above tau, averaged over
+    tasks (rliable ``run_score_distribution``).  ``tasks`` as above, or resampled (n_boot, runs_t)."""
+    taus = np.asarray(taus, dtype=float)
+    return np.mean(np.stack([(t[..., None] > taus).mean(axis=-2) for t in tasks], axis=0), axis=0)
+
+
+def performance_profile(tasks, taus, n_boot=2000, ci=0.95, rng=None):
+    """``(profile, low, high)`` over ``taus``, with a pointwise stratified bootstrap interval."""
+    tasks = _as_tasks(tasks)
+    point = score_distribution(tasks, taus)
+    boots = score_distribution(_resample(tasks, n_boot, np.random.default_rng(rng)), taus)
+    tail = 100.0 * (1.0 - ci) / 2.0
+    low, high = np.percentile(boots, [tail, 100.0 - tail], axis=0)
+    return point, low, high
+
+
+def _p_greater(x, y):
+    """P(X > Y) + P(X = Y) / 2 for run scores x (..., n) and y (..., m): the Mann-Whitney U statistic / (n m)."""
+    d = x[..., :, None] - y[..., None, :]
+    return np.mean((d > 0) + 0.5 * (d == 0), axis=(-2, -1))
+
+
+def probability_of_improvement(x_tasks, y_tasks, n_boot=2000, ci=0.95, rng=None):
+    """``(point, low, high)``: the probability that a run of X beats a run of Y on a task, averaged
+    over tasks (Agarwal et al. 2021, Sec. 4.3; rliable ``probability_of_improvement``), with X's and Y's
+    runs resampled independently within each task."""
+    x_tasks, y_tasks = _as_tasks(x_tasks), _as_tasks(y_tasks)
+    if len(x_tasks) != len(y_tasks):
+        raise ValueError(f"X has {len(x_tasks)} tasks and Y {len(y_tasks)}")
+    point = float(np.mean([_p_greater(x, y) for x, y in zip(x_tasks, y_tasks)]))
+    rng = np.random.default_rng(rng)
+    xb, yb = _resample(x_tasks, n_boot, rng), _resample(y_tasks, n_boot, rng)
+    boots = np.mean(np.stack([_p_greater(x, y) for x, y in zip(xb, yb)], axis=0), axis=0)
+    low, high = _percentile_interval(boots, ci)
+    return point, low, high
