@@ -100,7 +100,8 @@ def score_tasks(groups, norm):
         raw = False
         left = [e for e in envs if e not in kept]
         if left:
-            note = ("left out of the aggregates (no reference score; give --norm ENV=LOW:HIGH): " + ", ".join(left))
+            note = "left out of the aggregates (no reference score): " + ", ".join(left) + " (include with " + \
+                " ".join(f"--norm {e}=LOW:HIGH" for e in left) + ")"
     out: dict[str, dict[str, np.ndarray]] = {}
     for g in groups:
         if g.env in kept:
