@@ -180,8 +180,16 @@ def run_sweep(args, trials, ledger: sw.Ledger, spec: sw.Spec) -> int:
         ray.init(address=args.address, **init)
     else:
         ray.init(num_cpus=args.num_cpus or os.cpu_count(), num_gpus=args.num_gpus, **init)
-    print(f"Ray: {ray.available_resources().get('CPU', 0):g} CPUs, {ray.available_resources().get('GPU', 0):g} "
-          f"GPUs; each trial takes {spec.cpus_per_trial:g} CPU and {spec.gpus_per_trial:g} GPU")
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+    if cpus < spec.cpus_per_trial or gpus < spec.gpus_per_trial:  # else Ray would wait for them forever
+        ray.shutdown()
+        raise sw.SweepError(f"a trial asks for {spec.cpus_per_trial:g} CPUs and {spec.gpus_per_trial:g} GPUs, but the "
+                            f"Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs in all (cpus_per_trial / gpus_per_trial, "
+                            "or --num-cpus / --num-gpus for a local Ray)")
+    print(f"Ray: {cpus:g} CPUs, {gpus:g} GPUs; each trial takes {spec.cpus_per_trial:g} CPU and "
+          f"{spec.gpus_per_trial:g} GPU")
+    ledger.record(trials, sw.spec_dict(spec))
     task = ray.remote(run_trial).options(num_cpus=spec.cpus_per_trial, num_gpus=spec.gpus_per_trial, max_retries=0)
     queue = list(todo)
     running: dict = {}
@@ -299,7 +307,6 @@ def main(argv=None) -> int:
         for t in trials:
             print(f"{t.name}: train.py {' '.join(t.argv)}")
         return 0
-    ledger.record(trials, sw.spec_dict(spec))
     rc = run_sweep(args, trials, ledger, spec)
     if rc == 0 and args.report:
         rc = subprocess.call([sys.executable, str(REPORT), str(ledger.root), "--out", str(ledger.root / "report")])

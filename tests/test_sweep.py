@@ -212,3 +212,12 @@ def test_a_failing_trial_is_retried_then_reported_with_its_log(tmp_path):
     status = json.loads((d / "status" / f"{name}.json").read_text())
     assert status["state"] == "failed" and status["attempts"] == 2 and status["returncode"] == 1
     assert (d / "logs" / f"{name}.log").read_text().count("=== ") == 2
+
+
+def test_a_trial_asking_for_more_than_the_cluster_has_is_refused_instead_of_waiting_forever(tmp_path):
+    pytest.importorskip("ray")
+    spec = _write_spec(tmp_path / "s.toml", "none = {}\n", 'envs = ["Pendulum-v1"]\ngpus_per_trial = 1')
+    out = _cli([str(spec), "--dir", str(tmp_path / "sweep"), "--num-cpus", "1", "--num-gpus", "0"], timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "error: a trial asks for 1 CPUs and 1 GPUs, but the Ray cluster has 1 CPUs and 0 GPUs" in out.stderr
+    assert not (tmp_path / "sweep" / "sweep.json").exists()
