@@ -16,7 +16,7 @@ Every agent (``Agent``):
     update(state, batch, key) -> (state, metrics)        one gradient step on a given batch
 
 Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
-    buffer_init(capacity, obs_dim, act_dim) -> buffer;  buffer_add(buffer, transitions) -> buffer
+    buffer_init(capacity, obs_dim, act_dim, cfg) -> buffer (cfg: the agent config);  buffer_add(buffer, transitions) -> buffer
     sample_batch(state, buffer, key, n) -> batch         (plasticity metrics / resets use it too)
     train_block(state, buffer, key, num_updates, replay_control) -> (state, buffer, metrics)
                               the updates of one env step as one scan; ``replay_control``: NE's
@@ -67,7 +67,7 @@ class Agent(Protocol):
 
 @runtime_checkable
 class OffPolicyAgent(Agent, Protocol):
-    def buffer_init(self, capacity: int, obs_dim: int, act_dim: int): ...
+    def buffer_init(self, capacity: int, obs_dim: int, act_dim: int, cfg): ...
 
     def buffer_add(self, buffer, batch): ...
 

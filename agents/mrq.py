@@ -584,16 +584,16 @@ def sync(state: MRQState, buffer: lap.LAPBuffer) -> MRQState:
                          target_reward_scale=state.reward_scale, reward_scale=scale, syncs=state.syncs + 1)
 
 
-def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, valid, key) -> MRQState:
+def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, key) -> MRQState:
     """The synchronised block (spec 3): target sync, then T_target encoder steps back to back."""
     cfg = state.cfg
     state = sync(state, buffer)
-    cdf = lap.cdf(buffer, valid, cfg.prioritized)  # priorities do not change during the burst
+    tree = buffer.weights if cfg.prioritized else buffer.counts  # priorities do not change during the burst
     use_terminal = buffer.ever_terminated.astype(jnp.float32)
 
     def step(state, k):
         k_draw, k_reg = jax.random.split(k)
-        win = lap.window(buffer, lap.draw(cdf, k_draw, cfg.batch_size), cfg.enc_horizon)
+        win = lap.window(buffer, lap.draw_tree(tree, k_draw, cfg.batch_size), cfg.enc_horizon)
         return encoder_update(state, win, use_terminal, k_reg)
 
     state, logs = jax.lax.scan(step, state, jax.random.split(key, cfg.target_update_freq))
@@ -620,14 +620,16 @@ def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, r
     if replay_control is not None:
         raise ValueError("MR.Q samples LAP windows: NE's experience review and auto batch do not apply")
     cfg = state.cfg
-    valid = lap.window_mask(buffer, max(cfg.enc_horizon, cfg.q_horizon))  # data is fixed within the block
+    if buffer.horizon.shape[-1] != max(cfg.enc_horizon, cfg.q_horizon):
+        raise ValueError(f"the LAP buffer keeps windows of {buffer.horizon.shape[-1]} transitions, the config needs "
+                         f"{max(cfg.enc_horizon, cfg.q_horizon)}: build it with buffer_init(..., cfg)")
 
     def one(carry, key):
         state, buffer = carry
         k_sync, k_sample, k_rl = jax.random.split(key, 3)
         state = _run_if(state.updates % cfg.target_update_freq == 0,
-                        lambda s: sync_and_train_encoder(s, buffer, valid, k_sync), state)
-        idx = lap.draw(lap.cdf(buffer, valid, cfg.prioritized), k_sample, cfg.batch_size)
+                        lambda s: sync_and_train_encoder(s, buffer, k_sync), state)
+        idx = lap.draw_tree(buffer.weights if cfg.prioritized else buffer.counts, k_sample, cfg.batch_size)
         state, priorities, metrics = rl_update(state, lap.window(buffer, idx, cfg.q_horizon), k_rl)
         if cfg.prioritized:
             buffer = lap.update_priorities(buffer, idx, priorities)
@@ -638,7 +640,7 @@ def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, r
     metrics.update(state.encoder_metrics)
     metrics.update({"charts/reward_scale": state.reward_scale, "charts/target_reward_scale": state.target_reward_scale,
                     "charts/max_priority": buffer.max_priority,
-                    "charts/valid_windows": jnp.sum(valid).astype(jnp.float32)})
+                    "charts/valid_windows": lap.valid_windows(buffer)})
     return state, buffer, metrics
 
 
@@ -661,9 +663,11 @@ def work_per_env_step(state: MRQState, batch: Window, key):
 # ----------------------------------------------------------------------------- replay hooks for the loop
 
 
-def buffer_init(capacity: int, obs_dim: int, act_dim: int) -> lap.LAPBuffer:
-    """LAP buffer with per-env subtrajectory streams; the running max priority starts at 1 (= min priority)."""
-    return lap.init(capacity, obs_dim, act_dim, initial_priority=MRQConfig.min_priority)
+def buffer_init(capacity: int, obs_dim: int, act_dim: int, cfg: MRQConfig) -> lap.LAPBuffer:
+    """LAP buffer with per-env subtrajectory streams, its sum trees kept for windows of max(H_enc, H_Q);
+    the running max priority starts at the minimum priority (1 by default)."""
+    return lap.init(capacity, obs_dim, act_dim, initial_priority=cfg.min_priority,
+                    horizon=max(cfg.enc_horizon, cfg.q_horizon))
 
 
 buffer_add = lap.add

@@ -227,7 +227,12 @@ CONFIG = SACConfig
 KIND = "offpolicy"
 EXPERIENCE_REVIEW = True  # uniform replay: NE's experience review applies
 SIGREG_NETWORKS = ("actor", "critic")  # their losses are wrapped with plasticity.sigreg.regularized
-buffer_init, buffer_add = replay.init, replay.add
+buffer_add = replay.add
+
+
+def buffer_init(capacity: int, obs_dim: int, act_dim: int, cfg=None) -> replay.Buffer:
+    """The uniform ring buffer (the config is not needed)."""
+    return replay.init(capacity, obs_dim, act_dim)
 plastic_params = declared_params(PLASTIC)
 plastic_nets = declared_nets(PLASTIC)
 

@@ -26,9 +26,16 @@ Validity mask (``window_mask``)
     a *termination*; the losses mask what follows it (``multistep_return``, spec section 9).
 
 LAP (Fujimoto et al. 2020, arXiv 2007.06049)
-    A window start is drawn with probability proportional to ``priority[s] * valid[s]``
-    (``cdf`` = one cumulative sum over all slots, O(capacity); ``draw`` = a binary search
-    of ``batch`` uniform draws, O(batch log capacity)).  New transitions get the running
+    A window start is drawn with probability proportional to ``priority[s] * valid[s]``.
+    The buffer keeps, for its validity horizon (``init(..., horizon)``), the mask ``valid`` and
+    two sum trees over the slots, ``weights`` (priority x valid) and ``counts`` (valid), up to
+    date: ``add`` re-checks only the ``horizon x envs`` windows that contain a written slot and
+    ``update_priorities`` only the updated slots, each touching ``log2(capacity)`` tree nodes, and
+    ``draw_tree`` descends the tree, O(batch log capacity).  So no step of the training loop costs
+    O(capacity).  ``window_mask`` / ``cdf`` / ``draw`` compute the same from scratch (O(capacity):
+    a reference, and the path for a horizon other than the buffer's); from the same key both
+    draws map the same uniform numbers to slots, and pick the same slots whenever the partial
+    sums are exact.  New transitions get the running
     maximum priority; ``priority(|delta|) = max(|delta|, min_priority) ** alpha``.  There
     are no importance weights (the Huber loss plays their role in LAP).
 """
@@ -52,6 +59,10 @@ class LAPBuffer(NamedTuple):
     calls: jax.Array  # () number of add calls so far
     num_envs: jax.Array  # () transitions per add call (the stride of an env's stream)
     ever_terminated: jax.Array  # () bool: a terminal transition has been stored
+    valid: jax.Array  # (capacity,) bool: window_mask(buffer, horizon), kept up to date
+    weights: jax.Array  # (2 P,) sum tree over priority * valid; leaf of slot s at P + s (P: power of 2 >= capacity)
+    counts: jax.Array  # (2 P,) sum tree over valid (uniform sampling over valid windows)
+    horizon: jax.Array  # (H,) arange(H): its static length is the validity horizon H
 
 
 class Window(NamedTuple):
@@ -65,14 +76,17 @@ class Window(NamedTuple):
     truncated: jax.Array  # (B, H) bool
 
 
-def init(capacity: int, obs_dim: int, act_dim: int, initial_priority: float = 1.0) -> LAPBuffer:
+def init(capacity: int, obs_dim: int, act_dim: int, initial_priority: float = 1.0, horizon: int = 1) -> LAPBuffer:
+    """An empty buffer whose validity mask and sum trees are kept for windows of ``horizon``."""
     f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
     data = Transition(f(obs_dim), f(act_dim), f(), f(obs_dim),
                       jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
     i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    leaves = 1 << max(capacity - 1, 0).bit_length()
     return LAPBuffer(data, jnp.full(capacity, -1, jnp.int32), jnp.zeros(capacity, jnp.float32),
                      jnp.asarray(initial_priority, jnp.float32), i32(0), i32(0), i32(0), i32(0),
-                     jnp.asarray(False))
+                     jnp.asarray(False), jnp.zeros(capacity, bool), jnp.zeros(2 * leaves, jnp.float32),
+                     jnp.zeros(2 * leaves, jnp.float32), jnp.arange(horizon, dtype=jnp.int32))
 
 
 def capacity(buffer: LAPBuffer) -> int:
@@ -87,7 +101,7 @@ def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
         raise ValueError(f"cannot add {n} transitions per step to a buffer of capacity {cap}")
     idx = (buffer.ptr + jnp.arange(n)) % cap
     data = jax.tree.map(lambda d, x: d.at[idx].set(x.astype(d.dtype)), buffer.data, batch)
-    return buffer._replace(
+    buffer = buffer._replace(
         data=data,
         step=buffer.step.at[idx].set(buffer.calls),
         priority=buffer.priority.at[idx].set(buffer.max_priority),
@@ -96,6 +110,43 @@ def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
         calls=buffer.calls + 1,
         num_envs=jnp.asarray(n, jnp.int32),
         ever_terminated=buffer.ever_terminated | jnp.any(batch.terminated))
+    # the windows whose validity a write can change: those holding a written slot, starting H-1 .. 0 steps before it
+    starts = ((idx[None, :] - n * buffer.horizon[:, None]) % cap).reshape(-1)
+    return _refresh(buffer, starts)
+
+
+def _window_ok(buffer: LAPBuffer, starts) -> jax.Array:
+    """``window_mask(buffer, H)`` at ``starts`` only (H: the buffer's validity horizon)."""
+    horizon, cap = buffer.horizon.shape[0], capacity(buffer)
+    t0 = buffer.step[starts]
+    ok = t0 >= 0
+    for k in range(horizon):
+        sk = (starts + k * buffer.num_envs) % cap
+        if k > 0:
+            ok &= buffer.step[sk] == t0 + k
+        if k < horizon - 1:
+            ok &= ~buffer.data.truncated[sk]
+    return ok
+
+
+def _set_leaves(tree: jax.Array, slots, values) -> jax.Array:
+    """Set the leaves of ``slots`` (repeats allowed if their values agree) and recompute their ancestors."""
+    leaves = tree.shape[0] // 2
+    node = leaves + slots
+    tree = tree.at[node].set(values)
+    for _ in range(leaves.bit_length() - 1):
+        node = node // 2
+        tree = tree.at[node].set(tree[2 * node] + tree[2 * node + 1])
+    return tree
+
+
+def _refresh(buffer: LAPBuffer, starts) -> LAPBuffer:
+    """Re-check the windows at ``starts`` and update ``valid`` and both trees there."""
+    ok = _window_ok(buffer, starts)
+    valid = buffer.valid.at[starts].set(ok)
+    ok = valid[starts]  # where a start repeats, the value the scatter kept
+    return buffer._replace(valid=valid, weights=_set_leaves(buffer.weights, starts, buffer.priority[starts] * ok),
+                           counts=_set_leaves(buffer.counts, starts, ok.astype(jnp.float32)))
 
 
 def slots(buffer: LAPBuffer, start, horizon: int):
@@ -138,6 +189,27 @@ def draw(cdf_: jax.Array, key, n: int) -> jax.Array:
     return jnp.minimum(idx, last).astype(jnp.int32)
 
 
+def draw_tree(tree: jax.Array, key, n: int) -> jax.Array:
+    """``n`` slots drawn with probability proportional to the tree's leaves, O(n log capacity).
+
+    The uniform numbers are ``draw``'s (same key, same values); a descent never enters a subtree
+    whose sum is 0, so a rounding error cannot land on a slot of weight 0."""
+    leaves = tree.shape[0] // 2
+    u = jax.random.uniform(key, (n,), tree.dtype) * tree[1]
+    node = jnp.ones(n, jnp.int32)
+    for _ in range(leaves.bit_length() - 1):
+        left, right = tree[2 * node], tree[2 * node + 1]
+        go_right = (u >= left) & (right > 0)
+        u = jnp.where(go_right, u - left, u)
+        node = 2 * node + go_right.astype(jnp.int32)
+    return node - leaves
+
+
+def valid_windows(buffer: LAPBuffer) -> jax.Array:
+    """How many windows of the buffer's horizon may be drawn (the count tree's root)."""
+    return buffer.counts[1]
+
+
 def window(buffer: LAPBuffer, start, horizon: int) -> Window:
     """Gather the subtrajectories of length ``horizon`` starting at slots ``start`` (B,)."""
     sl = slots(buffer, start, horizon)  # (B, H)
@@ -147,9 +219,15 @@ def window(buffer: LAPBuffer, start, horizon: int) -> Window:
 
 def sample(buffer: LAPBuffer, key, batch_size: int, horizon: int, prioritized: bool = True,
            mask_horizon: int | None = None):
-    """Draw ``batch_size`` windows -> (start slots, Window).  ``mask_horizon``: validity horizon (>= horizon)."""
-    valid = window_mask(buffer, max(horizon, mask_horizon or horizon))
-    idx = draw(cdf(buffer, valid, prioritized), key, batch_size)
+    """Draw ``batch_size`` windows -> (start slots, Window).  ``mask_horizon``: validity horizon (>= horizon).
+
+    For the buffer's own validity horizon this descends its sum trees; for another it builds the
+    mask and cumulative sum from scratch (O(capacity))."""
+    mask_horizon = max(horizon, mask_horizon or horizon)
+    if mask_horizon == buffer.horizon.shape[-1]:
+        idx = draw_tree(buffer.weights if prioritized else buffer.counts, key, batch_size)
+    else:
+        idx = draw(cdf(buffer, window_mask(buffer, mask_horizon), prioritized), key, batch_size)
     return idx, window(buffer, idx, horizon)
 
 
@@ -159,9 +237,10 @@ def priority(td_abs, alpha: float = 0.4, min_priority: float = 1.0):
 
 
 def update_priorities(buffer: LAPBuffer, idx, new_priority) -> LAPBuffer:
-    """Set the sampled slots' priorities and raise the running maximum."""
-    return buffer._replace(priority=buffer.priority.at[idx].set(new_priority),
-                           max_priority=jnp.maximum(buffer.max_priority, jnp.max(new_priority)))
+    """Set the sampled slots' priorities (and their leaves of the weight tree) and raise the running maximum."""
+    priority = buffer.priority.at[idx].set(new_priority)
+    return buffer._replace(priority=priority, max_priority=jnp.maximum(buffer.max_priority, jnp.max(new_priority)),
+                           weights=_set_leaves(buffer.weights, idx, priority[idx] * buffer.valid[idx]))
 
 
 def reward_scale(buffer: LAPBuffer, eps: float = 1e-8) -> jax.Array:

@@ -52,7 +52,11 @@ SIGREG_NETWORKS = ()
 PLASTIC = {"actor": ("actor_params", "actor_opt"), "critic": ("critic_params", "critic_opt")}
 plastic_params = declared_params(PLASTIC)
 plastic_nets = declared_nets(PLASTIC)
-buffer_init, buffer_add = replay.init, replay.add
+buffer_add = replay.add
+
+
+def buffer_init(capacity, obs_dim, act_dim, cfg=None):
+    return replay.init(capacity, obs_dim, act_dim)
 
 
 def _optimizers(cfg: ExampleConfig, plasticity: StaticPlasticity):

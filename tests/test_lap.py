@@ -158,3 +158,94 @@ def test_add_and_sample_vmap_over_seeds():
     assert set(np.unique(np.asarray(win.reward[1]))) <= {4.0, 5.0, 6.0}
     # 4 adds x 3 envs: windows of 3 can start at each env's first two steps only
     assert sorted(np.unique(np.asarray(idx[0])).tolist()) == [0, 1, 2, 3, 4, 5]
+
+
+def _check_trees(buf, horizon):
+    """The kept mask equals window_mask; tree leaves are priority x valid / valid; every node sums its children."""
+    valid = np.asarray(lap.window_mask(buf, horizon))
+    np.testing.assert_array_equal(np.asarray(buf.valid), valid)
+    cap = valid.shape[0]
+    for tree, leaves in ((buf.weights, np.asarray(buf.priority) * valid), (buf.counts, valid.astype(np.float32))):
+        tree = np.asarray(tree)
+        p = tree.shape[0] // 2
+        np.testing.assert_allclose(tree[p:p + cap], leaves, rtol=1e-6)
+        assert not tree[p + cap:].any()
+        np.testing.assert_allclose(tree[1:p], tree[2:2 * p:2] + tree[3:2 * p:2], rtol=1e-5)
+    assert float(lap.valid_windows(buf)) == valid.sum()
+
+
+@pytest.mark.parametrize("num_envs,capacity,horizon", [(1, 30, 3), (3, 50, 5), (4, 64, 5), (2, 7, 3)])
+def test_the_kept_mask_and_sum_trees_match_a_rebuild_after_adds_wraps_and_priority_updates(num_envs, capacity,
+                                                                                            horizon):
+    rng = np.random.default_rng(num_envs)
+    buf = lap.init(capacity, 2, 1, horizon=horizon)
+    add, upd = jax.jit(lap.add), jax.jit(lap.update_priorities)
+    for t in range(45):  # wraps around the ring; truncations and terminations on random steps
+        term = rng.random(num_envs) < 0.08
+        trunc = (rng.random(num_envs) < 0.1) & ~term
+        obs = np.stack([np.arange(num_envs), np.full(num_envs, t)], 1).astype(np.float32)
+        buf = add(buf, Transition(obs, obs[:, :1], obs[:, 1], obs + 1, term, trunc))
+        if t % 3 == 0:  # priorities of drawn windows change between adds, repeats included
+            idx = lap.draw_tree(buf.weights, jax.random.key(t), 6)
+            buf = upd(buf, idx, jnp.asarray(rng.uniform(1.0, 5.0, 6), jnp.float32))
+        _check_trees(buf, horizon)
+
+
+def test_the_tree_draws_the_slots_the_cumulative_sum_draws_from_the_same_key():
+    buf, _ = _simulate(3, 60, 128, seed=2, p_term=0.1, p_trunc=0.15)
+    buf = buf._replace(weights=jnp.zeros(256), counts=jnp.zeros(256), horizon=jnp.arange(5),
+                       valid=jnp.zeros(128, bool))
+    # integer priorities: every partial sum is exact in float32, so both samplers must agree slot for slot
+    pri = jnp.asarray(np.random.default_rng(0).integers(1, 9, 128), jnp.float32)
+    buf = buf._replace(priority=pri)
+    buf = lap._refresh(buf, jnp.arange(128))  # build the mask and the trees from scratch
+    _check_trees(buf, 5)
+    for seed in range(3):
+        key = jax.random.key(seed)
+        expected = lap.draw(lap.cdf(buf, lap.window_mask(buf, 5)), key, 4000)
+        np.testing.assert_array_equal(np.asarray(lap.draw_tree(buf.weights, key, 4000)), np.asarray(expected))
+        expected = lap.draw(lap.cdf(buf, lap.window_mask(buf, 5), prioritized=False), key, 4000)
+        np.testing.assert_array_equal(np.asarray(lap.draw_tree(buf.counts, key, 4000)), np.asarray(expected))
+
+
+def test_tree_draws_never_land_on_an_invalid_window_and_follow_the_weights():
+    cap = 10
+    buf = lap.init(cap, 1, 1, horizon=1)
+    batch = Transition(jnp.zeros((cap, 1)), jnp.zeros((cap, 1)), jnp.zeros(cap), jnp.zeros((cap, 1)),
+                       jnp.zeros(cap, bool), jnp.zeros(cap, bool))
+    buf = lap.add(buf, batch)
+    w = np.array([1.0, 2.0, 3.0, 0.0, 0.5, 7.0, 9.0, 0.0, 2.5, 6.0], np.float32)
+    buf = lap.update_priorities(buf, jnp.arange(cap), jnp.asarray(w))
+    n = 200_000
+    counts = np.bincount(np.asarray(lap.draw_tree(buf.weights, jax.random.key(3), n)), minlength=cap)
+    assert counts[3] == counts[7] == 0
+    keep = w > 0
+    expected = n * w / w.sum()
+    chi2 = np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep])
+    assert chi2 < 26.1, (chi2, counts, expected)  # 7 degrees of freedom, p = 0.0005
+
+
+def test_a_replay_steps_work_does_not_grow_with_the_capacity():
+    """Issue #18's regression check, without timing: XLA's flop count of one add + draw + priority
+    update grows with the tree depth (about 3x for 256x the capacity here; XLA counts a gather's index
+    arithmetic too), where the mask-and-cumsum path grows with the capacity."""
+    tr = Transition(jnp.zeros((1, 3)), jnp.zeros((1, 1)), jnp.zeros(1), jnp.zeros((1, 3)), jnp.zeros(1, bool),
+                    jnp.zeros(1, bool))
+
+    def replay_step(buf, key):
+        buf = lap.add(buf, tr)
+        idx = lap.draw_tree(buf.weights, key, 256)
+        return lap.update_priorities(buf, idx, jnp.full(256, 2.0))
+
+    def rebuilt(buf, key):
+        buf = lap.add(buf, tr)
+        idx = lap.draw(lap.cdf(buf, lap.window_mask(buf, 5)), key, 256)
+        return lap.update_priorities(buf, idx, jnp.full(256, 2.0))
+
+    def flops(fn, cap):
+        cost = jax.jit(fn).lower(lap.init(cap, 3, 1, horizon=5), jax.random.key(0)).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    small, large = 1 << 10, 1 << 18
+    assert flops(replay_step, large) < 5 * flops(replay_step, small)  # 256x the capacity, 18 tree levels against 10
+    assert flops(rebuilt, large) > 25 * flops(rebuilt, small)  # the check can fail: the O(capacity) path does

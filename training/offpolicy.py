@@ -34,7 +34,7 @@ def make_train_block(agent, cfg, num_updates: int):
 
 
 def buffer_fns(agent):
-    """(init(capacity, obs_dim, act_dim), add(buffer, transitions)): the agent's replay."""
+    """(init(capacity, obs_dim, act_dim, cfg), add(buffer, transitions)): the agent's replay."""
     return agent.buffer_init, agent.buffer_add
 
 
@@ -84,7 +84,7 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
     state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static))(keys[1:])
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
-    buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim))(jnp.arange(cfg.seeds))
+    buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim, cfg.agent))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]
 
 
