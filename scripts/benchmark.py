@@ -11,12 +11,12 @@ the host, build the transition, call the step function from ``make_step_fn`` (st
 transition, run the gradient step(s), choose the next action) and read its finite flag.  The
 replay buffer is the agent's own (``buffer_fns``) with the agent config's ``buffer_size`` (1M
 rows for SAC and MR.Q) unless ``--buffer-size`` is given: a small buffer hides costs that grow
-with capacity (issue #18: a copy of the whole buffer every env step; MR.Q's LAP sampling is
-O(capacity) per update).  Networks have the paper's sizes unless ``--width`` is given.
+with capacity (issue #18: a copy of the whole buffer every env step; MR.Q's LAP sampling was
+O(capacity) per update before it kept sum trees).  Networks have the paper's sizes unless ``--width`` is given.
 
 Before the timed window the buffer gets ``batch_size`` uniform-random steps (train.py takes
 ``learning_starts``; the per-step cost does not depend on how full the buffer is: uniform
-sampling gathers rows, LAP's mask and cdf run over every slot), then ``--warmup`` training
+sampling gathers rows, LAP descends its sum trees), then ``--warmup`` training
 steps.  Compile time (the wall time of the first collect-only and the first training step, which
 compile the jitted calls) is reported apart and is not in the timed window.
 
