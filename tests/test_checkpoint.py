@@ -213,3 +213,22 @@ def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identic
         assert_same_logs(tmp_path / "full", run_dir)
         assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000000000400", "step_000000000600"]
         checkpoint.verify(checkpoint.path_for(run_dir, 400))  # rewritten whole by the resumed run
+
+
+def test_a_csv_log_is_never_renamed_over_something_that_is_not_a_regular_file(tmp_path):
+    """CSVTable rewrites a table by renaming a temp file over it; a path that is a device such as
+    /dev/null (here through a link to it, so a failing check renames over the link, not the device)
+    is refused instead of replaced."""
+    import os
+    import stat
+
+    from training.logger import CSVTable
+
+    link = tmp_path / "null.csv"
+    link.symlink_to("/dev/null")
+    with pytest.raises(OSError, match="not a regular file"):
+        CSVTable(link, ["step", "seed"])
+    assert link.is_symlink() and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    table = CSVTable(tmp_path / "ok.csv", ["step", "seed"])
+    table.append([{"step": 1, "seed": 0, "new": 2.0}])  # a new column rewrites the file: still a regular one
+    assert (tmp_path / "ok.csv").read_text().splitlines() == ["step,seed,new", "1,0,2.0"]

@@ -24,6 +24,11 @@ def _read(path: Path):
 
 
 def _write(path: Path, header, rows):
+    """Write the whole table to a temp file and rename it over ``path``: never over something that is
+    not a regular file (a rename over /dev/null, run as root, would replace the device)."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise OSError(f"{path}: not a regular file; a CSV log must be written to a file path")
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, header, extrasaction="ignore")
