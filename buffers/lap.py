@@ -115,9 +115,9 @@ def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
     return _refresh(buffer, starts)
 
 
-def _window_ok(buffer: LAPBuffer, starts) -> jax.Array:
-    """``window_mask(buffer, H)`` at ``starts`` only (H: the buffer's validity horizon)."""
-    horizon, cap = buffer.horizon.shape[0], capacity(buffer)
+def _window_ok(buffer: LAPBuffer, starts, horizon: int) -> jax.Array:
+    """Whether a window of ``horizon`` may start at each of ``starts`` (the rule of ``window_mask``)."""
+    cap = capacity(buffer)
     t0 = buffer.step[starts]
     ok = t0 >= 0
     for k in range(horizon):
@@ -142,7 +142,7 @@ def _set_leaves(tree: jax.Array, slots, values) -> jax.Array:
 
 def _refresh(buffer: LAPBuffer, starts) -> LAPBuffer:
     """Re-check the windows at ``starts`` and update ``valid`` and both trees there."""
-    ok = _window_ok(buffer, starts)
+    ok = _window_ok(buffer, starts, buffer.horizon.shape[0])
     valid = buffer.valid.at[starts].set(ok)
     ok = valid[starts]  # where a start repeats, the value the scatter kept
     return buffer._replace(valid=valid, weights=_set_leaves(buffer.weights, starts, buffer.priority[starts] * ok),
@@ -160,17 +160,7 @@ def window_mask(buffer: LAPBuffer, horizon: int) -> jax.Array:
     Its slots hold ``horizon`` consecutive transitions of one env (none overwritten or
     missing) and none of the first ``horizon - 1`` is truncated.  O(capacity * horizon).
     """
-    cap = capacity(buffer)
-    s = jnp.arange(cap)
-    t0 = buffer.step
-    ok = t0 >= 0
-    for k in range(horizon):
-        sk = (s + k * buffer.num_envs) % cap
-        if k > 0:
-            ok &= buffer.step[sk] == t0 + k
-        if k < horizon - 1:
-            ok &= ~buffer.data.truncated[sk]
-    return ok
+    return _window_ok(buffer, jnp.arange(capacity(buffer)), horizon)
 
 
 def cdf(buffer: LAPBuffer, valid, prioritized: bool = True) -> jax.Array:
