@@ -1,4 +1,4 @@
-"""One id scheme for every agent: Gymnasium ids and ``dmc:<domain>-<task>``.
+"""One id scheme for every agent: Gymnasium ids, ``dmc:<domain>-<task>``, ``ns:...`` and ``playground:<Name>``.
 
 Agents always see flat float32 observations and actions in [-1, 1].  ``terminated`` and
 ``truncated`` stay separate, and vector envs return the true next observation of every
@@ -7,6 +7,7 @@ transition (``next_obs``) beside the observation to act on (reset where an episo
 from __future__ import annotations
 
 from envs import backends
+from envs.playground import PlaygroundVectorEnv, is_playground
 from envs.single import make_env
 from envs.vector import CountingVectorEnv, VectorEnv
 from envs.wrappers import DMC_ACTION_REPEAT, ID_FORMS, ActionRepeat, FlatFloat32, UnitActions  # noqa: F401
@@ -15,14 +16,18 @@ BACKENDS = ("sync", "async", "envpool")
 
 
 def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                    backend: str = "sync", action_mode: str = "rescale"):
+                    backend: str = "sync", action_mode: str = "rescale", env_impl: str = "jax"):
     """A vector env with ``VectorEnv``'s interface (same-step autoreset, true final observations).
 
     ``backend``: ``"sync"`` (this module's ``VectorEnv``; ``"gymnasium"`` is an alias), ``"async"``
     (Gymnasium ``AsyncVectorEnv`` subprocesses) or ``"envpool"`` (optional, where EnvPool has the
     id); see ``envs/backends.py``.  A ``ns:`` id on ``"sync"`` gives a ``CountingVectorEnv`` whose
-    members share one step counter (see ``envs/nonstationary.py``).
+    members share one step counter (see ``envs/nonstationary.py``).  A ``playground:`` id gives a
+    ``PlaygroundVectorEnv`` (all envs in one jitted step on the device; ``env_impl``: Playground's
+    physics backend) whatever the backend.
     """
+    if is_playground(env_id):
+        return PlaygroundVectorEnv(env_id, num_envs, seed, action_repeat, action_mode, env_impl)
     if backend == "gymnasium":
         backend = "sync"
     if backend not in BACKENDS:

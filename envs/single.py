@@ -1,18 +1,22 @@
-"""``make_env``: one env for any id of the scheme (Gymnasium, ``dmc:``, ``ns:``)."""
+"""``make_env``: one env for any id of the scheme (Gymnasium, ``dmc:``, ``ns:``, ``playground:``)."""
 from __future__ import annotations
 
 import gymnasium as gym
 
-from envs import nonstationary
+from envs import nonstationary, playground
 from envs.wrappers import ID_FORMS, make_base_env
 
 
 def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,
-             action_mode: str = "rescale") -> gym.Env:
+             action_mode: str = "rescale", env_impl: str = "jax") -> gym.Env:
     """A single env with flat float32 observations and actions mapped by ``action_mode``
     (``envs.actions``: ``rescale`` from [-1, 1], ``clip`` in the env's units)."""
     if not isinstance(env_id, str) or not env_id:
         raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
     if env_id.startswith("ns:"):  # non-stationary variants: see envs/nonstationary.py for the grammar
         return nonstationary.make(env_id, seed, action_repeat, action_mode)
+    if playground.is_playground(env_id):
+        if render_mode is not None:
+            raise ValueError(f"{env_id}: rendering Playground envs is not supported")
+        return playground.PlaygroundGymEnv(env_id, seed, action_repeat, action_mode, env_impl)
     return make_base_env(env_id, seed, action_repeat, render_mode, action_mode)

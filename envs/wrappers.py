@@ -15,7 +15,8 @@ from envs.actions import agent_action_space, check_action_mode, to_env_action
 
 ID_FORMS = (
     "valid env ids: a Gymnasium id such as 'HalfCheetah-v5', 'Hopper-v5' or 'Pendulum-v1', "
-    "or a DeepMind Control Suite task as 'dmc:<domain>-<task>', e.g. 'dmc:cheetah-run'"
+    "a DeepMind Control Suite task as 'dmc:<domain>-<task>', e.g. 'dmc:cheetah-run', "
+    "or a MuJoCo Playground task on the device as 'playground:<Name>', e.g. 'playground:CheetahRun' (extra .[mjx])"
 )
 DMC_ACTION_REPEAT = 2  # MR.Q's DMC protocol
 

@@ -31,7 +31,8 @@ def _value(cfg, flag: str):
 def _env_args(preset, agent):
     if agent == "ravl":
         return ["--dataset", "unused.hdf5"]
-    return ["--env", "dmc:cartpole-balance" if preset.env_family == "dmc" else "Pendulum-v1"]
+    return ["--env", {"dmc": "dmc:cartpole-balance", "playground": "playground:CartpoleBalance"}.get(
+        preset.env_family, "Pendulum-v1")]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -87,7 +88,8 @@ def test_no_preset_leaves_the_defaults_and_preset_none():
     (["sac", "--preset"], "--preset needs a name"),
     (["sac", "--preset", "mrq-gym"], "preset 'mrq-gym' is for mrq, not 'sac'"),
     (["mrq", "--preset", "mrq-dmc", "--env", "Hopper-v5"], "is the DMC protocol; --env Hopper-v5 is not a dmc: env"),
-    (["mrq", "--preset", "mrq-gym", "--env", "dmc:cheetah-run"], "is a dmc: env"),
+    (["mrq", "--preset", "mrq-gym", "--env", "dmc:cheetah-run"], "is not a Gymnasium env"),
+    (["ppo", "--preset", "ppo-playground", "--env", "dmc:cheetah-run"], "is not a playground: env"),
 ])
 def test_a_preset_that_does_not_exist_or_fit_is_refused_with_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:

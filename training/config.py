@@ -15,7 +15,7 @@ class RunConfig:
     """What to train, for how long, and where the run goes."""
 
     env: str = "Pendulum-v1"
-    """env id: a Gymnasium id (HalfCheetah-v5) or dmc:<domain>-<task>"""
+    """env id: a Gymnasium id (HalfCheetah-v5), dmc:<domain>-<task>, or playground:<Name> (extra .[mjx])"""
     seeds: int = 1
     """independent agents trained in one process (vmapped), each with its own envs"""
     seed: int = 0
@@ -25,7 +25,15 @@ class RunConfig:
     num_envs: int = 1
     """envs per seed"""
     action_repeat: Optional[int] = None
-    """None: 2 for dmc:, 1 for Gymnasium"""
+    """None: 2 for dmc:, 1 for Gymnasium and playground:"""
+    env_impl: Literal["jax", "warp"] = "jax"
+    """playground: physics backend: jax (MJX; CPU or GPU) or warp (MuJoCo Warp; GPU only)"""
+    loop: Literal["auto", "host", "device"] = "auto"
+    """auto: the device loop (the whole run jitted, envs on the accelerator) for playground: envs with an
+    on-policy agent, the host loop otherwise; host: step envs from Python; device: require the device loop"""
+    device_chunk: int = 0
+    """device loop: at most this many iterations per jitted call (0: run to the next log, evaluation,
+    checkpoint or plasticity event)"""
     eval_every: int = 5_000
     eval_episodes: int = 10
     log_every: int = 1_000
@@ -87,6 +95,7 @@ def cli_type(agent_name: str, agent_cls):
 
 
 # What `train.py --resume` may change: none of these alters the training trajectory (the metrics
-# hook only reads the state, with keys of its own), so an extended or rescued run stays exact.
+# hook only reads the state, with keys of its own; the device loop's chunking only decides where
+# the host looks in), so an extended or rescued run stays exact.
 RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every",
-                  "keep_checkpoints"}
+                  "keep_checkpoints", "device_chunk"}

@@ -120,6 +120,14 @@ class Driver:
         for i, ret, length in env.pop_finished():
             self.episode_log[i // envs_per_seed].append((ret, length))
 
+    def episode_totals(self, return_sums, length_sums, counts):
+        """Per seed, the summed returns and lengths of ``counts`` finished episodes (a device loop's
+        totals since it last reported); the next log row shows their means with every episode
+        weighted once."""
+        for j, (r, n, c) in enumerate(zip(np.asarray(return_sums), np.asarray(length_sums), np.asarray(counts))):
+            if c > 0:
+                self.episode_log[j].append((float(r), float(n), int(c)))
+
     def advance(self, n: int):
         """Count ``n`` units of work (env steps of all seeds, or updates) for the logged speed."""
         self._count += n
@@ -138,8 +146,7 @@ class Driver:
         for j in range(self.seeds):
             row = {self.speed_key: speed, **(extras[j] if extras is not None else {})}
             if self.episode_log is not None and self.episode_log[j]:
-                row["charts/episodic_return"] = np.mean([r for r, _ in self.episode_log[j]])
-                row["charts/episode_length"] = np.mean([n for _, n in self.episode_log[j]])
+                row["charts/episodic_return"], row["charts/episode_length"] = _means(self.episode_log[j])
             if metrics is not None:
                 row.update({k: float(v[j]) for k, v in metrics.items()})
             if self.pending is not None:
@@ -147,8 +154,8 @@ class Driver:
             rows.append(row)
         self.pending = None
         if self.episode_log is not None:
-            recent = [r for log in self.episode_log for r, _ in log]
-            self.last_return = float(np.mean(recent)) if recent else self.last_return
+            recent = [e for log in self.episode_log for e in log]
+            self.last_return = float(_means(recent)[0]) if recent else self.last_return
             self.episode_log = [[] for _ in range(self.seeds)]
         else:
             self.last_return = self.last_eval
@@ -179,3 +186,12 @@ class Driver:
                 stop.end(self.step)
         return finish(self.schedule, self.step, last, lambda step: self.evaluate(step, iteration.eval_state()),
                       self.last_eval, self.bar, self.logger)
+
+
+def _means(entries) -> tuple[float, float]:
+    """Mean return and length over episode-log entries: ``(return, length)`` for one episode,
+    ``(return sum, length sum, count)`` for a device loop's totals (each episode weighted once)."""
+    if all(len(e) == 2 for e in entries):
+        return np.mean([e[0] for e in entries]), np.mean([e[1] for e in entries])
+    count = sum(e[2] if len(e) == 3 else 1 for e in entries)
+    return sum(e[0] for e in entries) / count, sum(e[1] for e in entries) / count

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import VectorEnv
+from envs import make_vector_env
 
 EVAL_SEED_OFFSET = 5_000  # evaluation env seeds: cfg.seed * 10_000 + 5_000 + i (training envs: cfg.seed * 10_000 + i)
 
@@ -32,9 +32,10 @@ class Evaluator:
     """
 
     def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None,
-                 action_mode: str = "rescale", stride: int | None = None):
+                 action_mode: str = "rescale", stride: int | None = None, env_impl: str = "jax"):
         self.seeds, self.episodes = seeds, episodes
-        self.env = VectorEnv(env_id, seeds * episodes, base_seed, action_repeat, action_mode)
+        self.env = make_vector_env(env_id, seeds * episodes, base_seed, action_repeat, action_mode=action_mode,
+                                   env_impl=env_impl)
         stride = episodes if stride is None else stride
         self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(episodes)]
 
@@ -72,7 +73,12 @@ def run_evaluator(cfg, agent, env_id: str | None = None, episodes: int | None = 
     seeds = cfg.seeds if seeds is None else seeds
     return Evaluator(cfg.env if env_id is None else env_id, seeds, episodes,
                      eval_base_seed(cfg) + first_seed * cfg.eval_episodes, cfg.action_repeat,
-                     eval_action_mode(cfg, agent), stride=cfg.eval_episodes)
+                     eval_action_mode(cfg, agent), stride=cfg.eval_episodes, env_impl=env_impl(cfg))
+
+
+def env_impl(cfg) -> str:
+    """The run's Playground physics backend (configs written before the field existed: jax)."""
+    return getattr(cfg, "env_impl", "jax")
 
 
 def deterministic_act(agent):

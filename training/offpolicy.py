@@ -127,9 +127,9 @@ class OffPolicyIteration:
         a = cfg.agent
         self.cfg, self.agent = cfg, agent
         self.S, self.E = S, E = cfg.seeds, cfg.num_envs
-        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat)
+        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, env_impl=cfg.env_impl)
         self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent))
+                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.buffer, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.num_updates = a.updates_per_step * E

@@ -26,7 +26,6 @@ sets the learning-rate annealing horizon.
 from __future__ import annotations
 
 import functools
-from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -70,13 +69,16 @@ def _write_policy_slot(buffer, i, obs_n, action, logp, value):
                            logp=buffer.logp.at[i].set(logp), values=buffer.values.at[i].set(value))
 
 
-@functools.lru_cache(maxsize=16)
-def make_fns(agent, T: int):
-    """(start, step, iterate, reset_norm, eval_act): jitted, vmapped over the leading seed axis.
+def seed_fns(agent, T: int):
+    """(start_all, step_all, iterate_all): the loop's pure functions, vmapped over the leading seed axis.
 
-    Kron / NE masks and SIGReg are static fields of the agent state (``state.plasticity``), so
-    they are part of each program's cache key.  Cached per (agent, T), so runs in one process
-    (e.g. a resumed run, tests) reuse the compilations.
+    ``start_all(state, loop, raw_obs, key) -> (state, loop, action)``: normalise the first
+    observations and sample the first actions; ``step_all(state, loop, t, reward, terminated,
+    truncated, next_obs, new_obs, key) -> (state, loop, action)``: one vector step's bookkeeping (the
+    key of step ``t`` is ``fold_in(key, t)``, split over seeds); ``iterate_all(state, loop, key) ->
+    (state, loop, action, metrics, finite)``: the update and the next rollout's first actions.
+    The host loop jits each (``make_fns``); the device loop (``training/device.py``) composes
+    them with the env's step inside one jitted program, so both loops do the same arithmetic.
     """
 
     def start(state, loop, raw_obs, key):
@@ -102,10 +104,6 @@ def make_fns(agent, T: int):
         action, logp, v = agent.sample_action(state, obs_n, k_act)
         return state, loop._replace(buffer=_write_policy_slot(loop.buffer, 0, obs_n, action, logp, v)), action, metrics
 
-    def reset_norm(state, loop):
-        return agent.reset_normalizers(state), loop._replace(returns=jnp.zeros_like(loop.returns))
-
-    @partial(jax.jit, donate_argnums=(0, 1))
     def start_all(state, loop, raw_obs, key):
         return jax.vmap(start)(state, loop, raw_obs, jax.random.split(key, raw_obs.shape[0]))
 
@@ -114,7 +112,6 @@ def make_fns(agent, T: int):
         return jax.vmap(step, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))(
             state, loop, t, reward, terminated, truncated, next_obs, new_obs, keys)
 
-    @partial(jax.jit, donate_argnums=(0, 1))
     def iterate_all(state, loop, key):
         seeds = loop.returns.shape[0]
         state, loop, action, metrics = jax.vmap(iterate)(state, loop, jax.random.split(key, seeds))
@@ -122,8 +119,25 @@ def make_fns(agent, T: int):
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in losses] or [jnp.bool_(True)]))
         return state, loop, action, metrics, finite
 
+    return start_all, step_all, iterate_all
+
+
+@functools.lru_cache(maxsize=16)
+def make_fns(agent, T: int):
+    """(start, step, iterate, reset_norm, eval_act): ``seed_fns`` jitted for the host loop.
+
+    Kron / NE masks and SIGReg are static fields of the agent state (``state.plasticity``), so
+    they are part of each program's cache key.  Cached per (agent, T), so runs in one process
+    (e.g. a resumed run, tests) reuse the compilations.
+    """
+    start_all, step_all, iterate_all = seed_fns(agent, T)
+
+    def reset_norm(state, loop):
+        return agent.reset_normalizers(state), loop._replace(returns=jnp.zeros_like(loop.returns))
+
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
-    return start_all, FlatStep(agent, step_all), iterate_all, jax.jit(jax.vmap(reset_norm)), eval_act
+    return (jax.jit(start_all, donate_argnums=(0, 1)), FlatStep(agent, step_all),
+            jax.jit(iterate_all, donate_argnums=(0, 1)), jax.jit(jax.vmap(reset_norm)), eval_act)
 
 
 class FlatStep:
@@ -209,9 +223,9 @@ class OnPolicyIteration:
         self.cfg, self.agent, self.num_iterations = cfg, agent, num_iterations
         self.S, self.E, self.T = S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
         self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend,
-                                   action_mode=a.action_mode)
+                                   action_mode=a.action_mode, env_impl=cfg.env_impl)
         self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent))  # --action-mode
+                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)  # --action-mode
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)

@@ -25,7 +25,7 @@ class Preset:
     agents: tuple[str, ...] | None = None
     """agents the preset is for; None: any agent that accepts its flags"""
     env_family: str | None = None
-    """'dmc' (dmc: ids), 'gym' (Gymnasium ids) or None (any env)"""
+    """'dmc' (dmc: ids), 'gym' (Gymnasium ids), 'playground' (playground: ids) or None (any env)"""
     note: str = ""
 
 
@@ -48,6 +48,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                            "--norm-reward", "--action-mode", "clip"),
            "Huang et al. 2022 (CleanRL), ppo_continuous_action.py defaults: the 1M-step MuJoCo protocol",
            agents=("ppo",)),
+    Preset("ppo-playground", ("--total-steps", "60000000", "--num-envs", "2048", "--num-steps", "30",
+                              "--num-minibatches", "32", "--update-epochs", "16", "--learning-rate", "1e-3",
+                              "--gamma", "0.995", "--ent-coef", "0.01", "--norm-obs"),
+           "Zakka et al. 2025 (MuJoCo Playground, arXiv 2502.08844), the DM Control Suite PPO settings "
+           "(dm_control_suite_params.py): 60M steps, 2048 envs, unroll 30, 32 minibatches, 16 updates per batch, "
+           "lr 1e-3, discount 0.995, entropy cost 1e-2, observation normalisation",
+           agents=("ppo",), env_family="playground",
+           note="Brax gathers 16 unrolls of the 2048 envs per update batch (1024 x 32 trajectories of 30 steps); here "
+                "one 30-step rollout of 2048 envs is one iteration's batch.  Brax scales rewards by 10, the zoo "
+                "normalises them by the return's std.  Brax's networks are not reproduced.  Playground uses "
+                "discount 0.95 for BallInCup and FingerSpin and 100M steps for AcrobotSwingup, SwimmerSwimmer6 and "
+                "WalkerRun: add --gamma 0.95 / --total-steps 100000000"),
     Preset("ppo-sb3", ("--num-steps", "2048", "--num-minibatches", "32", "--update-epochs", "10",
                        "--learning-rate", "3e-4", "--no-anneal-lr", "--no-norm-obs", "--no-norm-reward"),
            "Raffin et al. 2021 (Stable-Baselines3) PPO defaults: n_steps 2048, batch 64 (32 minibatches of one "
@@ -95,7 +107,7 @@ def listing() -> str:
     lines = ["presets (train.py AGENT --preset NAME; flags given on the command line win):"]
     for p in PRESETS.values():
         who = ", ".join(p.agents) if p.agents else "any agent"
-        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs"}.get(p.env_family, "any env")
+        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs", "playground": "playground: envs"}.get(p.env_family, "any env")
         lines.append(f"  {p.name}  [{who}; {fam}]\n      {' '.join(p.flags)}\n      source: {p.source}"
                      + (f"\n      note: {p.note}" if p.note else ""))
     return "\n".join(lines)
@@ -127,5 +139,7 @@ def check_env(names: list[str], env: str | None):
         fam = PRESETS[name].env_family
         if fam == "dmc" and not is_dmc:
             raise PresetError(f"preset {name!r} is the DMC protocol; --env {env} is not a dmc: env")
-        if fam == "gym" and is_dmc:
-            raise PresetError(f"preset {name!r} is the Gymnasium MuJoCo protocol; --env {env} is a dmc: env")
+        if fam == "gym" and (is_dmc or env.startswith("playground:")):
+            raise PresetError(f"preset {name!r} is the Gymnasium MuJoCo protocol; --env {env} is not a Gymnasium env")
+        if fam == "playground" and not env.startswith("playground:"):
+            raise PresetError(f"preset {name!r} is MuJoCo Playground's protocol; --env {env} is not a playground: env")

@@ -51,11 +51,29 @@ def load_config(run_dir) -> RunConfig:
 LOOPS = {"offpolicy": "training.offpolicy", "onpolicy": "training.onpolicy", "offline": "training.offline"}
 
 
-def loop_module(agent):
-    """The module with the kind's iteration: ``check(cfg)`` and ``train(cfg, agent, run_dir, ...)``."""
+def loop_module(agent, cfg: RunConfig | None = None):
+    """The module with the run's iteration: ``check(cfg)`` and ``train(cfg, agent, run_dir, ...)``.
+
+    By the agent's kind, except that ``cfg`` may ask for the device loop (``training/device.py``:
+    ``--loop device``, or ``auto`` on a ``playground:`` env with an on-policy agent)."""
     if agent.KIND not in LOOPS:
         raise ValueError(f"agent {agent.__name__!r} has unknown kind {agent.KIND!r}; kinds: {', '.join(LOOPS)}")
+    if cfg is not None and agent.KIND != "offline":
+        from training import device
+
+        if device.uses_device_loop(cfg, agent):
+            return device
     return importlib.import_module(LOOPS[agent.KIND])
+
+
+def check_loop(cfg: RunConfig, agent):
+    """``loop_module(agent, cfg).check(cfg)``, with the device loop told the agent (it refuses kinds it cannot run)."""
+    module = loop_module(agent, cfg)
+    if module.__name__ == "training.device":
+        return module.check(cfg, agent)
+    if getattr(cfg, "loop", "auto") == "device":
+        raise ValueError(f"--loop device does not run {agent.KIND} agents")
+    return module.check(cfg)
 
 
 # What a run writes into its directory; a directory holding any of them holds a run.
@@ -117,7 +135,7 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
                              "which moves its files aside, or in another --run-dir)")
     elif cfg.run_dir and not overwrite and run_files(cfg.run_dir):
         raise SystemExit(holds_a_run(cfg.run_dir, run_files(cfg.run_dir)))
-    loop_module(agent).check(cfg)  # counts below 1 and the kind's own arithmetic
+    check_loop(cfg, agent)  # counts below 1, the kind's own arithmetic, the device loop's needs
     check_relations(cfg, agent)
     if agent.KIND == "offline":
         from training.offline import resolve_dataset
@@ -127,7 +145,7 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
     else:
         from envs import make_env
 
-        env = make_env(cfg.env, 0, cfg.action_repeat)  # an unknown or malformed env id fails here
+        env = make_env(cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl)  # an unknown or malformed env id fails here
         obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
         env.close()
     check_applicable(cfg.plasticity, agent, cfg.agent_name)
@@ -233,7 +251,7 @@ def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrit
         if overwrite:
             move_aside(run_dir)
         run_dir, existed = claim(run_dir, cfg, default=not cfg.run_dir)
-    train = loop_module(agent).train
+    train = loop_module(agent, cfg).train
     print(f"run directory: {run_dir}")
     try:
         return train(cfg, agent, run_dir, resume=resume, stop_at=stop_at)
