@@ -157,7 +157,7 @@ class Playground:
     def reset(self, keys) -> EnvState:
         """Fresh episodes for a batch of envs from their keys (N,)."""
         keys = jax.vmap(jax.random.split)(keys)
-        inner = jax.vmap(self.env.reset)(keys[:, 0])
+        inner = _strong(jax.vmap(self.env.reset)(keys[:, 0]))
         n = keys.shape[0]
         return EnvState(inner, jnp.zeros(n, jnp.int32), keys[:, 1], jnp.zeros(n, jnp.float32))
 
@@ -208,6 +208,16 @@ class Playground:
                    jnp.where(ended, ep_return, 0.0), jnp.where(ended, t, 0))
         new = EnvState(inner, jnp.where(ended, 0, t), key, jnp.where(ended, 0.0, ep_return))
         return new, out
+
+
+def _strong(tree):
+    """Every leaf strongly typed.  Playground's reset returns weakly typed constants (e.g. the reward
+    0.0) where its step returns float32 arrays; jit keys its cache on weak types, so a program
+    compiled on a reset state would compile again on the first stepped one."""
+    def one(x):
+        x = jnp.asarray(x)
+        return x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jax.lax.convert_element_type(x, x.dtype)
+    return jax.tree.map(one, tree)
 
 
 def _bcast(mask, x):

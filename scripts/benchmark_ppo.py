@@ -75,7 +75,7 @@ def measure_device_ppo(env_id: str, num_envs: int = 1, seeds: int = 1, iteration
                        num_steps: int | None = None, width: int | None = None, trust_region: str = "clip",
                        env_impl: str = "jax") -> dict:
     """Env steps/s (all seeds) of the device loop: one jitted chunk of ``iterations`` PPO iterations."""
-    from training.device import DeviceIteration
+    from training.device import DeviceOnPolicyIteration
 
     ppo = agents.get("ppo")
     if num_steps is None and batch % num_envs:
@@ -84,7 +84,7 @@ def measure_device_ppo(env_id: str, num_envs: int = 1, seeds: int = 1, iteration
     acfg = dataclasses.replace(ppo.PPOConfig(), num_steps=T, trust_region=trust_region)
     cfg = RunConfig(env=env_id, seeds=seeds, num_envs=num_envs, total_steps=T * num_envs * (iterations + 1),
                     agent_name="ppo", agent=acfg, network=NetworkConfig(width=width), env_impl=env_impl)
-    it = DeviceIteration(cfg, ppo, iterations + 1)
+    it = DeviceOnPolicyIteration(cfg, ppo, iterations + 1)
     it.fresh()
     t0 = time.perf_counter()
     it.carry, report = it.chunk_fn(it.carry, jnp.int32(1))  # compiles

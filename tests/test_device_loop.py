@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from agents import ppo
+from plasticity.config import PlasticityConfig
 from training.config import NetworkConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,8 +128,11 @@ def test_unknown_tasks_and_loops_that_cannot_run_are_refused_before_anything_is_
 
     with pytest.raises(ValueError, match="unknown Playground task playground:Nope.*playground:CheetahRun"):
         run.preflight(tiny(env="playground:Nope"))
-    with pytest.raises(ValueError, match="loop device runs on-policy"):
-        run.preflight(RunConfig(env=ENV, loop="device", agent_name="sac", agent=__import__("agents.sac").sac.SACConfig()))
+    with pytest.raises(ValueError, match="loop device runs on-policy .* and off-policy"):
+        run.preflight(RunConfig(env=ENV, loop="device", agent_name="ravl", agent=__import__("agents.ravl").ravl.RAVLConfig()))
+    with pytest.raises(ValueError, match="least cuts episodes from the host"):
+        run.preflight(RunConfig(env=ENV, loop="device", agent_name="sac", agent=__import__("agents.sac").sac.SACConfig(),
+                                plasticity=PlasticityConfig(least=True)))
     with pytest.raises(ValueError, match="needs an env that steps on the device"):
         run.preflight(tiny(env="Pendulum-v1", loop="device"))
     with pytest.raises(ValueError, match="backend"):
@@ -172,7 +176,7 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     the host loop stepping the same envs from Python and the device loop agree on every stored
     transition (final values at truncations included) and on the updated agents."""
     from envs.playground import PlaygroundVectorEnv
-    from training.device import DeviceIteration, make_chunk
+    from training.device import DeviceOnPolicyIteration, make_chunk
     from training.onpolicy import OnPolicyIteration
 
     cfg = tiny()
@@ -182,7 +186,7 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     host.env.pg = env
     host.counter = None  # (set by begin(): the shared clock of ns: envs)
     host.fresh()
-    device = DeviceIteration(cfg, ppo, 4)
+    device = DeviceOnPolicyIteration(cfg, ppo, 4)
     device.env, device.chunk_fn = env, make_chunk(ppo, env, 2, 2, 8)
     device.fresh()
     drv = _NoHostWork()
@@ -222,6 +226,10 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
             np.testing.assert_array_equal(x, y)
     assert_same_logs(tmp_path / "full", tmp_path / "part")
     assert_same_logs(tmp_path / "full", tmp_path / "one")
+    from envs.playground import make
+
+    # one program for every chunk length, fresh or resumed (a weakly typed reset state would add one)
+    assert device.make_chunk(ppo, make(ENV, action_mode=cfg.agent.action_mode), 2, 2, 8)._cache_size() == 1
     import csv
 
     rows = list(csv.DictReader(open(tmp_path / "full" / "metrics.csv")))
@@ -234,11 +242,83 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
 
 
 @needs_playground
-def test_off_policy_agents_train_on_playground_envs_through_the_host_loop(tmp_path, tiny_sac_config):
+def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_config):
+    """SAC, 2 seeds x 2 envs, episodes of 5 steps, learning from env step 12: 10 vector steps of the
+    host loop (env stepped from Python, ``store`` and ``learn_and_act`` per step) and one device
+    chunk of 10 agree on every replay row (truncations included) and on the updated agents."""
+    from envs.playground import PlaygroundVectorEnv
+    from training.device import DeviceOffPolicyIteration, make_offpolicy_chunk
+    from training.offpolicy import OffPolicyIteration
+
+    cfg = tiny_sac_config(env=ENV, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64,
+                          total_steps=40)
+    env = short_episodes(5)
+    host = OffPolicyIteration(cfg, __import__("agents.sac").sac)
+    host.env = PlaygroundVectorEnv(ENV, 4, cfg.seed * 10_000)
+    host.env.pg = env
+    host.fresh()
+    drv = _NoHostWork()
+    for _ in range(10):
+        host.run_one(drv)
+    device = DeviceOffPolicyIteration(cfg, __import__("agents.sac").sac)
+    device.env = env
+    device.chunk_fn = make_offpolicy_chunk(device.agent, cfg.agent, env, 2, 2)
+    device.fresh()
+    device.carry, report = device.chunk_fn(device.carry, jnp.int32(10), jnp.int32(0), None)
+    assert bool(report.learned) and int(report.episodes.sum()) == 8  # 10 steps x 4 envs, episodes of 5
+    hb, db = host.buffer, device.carry.buffer
+    assert int(hb.size[0]) == int(db.size[0]) == 20 and bool(jnp.any(hb.data.truncated))
+    for name in hb.data._fields:
+        np.testing.assert_allclose(getattr(hb.data, name), getattr(db.data, name), rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+    for x, y in zip(jax.tree.leaves((host.state.actor_params, host.state.critic_params, host.state.log_alpha)),
+                    jax.tree.leaves((device.carry.state.actor_params, device.carry.state.critic_params,
+                                     device.carry.state.log_alpha))):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+@needs_playground
+@pytest.mark.parametrize("agent_name", ["sac", "mrq"])
+def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupted_run(
+        agent_name, tmp_path, tiny_sac_config, assert_same_logs):
+    import agents
+    from training import device
+
+    if agent_name == "sac":
+        cfg = tiny_sac_config(env=ENV, seeds=2, num_envs=2, total_steps=48, learning_starts=16, eval_every=24,
+                              eval_episodes=1, log_every=8, checkpoint_every=24)
+    else:
+        from agents.mrq import MRQConfig
+
+        cfg = RunConfig(env=ENV, seeds=2, num_envs=2, total_steps=48, eval_every=24, eval_episodes=1, log_every=8,
+                        checkpoint_every=24, progress=False, network=NetworkConfig(width=16), agent_name="mrq",
+                        agent=MRQConfig(buffer_size=256, batch_size=8, learning_starts=16, target_update_freq=4))
+    agent = agents.get(agent_name)
+    full = device.train(cfg, agent, tmp_path / "full")
+    part = device.train(cfg, agent, tmp_path / "part", stop_at=20)
+    assert part["step"] == 20  # an iteration is one vector step of 2 envs
+    resumed = device.train(cfg, agent, tmp_path / "part", resume=True)
+    one = device.train(RunConfig(**{**cfg.__dict__, "device_chunk": 1}), agent, tmp_path / "one")
+    for other in (resumed, one):
+        assert other["step"] == 48
+        for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(other["state"])):
+            np.testing.assert_array_equal(x, y)
+    assert_same_logs(tmp_path / "full", tmp_path / "part")
+    assert_same_logs(tmp_path / "full", tmp_path / "one")
+    import csv
+
+    rows = [r for r in csv.DictReader(open(tmp_path / "full" / "metrics.csv")) if r["seed"] == "0"]
+    assert [int(r["step"]) for r in rows] == list(range(8, 49, 8))
+    assert all(r.get("charts/episodic_return", "") == "" for r in rows)  # no episode of 1000 steps ended
+    assert np.isfinite(float(rows[-1][next(k for k in rows[-1] if k.startswith("losses/"))]))
+
+
+@needs_playground
+def test_off_policy_agents_also_run_on_playground_envs_through_the_host_loop(tmp_path, tiny_sac_config):
     from training.run import run
 
-    out = run(tiny_sac_config(env=ENV, total_steps=300, learning_starts=100, eval_every=300, eval_episodes=1,
-                              log_every=100, checkpoint_every=300, run_dir=str(tmp_path / "sac")))
+    out = run(tiny_sac_config(env=ENV, loop="host", total_steps=300, learning_starts=100, eval_every=300,
+                              eval_episodes=1, log_every=100, checkpoint_every=300, run_dir=str(tmp_path / "sac")))
     assert out["step"] == 300 and np.isfinite(out["last_eval"])
 
 

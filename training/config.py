@@ -29,8 +29,8 @@ class RunConfig:
     env_impl: Literal["jax", "warp"] = "jax"
     """playground: physics backend: jax (MJX; CPU or GPU) or warp (MuJoCo Warp; GPU only)"""
     loop: Literal["auto", "host", "device"] = "auto"
-    """auto: the device loop (the whole run jitted, envs on the accelerator) for playground: envs with an
-    on-policy agent, the host loop otherwise; host: step envs from Python; device: require the device loop"""
+    """auto: the device loop (chunks of the run jitted whole, envs on the accelerator) for playground: envs
+    with PPO, SAC or MR.Q, the host loop otherwise; host: step envs from Python; device: require the device loop"""
     device_chunk: int = 0
     """device loop: at most this many iterations per jitted call (0: run to the next log, evaluation,
     checkpoint or plasticity event)"""

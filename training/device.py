@@ -1,27 +1,32 @@
-"""The device loop: envs on the accelerator and whole PPO iterations inside one jitted program.
+"""The device loop: envs on the accelerator, whole chunks of training inside one jitted program.
 
 For ``playground:`` envs (``envs/playground.py``) the env's step is a JAX function, so nothing has
-to cross to the host between env steps.  One jitted call runs a *chunk* of K iterations, each
+to cross to the host between env steps.  One jitted call runs a *chunk* of K iterations, with K
+chosen by the host so that the chunk ends exactly at the next log row, evaluation, checkpoint,
+plasticity event or the run's end (``--device-chunk`` caps it): the only host work (PureJaxRL's
+shape, with the zoo's logs, evaluation, checkpoints and plasticity hooks at chunk boundaries).
+K is a traced loop bound, so chunks of any length share one compiled program, and each kind
+draws its keys as its host loop does, so where a chunk ends changes nothing: a run chunked by 1
+equals a run chunked by 100, and a resumed run equals an uninterrupted one, to the bit.  The envs
+of every seed step as one batch of S * E (seed j owns envs ``j*E .. j*E+E-1``).
 
-  1. a rollout: ``lax.scan`` over ``num_steps`` vector steps of all S seeds x E envs (the envs of
-     every seed step as one batch of S * E; the agent's bookkeeping is the host loop's own
-     ``training/onpolicy.py: seed_fns`` step, vmapped over seeds: reward scaling, the rollout slot,
-     V(true final observation) at truncations, observation statistics, the next actions);
-  2. the update: ``agent.update`` (GAE, epochs x minibatches in one scan) per seed, and the next
-     rollout's first actions,
+- **On-policy (PPO)**, ``DeviceOnPolicyIteration``: an iteration is a rollout, a ``lax.scan`` over
+  ``num_steps`` vector steps, each followed by the host loop's own bookkeeping
+  (``training/onpolicy.py: seed_fns``, vmapped over seeds: reward scaling, the rollout slot,
+  V(true final observation) at truncations, observation statistics, the next actions), then the
+  update (``agent.update``: GAE, epochs x minibatches) per seed.
+- **Off-policy (SAC, MR.Q)**, ``DeviceOffPolicyIteration``: an iteration is one vector step:
+  the env step, ``agent.buffer_add`` of the transitions into the replay (on the device, in the
+  carry), then once learning has started ``agent.train_block`` (``updates_per_step * num_envs``
+  updates) and the next actions (uniform random before ``learning_starts``), as
+  ``training/offpolicy.py`` does per step (FastTD3 / FastSAC run many envs this way).
 
-with K chosen by the host so that the chunk ends exactly at the next log row, evaluation,
-checkpoint, plasticity event or the run's end (``--device-chunk`` caps it): the only host work
-(PureJaxRL's shape, with the zoo's logs, evaluation, checkpoints and plasticity hooks at chunk
-boundaries).  K is a traced loop bound, so chunks of any length share one compiled program, and
-the key sequence is the host loop's (one split per rollout, one per update), so where a chunk
-ends changes nothing: a run chunked by 1 equals a run chunked by 100, and a resumed run equals an
-uninterrupted one, to the bit.
-
-Differences from the host loop (``--loop host``): evaluations and log rows fall at the first
-iteration boundary at or past their step (the host loop evaluates inside a rollout); a non-finite
-loss anywhere in a chunk stops the run at the chunk's end; non-stationary (``ns:``) envs do not
-run on the device.  Training episodes are reported as per-seed totals since the last chunk.
+Differences from the host loops (``--loop host``): evaluations and log rows fall at the first
+iteration boundary at or past their step (the on-policy host loop evaluates inside a rollout); a
+non-finite loss anywhere in a chunk stops the run at the chunk's end; LEAST (which cuts episodes
+from the host) and non-stationary (``ns:``) envs do not run on the device.  Training episodes are
+reported as per-seed totals since the last chunk.  Evaluation steps its envs from the host
+(``PlaygroundVectorEnv``, one jitted call per step).
 """
 from __future__ import annotations
 
@@ -37,49 +42,50 @@ from envs import playground
 from training.config import RunConfig
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from training.onpolicy import check as onpolicy_check, init_state, seed_fns
+from training import offpolicy, onpolicy
+from training.onpolicy import seed_fns
+from buffers import replay
 from plasticity.hooks import Hooks
 
-KINDS = ("onpolicy",)  # agent kinds with a device loop
+KINDS = ("onpolicy", "offpolicy")  # agent kinds with a device loop
 
 
 def uses_device_loop(cfg: RunConfig, agent) -> bool:
     """Whether a run takes this loop: ``--loop device``, or ``auto`` on a ``playground:`` env with an
-    agent kind the device loop runs."""
+    agent kind the device loop runs (and no LEAST, which needs the host loop)."""
     loop = getattr(cfg, "loop", "auto")
     if loop == "device":
         return True
-    return loop == "auto" and playground.is_playground(cfg.env) and agent.KIND in KINDS
+    least = agent.KIND == "offpolicy" and cfg.plasticity.least
+    return loop == "auto" and playground.is_playground(cfg.env) and agent.KIND in KINDS and not least
 
 
 def check(cfg: RunConfig, agent=None):
-    """The device loop's settings (before any run directory exists), then the on-policy arithmetic."""
+    """The device loop's settings (before any run directory exists), then the kind's own checks."""
     if not playground.is_playground(cfg.env):
         raise ValueError(f"--loop device needs an env that steps on the device (playground:<Name>), got "
                          f"{cfg.env!r}; use --loop host")
-    if agent is not None and agent.KIND not in KINDS:
-        raise ValueError(f"--loop device runs on-policy agents (PPO); {agent.__name__.split('.')[-1]} is "
-                         f"{agent.KIND}: use --loop host, which steps playground: envs from the host")
+    kind = "onpolicy" if agent is None else agent.KIND
+    if kind not in KINDS:
+        raise ValueError(f"--loop device runs on-policy (PPO) and off-policy (SAC, MR.Q) agents; "
+                         f"{agent.__name__.split('.')[-1]} is {kind}")
     if cfg.device_chunk < 0:
         raise ValueError(f"--device-chunk must be >= 0, got {cfg.device_chunk}")
+    if kind == "offpolicy":
+        if cfg.plasticity.least:
+            raise ValueError("--plasticity.least cuts episodes from the host; it does not run in the device loop: "
+                             "pass --loop host")
+        return offpolicy.check(cfg)
     if cfg.agent.backend not in ("sync", "gymnasium"):
         raise ValueError(f"--backend {cfg.agent.backend} steps envs on the host; the device loop steps "
                          "playground: envs itself (leave --backend at its default)")
-    return onpolicy_check(cfg)
-
-
-class Carry(NamedTuple):
-    state: object      # the agents (leading seed axis S)
-    loop: object       # training.onpolicy.LoopState per seed
-    env: object        # envs.playground.EnvState of S * E envs (seed j owns envs j*E .. j*E+E-1)
-    action: jax.Array  # (S, E, act_dim): the actions the envs take next
-    key: jax.Array
+    return onpolicy.check(cfg)
 
 
 class Report(NamedTuple):
     """What a chunk hands the host: the last update's metrics, whether every loss stayed finite,
-    the key of the last update (for the plasticity events), and per seed the finished episodes'
-    summed returns, summed lengths and count."""
+    the key of the last update (for the plasticity events), per seed the finished episodes' summed
+    returns, summed lengths and count, and (off-policy) whether any iteration of the chunk learned."""
 
     metrics: dict
     finite: jax.Array
@@ -87,40 +93,161 @@ class Report(NamedTuple):
     return_sum: jax.Array
     length_sum: jax.Array
     episodes: jax.Array
+    learned: jax.Array
+
+
+def _zero_totals(S: int):
+    return jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32)
+
+
+def _add_episodes(totals, out: playground.Step, S: int, E: int):
+    """Per seed: summed returns, lengths and count of the episodes that ended in this env step."""
+    r_sum, l_sum, count = totals
+    per_seed = lambda x: x.reshape(S, E).sum(1)  # noqa: E731
+    return (r_sum + per_seed(out.ep_return), l_sum + per_seed(out.ep_length),
+            count + per_seed((out.terminated | out.truncated).astype(jnp.int32)))
+
+
+def _zeros_like_shapes(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
+    """Train (or resume) a run on the device.  ``stop_at`` ends early at the first iteration boundary at or after it."""
+    counts = check(cfg, agent)
+    if agent.KIND == "onpolicy":
+        batch, num_iterations = counts
+        iteration = DeviceOnPolicyIteration(cfg, agent, num_iterations)
+        last_step = num_iterations * batch
+    else:
+        iteration = DeviceOffPolicyIteration(cfg, agent)
+        last_step = cfg.total_steps
+    driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator)
+    iteration.begin(driver, resume)
+    end = last_step if stop_at is None else min(stop_at, last_step)
+    last_eval = driver.run(iteration, end, last_step)
+    return {"state": iteration.carry.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
+            "metrics": iteration.metrics}
+
+
+class _DeviceIteration:
+    """What both kinds share: the env, the evaluator, the carry in the checkpoint, the chunk sizes and
+    the host work at a chunk's end.  A kind sets ``steps_per_iteration`` (env steps per seed),
+    ``updates_per_iteration``, ``hooks``, ``carry``, ``chunk_fn`` and implements ``_start``,
+    ``_chunk_args``, ``_updates_in`` and ``_learning_iterations_before``."""
+
+    def _setup(self, cfg: RunConfig, agent, action_mode: str):
+        self.cfg, self.agent = cfg, agent
+        self.S, self.E = cfg.seeds, cfg.num_envs
+        self.env = playground.make(cfg.env, cfg.action_repeat, action_mode, cfg.env_impl)
+        self.evaluator = Evaluator(cfg.env, self.S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
+                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)
+        self.metrics, self.updates_done = None, 0
+
+    def env_keys(self):
+        """The envs' reset keys from the host loop's env seeds (``seed * 10_000 + i``)."""
+        return playground.env_keys(self.cfg.seed * 10_000 + np.arange(self.S * self.E))
+
+    def begin(self, driver, resume: bool):
+        if resume:  # the template's env state: its structure, from a reset
+            self._start()
+        driver.begin(self, resume)
+
+    def fresh(self):
+        self._start()
+
+    def tree(self):
+        return self.carry
+
+    def load(self, tree, host):
+        self.carry = type(self.carry)(*tree)
+        self.updates_done = host["updates_done"]
+        metrics = host.get("metrics")
+        self.metrics = None if metrics is None else {k: jnp.asarray(v) for k, v in metrics.items()}
+
+    def host(self) -> dict:
+        return {"updates_done": self.updates_done,
+                "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()}}
+
+    def eval_state(self):
+        return self.carry.state
+
+    def iterations_to_next_event(self, drv: Driver) -> int:
+        """Iterations until the next host work: log row, evaluation, checkpoint, plasticity event or the end."""
+        per, step, sched = self.steps_per_iteration, drv.step, drv.schedule
+        targets = [t for t in (sched.next_log, sched.next_eval, sched.next_ckpt, drv.end) if t > step]
+        n = min(_ceil_div(t - step, per) for t in targets) if targets else 1
+        p, u = self.cfg.plasticity, self.updates_done
+        for every in (p.reset_every if (p.redo or p.regrama) else 0, p.metrics_every, p.ne_every if p.ne else 0):
+            if every:
+                wanted = (u // every + 1) * every - u
+                n = min(n, self._learning_iterations_before(drv) + _ceil_div(wanted, self.updates_per_iteration))
+        if self.cfg.device_chunk:
+            n = min(n, self.cfg.device_chunk)
+        return max(1, n)
+
+    def run_one(self, drv: Driver):
+        drv.evaluate_if_due(drv.step, lambda: self.carry.state)
+        n = self.iterations_to_next_event(drv)
+        self.carry, report = self.chunk_fn(self.carry, jnp.int32(n), *self._chunk_args(drv))
+        updates = self._updates_in(drv, n)
+        drv.step += n * self.steps_per_iteration
+        drv.advance(n * self.steps_per_iteration * self.S)
+        if bool(report.learned):
+            self.metrics = report.metrics
+            drv.stop_if_non_finite(report.finite, {k: v for k, v in report.metrics.items()
+                                                   if k.startswith("losses/")} or report.metrics, drv.step)
+        drv.episode_totals(report.return_sum, report.length_sum, report.episodes)
+        if updates:
+            before, self.updates_done = self.updates_done, self.updates_done + updates
+            state = drv.plasticity(before, self.updates_done, self.carry.state, self._plasticity_data(),
+                                   jax.random.fold_in(report.last_key, 1))
+            self.carry = self.carry._replace(state=state)
+        drv.log_if_due(drv.step, self.metrics, last=self._last_log())
+
+
+# ----------------------------------------------------------------------------------------------
+# On-policy: whole PPO iterations
+# ----------------------------------------------------------------------------------------------
+class OnPolicyCarry(NamedTuple):
+    state: object      # the agents (leading seed axis S)
+    loop: object       # training.onpolicy.LoopState per seed
+    env: object        # envs.playground.EnvState of S * E envs
+    action: jax.Array  # (S, E, act_dim): the actions the envs take next
+    key: jax.Array
+
 
 
 @functools.lru_cache(maxsize=8)
 def make_chunk(agent, env: playground.Playground, S: int, E: int, T: int):
-    """``chunk(carry, n) -> (carry, report)``: ``n`` iterations (traced), jitted with the carry donated."""
-    start_all, step_all, iterate_all = seed_fns(agent, T)
-    del start_all
+    """``chunk(carry, n) -> (carry, report)``: ``n`` PPO iterations (traced), jitted with the carry donated."""
+    _, step_all, iterate_all = seed_fns(agent, T)
 
     def shaped(x):
         return x.reshape(S, E, *x.shape[1:])
 
-    def iteration(carry: Carry, totals):
+    def iteration(carry: OnPolicyCarry, totals):
         key, k_roll = jax.random.split(carry.key)
 
         def env_step(c, t):
-            state, loop, env_state, action, (r_sum, l_sum, count) = c
+            state, loop, env_state, action, totals = c
             env_state, out = env.step(env_state, action.reshape(S * E, -1))
             state, loop, action = step_all(state, loop, t, shaped(out.reward), shaped(out.terminated),
                                            shaped(out.truncated), shaped(out.next_obs), shaped(out.obs), k_roll)
-            ended = shaped(out.terminated | out.truncated)
-            totals = (r_sum + shaped(out.ep_return).sum(1), l_sum + shaped(out.ep_length).sum(1),
-                      count + ended.sum(1))
-            return (state, loop, env_state, action, totals), None
+            return (state, loop, env_state, action, _add_episodes(totals, out, S, E)), None
 
         (state, loop, env_state, action, totals), _ = jax.lax.scan(
             env_step, (carry.state, carry.loop, carry.env, carry.action, totals), jnp.arange(T, dtype=jnp.int32))
         key, k = jax.random.split(key)
         state, loop, action, metrics, finite = iterate_all(state, loop, k)
-        return Carry(state, loop, env_state, action, key), totals, metrics, finite, k
+        return OnPolicyCarry(state, loop, env_state, action, key), totals, metrics, finite, k
 
-    def chunk(carry: Carry, n):
-        zeros = (jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32))
-        shapes = jax.eval_shape(iteration, carry, zeros)
-        metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[2])
+    def chunk(carry: OnPolicyCarry, n):
+        metrics0 = _zeros_like_shapes(jax.eval_shape(iteration, carry, _zero_totals(S))[2])
 
         def body(_, c):
             carry, totals, _, finite, _ = c
@@ -128,8 +255,8 @@ def make_chunk(agent, env: playground.Playground, S: int, E: int, T: int):
             return carry, totals, metrics, finite & ok, k
 
         carry, totals, metrics, finite, k = jax.lax.fori_loop(
-            0, n, body, (carry, zeros, metrics0, jnp.bool_(True), carry.key))
-        return carry, Report(metrics, finite, k, *totals)
+            0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key))
+        return carry, Report(metrics, finite, k, *totals, jnp.bool_(True))
 
     return jax.jit(chunk, donate_argnums=(0,))
 
@@ -148,99 +275,155 @@ def make_start(agent, env: playground.Playground, S: int, E: int, T: int):
     return jax.jit(start, donate_argnums=(0, 1))
 
 
-def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
-    """Train (or resume) a run on the device.  ``stop_at`` ends early at the first iteration boundary at or after it."""
-    batch, num_iterations = check(cfg, agent)
-    iteration = DeviceIteration(cfg, agent, num_iterations)
-    driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator)
-    iteration.begin(driver, resume)
-    last_step = num_iterations * batch
-    end = last_step if stop_at is None else min(stop_at, last_step)
-    last_eval = driver.run(iteration, end, last_step)
-    return {"state": iteration.carry.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
-            "metrics": iteration.metrics}
-
-
-class DeviceIteration:
+class DeviceOnPolicyIteration(_DeviceIteration):
     """A chunk of whole on-policy iterations (rollout and update) in one jitted call."""
 
     def __init__(self, cfg: RunConfig, agent, num_iterations: int):
         a = cfg.agent
-        self.cfg, self.agent, self.num_iterations = cfg, agent, num_iterations
-        self.S, self.E, self.T = S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
-        self.env = playground.make(cfg.env, cfg.action_repeat, a.action_mode, cfg.env_impl)
-        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)
-        state, loop, key = init_state(agent, cfg, self.env.obs_dim, self.env.act_dim)
+        self._setup(cfg, agent, a.action_mode)
+        self.num_iterations, self.T = num_iterations, a.num_steps
+        self.steps_per_iteration = self.T * self.E
+        state, loop, key = onpolicy.init_state(agent, cfg, self.env.obs_dim, self.env.act_dim)
         self.updates_per_iteration = a.update_epochs * a.num_minibatches
         self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
                            total_updates=num_iterations * self.updates_per_iteration)
         state = self.hooks.start(state)
-        self.carry = Carry(state, loop, None, None, key)
-        self.chunk_fn = make_chunk(agent, self.env, S, E, T)
-        self.metrics, self.updates_done = None, 0
+        self.carry = OnPolicyCarry(state, loop, None, None, key)
+        self.chunk_fn = make_chunk(agent, self.env, self.S, self.E, self.T)
 
     def begin(self, driver, resume: bool):
-        if resume:  # the template's env state and actions: their structure, from a reset
-            self._start()
-        driver.begin(self, resume)
+        super().begin(driver, resume)
         n = jnp.full((self.S,), self.num_iterations, jnp.int32)
         self.carry = self.carry._replace(state=self.carry.state.replace(num_iterations=n))
 
     def _start(self):
-        """Reset the envs (env seeds as the host loop's: ``seed * 10_000 + i``) and sample the first actions."""
+        """Reset the envs and sample the first actions (keys as ``OnPolicyIteration.fresh``)."""
         c = self.carry
         key, k = jax.random.split(c.key)
-        keys = playground.env_keys(self.cfg.seed * 10_000 + np.arange(self.S * self.E))
         start = make_start(self.agent, self.env, self.S, self.E, self.T)
-        state, loop, env_state, action = start(c.state, c.loop, keys, k)
-        self.carry = Carry(state, loop, env_state, action, key)
+        state, loop, env_state, action = start(c.state, c.loop, self.env_keys(), k)
+        self.carry = OnPolicyCarry(state, loop, env_state, action, key)
 
-    def fresh(self):
-        self._start()
+    def _chunk_args(self, drv):
+        return ()
 
-    def tree(self):
-        return self.carry
+    def _updates_in(self, drv, n: int) -> int:
+        return n * self.updates_per_iteration
 
-    def load(self, tree, host):
-        self.carry = Carry(*tree)
-        self.updates_done = host["updates_done"]
-        metrics = host.get("metrics")
-        self.metrics = None if metrics is None else {k: jnp.asarray(v) for k, v in metrics.items()}
+    def _learning_iterations_before(self, drv) -> int:
+        return 0
 
-    def host(self) -> dict:
-        return {"updates_done": self.updates_done,
-                "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()}}
+    def _plasticity_data(self):
+        return self.carry.loop.buffer
 
-    def eval_state(self):
-        return self.carry.state
+    def _last_log(self):
+        return None
 
-    def iterations_to_next_event(self, drv: Driver) -> int:
-        """Iterations until the next host work: log row, evaluation, checkpoint, plasticity event or the end."""
-        batch, step = self.T * self.E, drv.step
-        sched = drv.schedule
-        targets = [sched.next_log, sched.next_eval, sched.next_ckpt, drv.end]
-        n = min(-(-(t - step) // batch) for t in targets if t > step) if any(t > step for t in targets) else 1
-        p, u, per = self.cfg.plasticity, self.updates_done, self.updates_per_iteration
-        for every in (p.reset_every if (p.redo or p.regrama) else 0, p.metrics_every, p.ne_every if p.ne else 0):
-            if every:
-                n = min(n, -(-((u // every + 1) * every - u) // per))
-        if self.cfg.device_chunk:
-            n = min(n, self.cfg.device_chunk)
-        return max(1, n)
 
-    def run_one(self, drv: Driver):
-        drv.evaluate_if_due(drv.step, lambda: self.carry.state)
-        n = self.iterations_to_next_event(drv)
-        self.carry, report = self.chunk_fn(self.carry, jnp.int32(n))
-        drv.step += n * self.T * self.E
-        drv.advance(n * self.T * self.E * self.S)
-        self.metrics = report.metrics
-        drv.stop_if_non_finite(report.finite, {k: v for k, v in report.metrics.items() if k.startswith("losses/")},
-                               drv.step)
-        drv.episode_totals(report.return_sum, report.length_sum, report.episodes)
-        before, self.updates_done = self.updates_done, self.updates_done + n * self.updates_per_iteration
-        state = drv.plasticity(before, self.updates_done, self.carry.state, self.carry.loop.buffer,
-                               jax.random.fold_in(report.last_key, 1))
-        self.carry = self.carry._replace(state=state)
-        drv.log_if_due(drv.step, self.metrics)
+
+# ----------------------------------------------------------------------------------------------
+# Off-policy: env step, replay add, updates
+# ----------------------------------------------------------------------------------------------
+class OffPolicyCarry(NamedTuple):
+    state: object      # the agents (leading seed axis S)
+    buffer: object     # each seed's replay, on the device
+    env: object        # envs.playground.EnvState of S * E envs
+    obs: jax.Array     # (S, E, obs_dim): the observations to act on
+    action: jax.Array  # (S, E, act_dim): the actions the envs take next
+    key: jax.Array
+
+
+@functools.lru_cache(maxsize=8)
+def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E: int):
+    """``chunk(carry, n, step, replay_control) -> (carry, report)``: ``n`` vector steps (traced) from
+    env step ``step`` (per seed), jitted with the carry donated.  Per step the keys are drawn as in
+    ``training/offpolicy.py``: one split of the run key, then (train key, act key)."""
+    num_updates = agent_cfg.updates_per_step * E
+    block = offpolicy.make_train_block(agent, agent_cfg, num_updates)
+    learning_starts, act_dim = agent_cfg.learning_starts, env.act_dim
+
+    def iteration(carry: OffPolicyCarry, i, step0, replay_control, totals):
+        env_state, out = env.step(carry.env, carry.action.reshape(S * E, -1))
+        per_seed = lambda x: x.reshape(S, E, *x.shape[1:])  # noqa: E731
+        transition = replay.Transition(carry.obs, carry.action, per_seed(out.reward), per_seed(out.next_obs),
+                                       per_seed(out.terminated), per_seed(out.truncated))
+        buffer = jax.vmap(agent.buffer_add)(carry.buffer, transition)
+        obs = per_seed(out.obs)
+        key, k = jax.random.split(carry.key)
+        k_train, k_act = jax.random.split(k)
+        learning = step0 + (i + 1) * E >= learning_starts
+
+        def train(args):
+            state, buffer = args
+            return jax.vmap(block)(state, buffer, jax.random.split(k_train, S), replay_control)
+
+        def wait(args):
+            state, buffer = args
+            return state, buffer, _zeros_like_shapes(jax.eval_shape(train, args)[2])
+
+        state, buffer, metrics = jax.lax.cond(learning, train, wait, (carry.state, buffer))
+        action = jax.lax.cond(
+            learning,
+            lambda: jax.vmap(lambda s, o, kk: agent.act(s, o, kk, explore=True))(state, obs, jax.random.split(k_act, S)),
+            lambda: jax.random.uniform(k_act, (S, E, act_dim), minval=-1.0, maxval=1.0))
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
+        return (OffPolicyCarry(state, buffer, env_state, obs, action, key), _add_episodes(totals, out, S, E),
+                metrics, finite, k, learning)
+
+    def chunk(carry: OffPolicyCarry, n, step0, replay_control=None):
+        shapes = jax.eval_shape(iteration, carry, jnp.int32(0), step0, replay_control, _zero_totals(S))
+        metrics0 = _zeros_like_shapes(shapes[2])
+
+        def body(i, c):
+            carry, totals, metrics, finite, k, learned = c
+            carry, totals, new, ok, k, learning = iteration(carry, i, step0, replay_control, totals)
+            metrics = jax.tree.map(lambda a, b: jnp.where(learning, a, b), new, metrics)
+            return carry, totals, metrics, finite & ok, k, learned | learning
+
+        carry, totals, metrics, finite, k, learned = jax.lax.fori_loop(
+            0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key, jnp.bool_(False)))
+        return carry, Report(metrics, finite, k, *totals, learned)
+
+    return jax.jit(chunk, donate_argnums=(0,))
+
+
+class DeviceOffPolicyIteration(_DeviceIteration):
+    """A chunk of off-policy vector steps (env step, replay add, updates, next actions) in one jitted call."""
+
+    def __init__(self, cfg: RunConfig, agent):
+        a = cfg.agent
+        self._setup(cfg, agent, "rescale")
+        self.steps_per_iteration = self.E
+        self.updates_per_iteration = a.updates_per_step * self.E
+        state, buffer, key = offpolicy.init_state(agent, cfg, self.env.obs_dim, self.env.act_dim)
+        learning_iters = cfg.total_steps // self.E - max(0, -(-a.learning_starts // self.E) - 1)
+        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
+                           total_updates=max(1, learning_iters * self.updates_per_iteration))
+        state = self.hooks.start(state)
+        self.carry = OffPolicyCarry(state, buffer, None, None, None, key)
+        self.chunk_fn = make_offpolicy_chunk(agent, a, self.env, self.S, self.E)
+
+    def _start(self):
+        """Reset the envs; the first actions uniform (keys as ``OffPolicyIteration.fresh``)."""
+        c = self.carry
+        env_state = jax.jit(self.env.reset)(self.env_keys())
+        key, k0 = jax.random.split(c.key)
+        action = jax.random.uniform(k0, (self.S, self.E, self.env.act_dim), minval=-1.0, maxval=1.0)
+        obs = env_state.inner.obs.reshape(self.S, self.E, -1)
+        self.carry = OffPolicyCarry(c.state, c.buffer, env_state, obs, action, key)
+
+    def _chunk_args(self, drv):
+        return jnp.int32(drv.step), self.hooks.replay_control
+
+    def _learning_iterations_before(self, drv) -> int:
+        """Iterations from now that do not learn (their step is still below ``learning_starts``)."""
+        return max(0, _ceil_div(self.cfg.agent.learning_starts - drv.step, self.E) - 1)
+
+    def _updates_in(self, drv, n: int) -> int:
+        return max(0, n - self._learning_iterations_before(drv)) * self.updates_per_iteration
+
+    def _plasticity_data(self):
+        return self.carry.buffer
+
+    def _last_log(self):
+        return self.cfg.total_steps

@@ -55,7 +55,7 @@ def loop_module(agent, cfg: RunConfig | None = None):
     """The module with the run's iteration: ``check(cfg)`` and ``train(cfg, agent, run_dir, ...)``.
 
     By the agent's kind, except that ``cfg`` may ask for the device loop (``training/device.py``:
-    ``--loop device``, or ``auto`` on a ``playground:`` env with an on-policy agent)."""
+    ``--loop device``, or ``auto`` on a ``playground:`` env with an online agent)."""
     if agent.KIND not in LOOPS:
         raise ValueError(f"agent {agent.__name__!r} has unknown kind {agent.KIND!r}; kinds: {', '.join(LOOPS)}")
     if cfg is not None and agent.KIND != "offline":
@@ -67,12 +67,12 @@ def loop_module(agent, cfg: RunConfig | None = None):
 
 
 def check_loop(cfg: RunConfig, agent):
-    """``loop_module(agent, cfg).check(cfg)``, with the device loop told the agent (it refuses kinds it cannot run)."""
+    """The run's loop's ``check(cfg)`` (the device loop's also refuses agent kinds it cannot run)."""
+    from training import device
+
     module = loop_module(agent, cfg)
-    if module.__name__ == "training.device":
-        return module.check(cfg, agent)
-    if getattr(cfg, "loop", "auto") == "device":
-        raise ValueError(f"--loop device does not run {agent.KIND} agents")
+    if getattr(cfg, "loop", "auto") == "device" or module is device:
+        return device.check(cfg, agent)
     return module.check(cfg)
 
 
