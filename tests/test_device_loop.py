@@ -52,14 +52,14 @@ def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_s
 
     env = short_episodes(3)
     raw = env.env
-    state = env.reset(env_keys([0, 1]))
-    step = jax.jit(env.step)
+    state = jax.jit(env.reset)(env_keys([0, 1]))
+    step, raw_step = jax.jit(env.step), jax.jit(jax.vmap(raw.step))
     inner, rewards = state.inner, []
     for t in range(3):
         a = jnp.array([[0.3], [-0.7]])
         before = state
         state, out = step(state, a)
-        inner = jax.vmap(raw.step)(inner, a)  # the physics by hand, without the wrapper
+        inner = raw_step(inner, a)  # the physics by hand, without the wrapper
         rewards.append(np.asarray(out.reward))
         np.testing.assert_allclose(out.next_obs, inner.obs, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out.reward, inner.reward, rtol=1e-5, atol=1e-6)
@@ -71,7 +71,7 @@ def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_s
     assert out.truncated.all()  # the limit is a truncation, never a termination
     # the observation to act on is a fresh episode's, reset from each env's own next key
     reset_keys = jax.vmap(jax.random.split)(before.key)[:, 0]
-    np.testing.assert_allclose(out.obs, jax.vmap(raw.reset)(reset_keys).obs, rtol=1e-6)
+    np.testing.assert_allclose(out.obs, jax.jit(jax.vmap(raw.reset))(reset_keys).obs, rtol=1e-6)
     assert not np.allclose(out.obs, out.next_obs)
     np.testing.assert_allclose(out.ep_return, np.sum(rewards, axis=0), rtol=1e-6)
     np.testing.assert_array_equal(out.ep_length, 3)
@@ -228,6 +228,12 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
     assert_same_logs(tmp_path / "full", tmp_path / "one")
     from envs.playground import make
 
+    from training.evaluation import restore_policy
+
+    restored = restore_policy(tmp_path / "full")  # what scripts/evaluate.py loads: the device carry's agent
+    assert restored.step == 64
+    for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(restored.state)):
+        np.testing.assert_array_equal(x, y)
     # one program for every chunk length, fresh or resumed (a weakly typed reset state would add one)
     assert device.make_chunk(ppo, make(ENV, action_mode=cfg.agent.action_mode), 2, 2, 8)._cache_size() == 1
     import csv
@@ -239,6 +245,26 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
     assert [int(r["step"]) for r in evals if r["seed"] == "0"] == [0, 32, 64]
     a0, a1 = (jax.tree.map(lambda x: x[j], full["state"].actor_params) for j in (0, 1))
     assert all(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))  # seeds differ
+
+
+@needs_playground
+def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path):
+    """PPO, 4 updates per iteration of 16 env steps: metrics and ReDo every 8 updates fall after
+    iterations 2 and 4 (steps 32 and 64); the device chunks end there, and the events' columns reach
+    the log rows at those steps."""
+    import csv
+
+    from training import device
+
+    cfg = tiny(plasticity=PlasticityConfig(metrics_every=8, redo=True, reset_every=8), eval_every=1000,
+               checkpoint_every=1000)
+    device.train(cfg, ppo, tmp_path / "run")
+    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r["seed"] == "0"]
+    assert [int(r["step"]) for r in rows] == [16, 32, 48, 64]
+    metric = next(k for k in rows[0] if k.startswith("plasticity/") and "dormant" in k)
+    reset = next(k for k in rows[0] if k.startswith("plasticity/") and "reset" in k)
+    assert [bool(r[metric]) for r in rows] == [False, True, False, True]
+    assert [bool(r[reset]) for r in rows] == [False, True, False, True]
 
 
 @needs_playground

@@ -386,7 +386,7 @@ def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypa
     real_vec, real_eval = onpolicy.make_vector_env, onpolicy.Evaluator
     monkeypatch.setattr(onpolicy, "make_vector_env",
                         lambda *a, **k: modes.append(("train", k["action_mode"])) or real_vec(*a, **k))
-    monkeypatch.setattr(onpolicy, "Evaluator", lambda *a: modes.append(("eval", a[5])) or real_eval(*a))
+    monkeypatch.setattr(onpolicy, "Evaluator", lambda *a, **k: modes.append(("eval", a[5])) or real_eval(*a, **k))
     for mode in ("rescale", "clip"):
         train(tiny(total_steps=32, eval_every=32, action_mode=mode), ppo, tmp_path / mode)
     assert modes == [("train", "rescale"), ("eval", "rescale"), ("train", "clip"), ("eval", "clip")]

@@ -116,6 +116,40 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _env_keys(cfg: RunConfig):
+    """The envs' reset keys from the host loops' env seeds (``seed * 10_000 + i``)."""
+    return playground.env_keys(cfg.seed * 10_000 + np.arange(cfg.seeds * cfg.num_envs))
+
+
+def _onpolicy_start(agent, env, carry, env_keys, S: int, E: int, T: int):
+    """Reset the envs and sample the first actions (keys as ``OnPolicyIteration.fresh``)."""
+    key, k = jax.random.split(carry.key)
+    state, loop, env_state, action = make_start(agent, env, S, E, T)(carry.state, carry.loop, env_keys, k)
+    return OnPolicyCarry(state, loop, env_state, action, key)
+
+
+def _offpolicy_start(env, carry, env_keys, S: int, E: int):
+    """Reset the envs; the first actions uniform (keys as ``OffPolicyIteration.fresh``)."""
+    env_state = jax.jit(env.reset)(env_keys)
+    key, k0 = jax.random.split(carry.key)
+    action = jax.random.uniform(k0, (S, E, env.act_dim), minval=-1.0, maxval=1.0)
+    return OffPolicyCarry(carry.state, carry.buffer, env_state, env_state.inner.obs.reshape(S, E, -1), action, key)
+
+
+def initial_tree(cfg: RunConfig, agent):
+    """The device tree a fresh run of this loop checkpoints, agent state first (build it under
+    ``jax.eval_shape`` for a checkpoint template: ``training/evaluation.py: checkpoint_template``)."""
+    S, E = cfg.seeds, cfg.num_envs
+    if agent.KIND == "onpolicy":
+        env = playground.make(cfg.env, cfg.action_repeat, cfg.agent.action_mode, cfg.env_impl)
+        state, loop, key = onpolicy.init_state(agent, cfg, env.obs_dim, env.act_dim)
+        return _onpolicy_start(agent, env, OnPolicyCarry(state, loop, None, None, key), _env_keys(cfg), S, E,
+                               cfg.agent.num_steps)
+    env = playground.make(cfg.env, cfg.action_repeat, "rescale", cfg.env_impl)
+    state, buffer, key = offpolicy.init_state(agent, cfg, env.obs_dim, env.act_dim)
+    return _offpolicy_start(env, OffPolicyCarry(state, buffer, None, None, None, key), _env_keys(cfg), S, E)
+
+
 def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None) -> dict:
     """Train (or resume) a run on the device.  ``stop_at`` ends early at the first iteration boundary at or after it."""
     counts = check(cfg, agent)
@@ -147,10 +181,6 @@ class _DeviceIteration:
         self.evaluator = Evaluator(cfg.env, self.S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
                                    eval_action_mode(cfg, agent), env_impl=cfg.env_impl)
         self.metrics, self.updates_done = None, 0
-
-    def env_keys(self):
-        """The envs' reset keys from the host loop's env seeds (``seed * 10_000 + i``)."""
-        return playground.env_keys(self.cfg.seed * 10_000 + np.arange(self.S * self.E))
 
     def begin(self, driver, resume: bool):
         if resume:  # the template's env state: its structure, from a reset
@@ -297,12 +327,7 @@ class DeviceOnPolicyIteration(_DeviceIteration):
         self.carry = self.carry._replace(state=self.carry.state.replace(num_iterations=n))
 
     def _start(self):
-        """Reset the envs and sample the first actions (keys as ``OnPolicyIteration.fresh``)."""
-        c = self.carry
-        key, k = jax.random.split(c.key)
-        start = make_start(self.agent, self.env, self.S, self.E, self.T)
-        state, loop, env_state, action = start(c.state, c.loop, self.env_keys(), k)
-        self.carry = OnPolicyCarry(state, loop, env_state, action, key)
+        self.carry = _onpolicy_start(self.agent, self.env, self.carry, _env_keys(self.cfg), self.S, self.E, self.T)
 
     def _chunk_args(self, drv):
         return ()
@@ -404,13 +429,7 @@ class DeviceOffPolicyIteration(_DeviceIteration):
         self.chunk_fn = make_offpolicy_chunk(agent, a, self.env, self.S, self.E)
 
     def _start(self):
-        """Reset the envs; the first actions uniform (keys as ``OffPolicyIteration.fresh``)."""
-        c = self.carry
-        env_state = jax.jit(self.env.reset)(self.env_keys())
-        key, k0 = jax.random.split(c.key)
-        action = jax.random.uniform(k0, (self.S, self.E, self.env.act_dim), minval=-1.0, maxval=1.0)
-        obs = env_state.inner.obs.reshape(self.S, self.E, -1)
-        self.carry = OffPolicyCarry(c.state, c.buffer, env_state, obs, action, key)
+        self.carry = _offpolicy_start(self.env, self.carry, _env_keys(self.cfg), self.S, self.E)
 
     def _chunk_args(self, drv):
         return jnp.int32(drv.step), self.hooks.replay_control

@@ -124,7 +124,11 @@ def checkpoint_template(cfg, agent, obs_dim: int, act_dim: int):
     the arrays are zeros, which the OS allocates lazily, so a large replay capacity costs nothing
     until the checkpoint's rows are read).  The agent state is its first element."""
     kind = agent.KIND
-    if kind == "offpolicy":
+    from training import device
+
+    if kind != "offline" and device.uses_device_loop(cfg, agent):
+        build = lambda: device.initial_tree(cfg, agent)  # noqa: E731  (the device loop's carry)
+    elif kind == "offpolicy":
         from training.offpolicy import init_state
 
         build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (state, buffer, key)
@@ -231,7 +235,7 @@ def restore_policy(run_dir, step: int | None = None, warn=None) -> RestoredRun:
         raise SystemExit(f"{run_dir}: no checkpoint in {run_dir / 'ckpt'} (the run stopped before its first one)")
     if step is not None and step not in steps:
         raise SystemExit(f"{run_dir}: no checkpoint at step {step}; checkpoints: {', '.join(map(str, steps))}")
-    env = make_env(env_id, 0, cfg.action_repeat, action_mode=eval_action_mode(cfg, agent))
+    env = make_env(env_id, 0, cfg.action_repeat, action_mode=eval_action_mode(cfg, agent), env_impl=env_impl(cfg))
     obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
     env.close()
     template = checkpoint_template(cfg, agent, obs_dim, act_dim)
