@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import importlib
 
-AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo", "ravl": "agents.ravl"}
+AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo", "ravl": "agents.ravl",
+          "mrq-mt": "agents.mrq_mt"}
 
 
 def get(name: str):

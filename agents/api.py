@@ -34,6 +34,12 @@ Offline (``OfflineAgent``): a fixed dataset.
     make_epoch(cfg, env_id) -> epoch(state, data, aux, key) -> (state, data, metrics)
     sample_batch(state, data, key, n) -> batch
 
+Multitask (``TaskConditionedAgent``, optional, e.g. ``mrq-mt``): an agent that needs the env's task
+layout (``envs.multitask.TaskSpec`` of an ``mt:`` id: tasks, their widths, episode lengths) defines
+    with_tasks(cfg, spec) -> cfg   the config ``init`` takes (``spec`` None: a single-task env id,
+                                   which the agent may refuse); the loops call it through
+                                   ``training.loop.agent_config`` before every ``init``.
+
 Plastic networks (``plasticity.api.PlasticAgent``: PLASTIC, SIGREG_NETWORKS, plastic_params,
 plastic_nets, plastic_losses) and LEAST's optional signals (``plasticity.api.LEASTAgent``,
 ``ExplorationNoiseAgent``) are declared beside these; plasticity sits below the agents, so its
@@ -48,7 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity
 
-__all__ = ["Agent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
+__all__ = ["Agent", "TaskConditionedAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
            "ExplorationNoiseAgent", "StaticPlasticity", "KINDS", "OffPolicyConfig", "protocol_for"]
 
 
@@ -110,6 +116,11 @@ class OfflineAgent(Agent, Protocol):
     def make_epoch(self, cfg, env_id: str): ...
 
     def sample_batch(self, state, data, key, batch_size: int): ...
+
+
+@runtime_checkable
+class TaskConditionedAgent(Protocol):
+    def with_tasks(self, cfg, spec): ...
 
 
 KINDS = {"offpolicy": OffPolicyAgent, "onpolicy": OnPolicyAgent, "offline": OfflineAgent}

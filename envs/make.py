@@ -1,4 +1,5 @@
-"""One id scheme for every agent: Gymnasium ids, ``dmc:<domain>-<task>``, ``ns:...`` and ``playground:<Name>``.
+"""One id scheme for every agent: Gymnasium ids, ``dmc:<domain>-<task>``, ``ns:...``, ``mt:...``
+and ``playground:<Name>``.
 
 Agents always see flat float32 observations and actions in [-1, 1].  ``terminated`` and
 ``truncated`` stay separate, and vector envs return the true next observation of every
@@ -7,6 +8,7 @@ transition (``next_obs``) beside the observation to act on (reset where an episo
 from __future__ import annotations
 
 from envs import backends
+from envs.multitask import is_multitask
 from envs.playground import PlaygroundVectorEnv, is_playground
 from envs.single import make_env
 from envs.vector import CountingVectorEnv, VectorEnv
@@ -24,7 +26,7 @@ def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | 
     id); see ``envs/backends.py``.  A ``ns:`` id on ``"sync"`` gives a ``CountingVectorEnv`` whose
     members share one step counter (see ``envs/nonstationary.py``).  A ``playground:`` id gives a
     ``PlaygroundVectorEnv`` (all envs in one jitted step on the device; ``env_impl``: Playground's
-    physics backend) whatever the backend.
+    physics backend) whatever the backend.  A ``mt:`` id (``envs/multitask.py``) runs on ``"sync"`` only.
     """
     if is_playground(env_id):
         return PlaygroundVectorEnv(env_id, num_envs, seed, action_repeat, action_mode, env_impl)
@@ -32,6 +34,8 @@ def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | 
         backend = "sync"
     if backend not in BACKENDS:
         raise ValueError(f"unknown vector-env backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if is_multitask(env_id) and backend != "sync":
+        raise ValueError(f"{env_id}: mt: ids run on the sync backend only, not {backend!r}")
     if backend == "sync":
         if isinstance(env_id, str) and env_id.startswith("ns:"):
             return CountingVectorEnv(env_id, num_envs, seed, action_repeat, action_mode)

@@ -1,10 +1,12 @@
 """Vector envs stepped on the host: ``VectorEnv`` (same-step autoreset, true final observations,
-exact pickling of the MuJoCo state) and ``CountingVectorEnv`` (non-stationary members on one clock)."""
+exact pickling of the MuJoCo state, one task per env for ``mt:`` ids) and ``CountingVectorEnv``
+(non-stationary members on one clock)."""
 from __future__ import annotations
 
 import numpy as np
 
 from envs import nonstationary
+from envs.multitask import is_multitask, task_spec
 from envs.single import make_env
 
 
@@ -16,6 +18,8 @@ class VectorEnv:
     ``obs`` the observation to act on next (a fresh reset where an episode ended).  Finished
     episodes' (return, length) pairs accumulate in ``finished`` until ``pop_finished()``.
     The whole object pickles (MuJoCo state included), which checkpoints use to resume exactly.
+    For an ``mt:`` id env ``i`` runs task ``i % num_tasks`` (``num_envs`` a multiple of it);
+    ``task_index`` holds each env's task (zeros for a single-task id).
     """
 
     def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
@@ -23,7 +27,15 @@ class VectorEnv:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env_id, self.num_envs, self.seed = env_id, num_envs, seed
-        self.envs = [make_env(env_id, seed + i, action_repeat, action_mode=action_mode) for i in range(num_envs)]
+        self.task_index = np.zeros(num_envs, np.int64)
+        if is_multitask(env_id):
+            tasks = task_spec(env_id, action_repeat).num_tasks
+            if num_envs % tasks:
+                raise ValueError(f"{env_id} has {tasks} tasks: the vector env needs a multiple of {tasks} envs "
+                                 f"(one env per task: --num-envs {tasks})")
+            self.task_index = np.arange(num_envs, dtype=np.int64) % tasks
+        self.envs = [make_env(env_id, seed + i, action_repeat, action_mode=action_mode, task=int(self.task_index[i]))
+                     for i in range(num_envs)]
         self.obs_dim = int(self.envs[0].observation_space.shape[0])
         self.act_dim = int(self.envs[0].action_space.shape[0])
         self._returns = np.zeros(num_envs)
@@ -67,6 +79,7 @@ class VectorEnv:
 
     def __setstate__(self, state):
         mj_states = state.pop("_mj_states")
+        state.setdefault("task_index", np.zeros(state["num_envs"], np.int64))  # pickled before mt: ids
         self.__dict__.update(state)
         for env, s in zip(self.envs, mj_states):
             if s is not None:

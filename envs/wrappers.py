@@ -16,6 +16,7 @@ from envs.actions import agent_action_space, check_action_mode, to_env_action
 ID_FORMS = (
     "valid env ids: a Gymnasium id such as 'HalfCheetah-v5', 'Hopper-v5' or 'Pendulum-v1', "
     "a DeepMind Control Suite task as 'dmc:<domain>-<task>', e.g. 'dmc:cheetah-run', "
+    "a multitask set as 'mt:<id>,<id>,...' or 'mt:<suite>', e.g. 'mt:dmc4' (envs/multitask.py), "
     "or a MuJoCo Playground task on the device as 'playground:<Name>', e.g. 'playground:CheetahRun' (extra .[mjx])"
 )
 DMC_ACTION_REPEAT = 2  # MR.Q's DMC protocol
@@ -87,6 +88,8 @@ def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, 
         raise ValueError(f"env id must be a non-empty string; {ID_FORMS}")
     if env_id.startswith("ns:"):
         raise ValueError(f"{env_id!r} is a non-stationary id: build it with envs.make_env")
+    if env_id.startswith("mt:"):
+        raise ValueError(f"{env_id!r} is a multitask id: build it with envs.make_env")
     if env_id.startswith("dmc:"):
         from envs.dmc import DMCEnv
 

@@ -12,6 +12,7 @@ import pytest
 import agents
 from agents import api
 from buffers.replay import Transition
+from envs.multitask import TaskSpec
 from networks.config import NetworkConfig
 
 OBS, ACT = 3, 1
@@ -42,11 +43,22 @@ def _transitions(n, seed=0):
     return Transition(f(OBS), jnp.clip(f(ACT), -1, 1), f(), f(OBS), jnp.zeros(n, bool), jnp.zeros(n, bool))
 
 
+# a one-task layout whose padded observation (2) + one-hot (1) is OBS wide, for multitask agents
+ONE_TASK = TaskSpec("mt:contract", ("contract",), (OBS - 1,), (ACT,), (100,))
+
+
+def _config(agent, **kw):
+    """The agent's config (``kw`` set), bound to ``ONE_TASK`` for an agent that takes a task layout."""
+    if hasattr(agent, "with_tasks"):
+        return agent.with_tasks(agent.CONFIG(**{"utd": 1.0, **kw}), ONE_TASK)
+    return agent.CONFIG(**kw)
+
+
 def _finite(metrics):
     return all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(metrics))
 
 
-@pytest.mark.parametrize("name", ["sac", "mrq", "ppo", "ravl", "example"])
+@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "example"])
 def test_agent_exports_the_contract_of_its_kind(name, registry):
     agent = agents.get(name)
     proto = api.protocol_for(agent)
@@ -59,11 +71,11 @@ def test_agent_exports_the_contract_of_its_kind(name, registry):
     assert isinstance(agent.EXPERIENCE_REVIEW, bool) and agent.KIND in api.KINDS
 
 
-@pytest.mark.parametrize("name", ["sac", "mrq", "ppo", "ravl", "example"])
+@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "example"])
 def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name, registry):
     agent = agents.get(name)
     assert isinstance(agent, api.PlasticAgent)
-    state = agent.init(jax.random.key(0), OBS, ACT, agent.CONFIG(), TINY)
+    state = agent.init(jax.random.key(0), OBS, ACT, _config(agent), TINY)
     params, nets = agent.plastic_params(state), agent.plastic_nets(state)
     assert set(params) == set(nets) == set(agent.PLASTIC)
     assert set(agent.SIGREG_NETWORKS) <= set(agent.PLASTIC)
@@ -72,12 +84,12 @@ def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name
         assert nets[net_name].name  # a networks.Net: resets and NE re-initialise through it
 
 
-@pytest.mark.parametrize("name", ["sac", "mrq", "example"])
+@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "example"])
 def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry):
     agent = agents.get(name)
-    cfg = agent.CONFIG(batch_size=8)
+    cfg = _config(agent, batch_size=8)
     state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY)
-    buffer = agent.buffer_init(64, OBS, ACT, agent.CONFIG())
+    buffer = agent.buffer_init(64, OBS, ACT, _config(agent))
     for t in range(12):  # one env: 12 consecutive transitions (MR.Q's windows need several)
         buffer = agent.buffer_add(buffer, _transitions(1, seed=t))
     obs = jnp.zeros((4, OBS))
@@ -145,7 +157,7 @@ def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_
     assert "losses/critic" in header and "plasticity/critic" in header
 
 
-@pytest.mark.parametrize("name", ["sac", "mrq", "ppo", "ravl", "example"])
+@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "example"])
 def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, registry):
     """Kron / NE masks and SIGReg are static configuration the agent is built with: the choice is
     a static field of the state (part of every jitted program's cache key), NE masks sit in the
@@ -156,8 +168,8 @@ def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, 
 
     agent = agents.get(name)
     spec = StaticPlasticity(optim.OptimSpec(ne=optim.NESpec(0.8), ne_networks=tuple(agent.PLASTIC)), SIGRegSpec(0.2))
-    plain = agent.init(jax.random.key(0), OBS, ACT, agent.CONFIG(), TINY)
-    built = agent.init(jax.random.key(0), OBS, ACT, agent.CONFIG(), TINY, spec)
+    plain = agent.init(jax.random.key(0), OBS, ACT, _config(agent), TINY)
+    built = agent.init(jax.random.key(0), OBS, ACT, _config(agent), TINY, spec)
     assert plain.plasticity == StaticPlasticity() and built.plasticity == spec
     assert jax.tree.structure(plain) != jax.tree.structure(built)  # the static choice is in the treedef
     for _, o_field in agent.PLASTIC.values():

@@ -99,11 +99,12 @@ def parse(argv: list[str]):
         cls = dataclasses.make_dataclass(cls.__name__, [("env", env, dataclasses.field(default=None))], bases=(cls,))
     if saved is None:
         if not preset_names:
-            return tyro.cli(cls, args=rest, prog=f"train.py {name}", description=DESCRIPTION)
-        base = tyro.cli(cls, args=presets_lib.flags(preset_names, name), prog=f"train.py {name}")
+            return _one_env_per_task(tyro.cli(cls, args=rest, prog=f"train.py {name}", description=DESCRIPTION), rest)
+        flags = presets_lib.flags(preset_names, name)
+        base = tyro.cli(cls, args=flags, prog=f"train.py {name}")
         cfg = tyro.cli(cls, args=rest, default=base, prog=f"train.py {name}", description=DESCRIPTION)
         presets_lib.check_env(preset_names, cfg.env)
-        return dataclasses.replace(cfg, preset=",".join(preset_names))
+        return _one_env_per_task(dataclasses.replace(cfg, preset=",".join(preset_names)), [*flags, *rest])
     if preset_names:
         raise SystemExit(f"--resume cannot apply --preset {','.join(preset_names)}: the run's config.json "
                          "fixes its flags")
@@ -113,6 +114,17 @@ def parse(argv: list[str]):
     if changed:
         raise SystemExit(f"--resume cannot change {', '.join(changed)}: the run's config.json fixes them")
     return cfg
+
+
+def _one_env_per_task(cfg, flags: list[str]):
+    """A new run on a multitask env id (``mt:``) without ``--num-envs``: one env per task (ScaleMRL's
+    layout), since the tasks step side by side and the envs must be a multiple of the tasks."""
+    from envs.multitask import is_multitask, member_ids
+
+    given = any(f == "--num-envs" or f.startswith("--num-envs=") for f in flags)
+    if given or not isinstance(cfg.env, str) or not is_multitask(cfg.env):
+        return cfg
+    return dataclasses.replace(cfg, num_envs=len(member_ids(cfg.env)))
 
 
 def _changed(new, old, prefix=""):

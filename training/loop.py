@@ -26,6 +26,18 @@ def check_positive(**values: int):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def agent_config(agent, cfg):
+    """The agent's config as ``agent.init`` takes it: bound to the env's task layout
+    (``envs.multitask.TaskSpec``, None for a single-task env id) where the agent declares
+    ``with_tasks`` (multitask agents, ``agents.api.TaskConditionedAgent``)."""
+    if not hasattr(agent, "with_tasks"):
+        return cfg.agent
+    from envs.multitask import is_multitask, task_spec
+
+    spec = task_spec(cfg.env, cfg.action_repeat) if is_multitask(cfg.env) else None
+    return agent.with_tasks(cfg.agent, spec)
+
+
 def run_counts(cfg) -> dict:
     """The RunConfig counts every loop needs to be positive."""
     return {name: getattr(cfg, name) for name in ("seeds", "num_envs", "total_steps", "eval_every", "log_every",

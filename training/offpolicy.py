@@ -22,7 +22,7 @@ from buffers import replay
 from training.config import RunConfig
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from training.loop import NonFiniteLossError, check_positive, run_counts
+from training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
@@ -82,7 +82,8 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
     static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
-    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static))(keys[1:])
+    agent_cfg = agent_config(agent, cfg)  # a multitask agent's config carries the env's task layout
+    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, agent_cfg, cfg.network, static))(keys[1:])
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim, cfg.agent))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]

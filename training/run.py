@@ -101,6 +101,13 @@ def holds_a_run(run_dir, held) -> str:
 
 def check_relations(cfg: RunConfig, agent):
     """Settings that are each valid but cannot work together (a ValueError naming the flags)."""
+    if isinstance(cfg.env, str) and cfg.env.startswith("mt:"):
+        from envs.multitask import member_ids
+
+        tasks = len(member_ids(cfg.env))
+        if cfg.num_envs % tasks:
+            raise ValueError(f"--env {cfg.env} has {tasks} tasks stepping side by side: --num-envs must be a "
+                             f"multiple of {tasks} (one env per task: --num-envs {tasks}), got {cfg.num_envs}")
     starts = getattr(cfg.agent, "learning_starts", None)
     if agent.KIND == "offpolicy" and starts is not None and starts >= cfg.total_steps:
         raise ValueError(f"--learning-starts {starts} is not below --total-steps {cfg.total_steps}: the run would "
@@ -160,8 +167,11 @@ def check_agent_config(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
 
     from plasticity.hooks import check_optimizers, static_plasticity
 
+    from training.loop import agent_config
+
     static = static_plasticity(cfg.plasticity, agent)
-    state = jax.eval_shape(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static),
+    agent_cfg = agent_config(agent, cfg)
+    state = jax.eval_shape(lambda k: agent.init(k, obs_dim, act_dim, agent_cfg, cfg.network, static),
                            jax.random.key(0))
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
 

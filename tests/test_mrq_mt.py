@@ -1,0 +1,203 @@
+"""Multitask MR.Q (agents/mrq_mt.py, ScaleMRL): hand values for the per-task discount, the
+discrete regression, RunningScale and the masked multi-step target with two sampled heads; the
+task embedding's gradient, action masks, the UTD credit, and runs through train.py."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import mrq_mt
+from buffers.lap import Window
+from buffers.replay import Transition
+from envs.multitask import TaskSpec
+from networks.config import NetworkConfig
+
+TINY = NetworkConfig(width=16)
+# three tasks: observation widths 4 / 2 / 3, action widths 1 / 2 / 1, episodes 500 / 1000 / 50 steps
+SPEC = TaskSpec("mt:test", ("a", "b", "c"), (4, 2, 3), (1, 2, 1), (500, 1000, 50))
+
+
+def _cfg(**kw):
+    return mrq_mt.with_tasks(mrq_mt.CONFIG(model_size="S", batch_size=8, buffer_size=512, **kw), SPEC)
+
+
+def _state(**kw):
+    cfg = _cfg(**kw)
+    return jax.jit(lambda k: mrq_mt.init(k, SPEC.obs_dim, SPEC.act_dim, cfg, TINY))(jax.random.key(0))
+
+
+_update = jax.jit(mrq_mt.update)
+
+
+def _obs(rng, tasks):
+    """mt: observations of the given tasks: each task's own dims random, zero padding, one-hot."""
+    obs = np.zeros((len(tasks), SPEC.obs_dim), np.float32)
+    for i, t in enumerate(tasks):
+        obs[i, :SPEC.obs_dims[t]] = rng.normal(size=SPEC.obs_dims[t])
+        obs[i, SPEC.max_obs_dim + t] = 1.0
+    return obs
+
+
+def _windows(tasks, h=5, seed=0, terminated=None):
+    rng = np.random.default_rng(seed)
+    b = len(tasks)
+    nxt = np.stack([_obs(rng, tasks) for _ in range(h)], axis=1)
+    term = np.zeros((b, h), bool) if terminated is None else terminated
+    return Window(jnp.asarray(_obs(rng, tasks)), jnp.asarray(rng.uniform(-1, 1, (b, h, SPEC.act_dim)), jnp.float32),
+                  jnp.asarray(rng.normal(size=(b, h)), jnp.float32), jnp.asarray(nxt), jnp.asarray(term),
+                  jnp.zeros((b, h), bool))
+
+
+def test_the_per_task_discount_follows_scalemrls_episode_length_heuristic():
+    # f = L / 5; gamma = clip((f - 1) / f, 0.95, 0.995)
+    cfg = _cfg()
+    got = mrq_mt.task_discounts(cfg, [500, 1000, 50, 200, 100_000])
+    np.testing.assert_allclose(got, [99 / 100, 199 / 200, 0.95, 39 / 40, 0.995], rtol=1e-6)
+    np.testing.assert_allclose(mrq_mt.task_discounts(_cfg(gamma=0.9), [500, 50]), [0.9, 0.9])
+    np.testing.assert_allclose(_state().discounts, [0.99, 0.995, 0.95], rtol=1e-6)
+
+
+def test_the_two_hot_of_symlog_puts_its_mass_on_the_two_neighbouring_bins_and_decodes_back():
+    n, lo, hi = 101, -10.0, 10.0  # bins 0.2 apart in symlog space
+    x = jnp.asarray([0.0, np.expm1(1.05), -np.expm1(0.3), 1e9])
+    th = np.asarray(mrq_mt.two_hot_symlog(x, n, lo, hi))
+    np.testing.assert_allclose(th.sum(-1), 1.0, rtol=1e-6)
+    assert th[0, 50] == pytest.approx(1.0)  # symlog 0 sits on bin 50
+    assert th[1, 55] == pytest.approx(0.75, abs=1e-4) and th[1, 56] == pytest.approx(0.25, abs=1e-4)  # 1.05 = 1.0 + 0.25 x 0.2
+    assert th[2, 48] == pytest.approx(0.5, abs=1e-4) and th[2, 48] == pytest.approx(th[2, 49], abs=1e-4)  # -0.3
+    assert th[3, 100] == pytest.approx(1.0)  # clipped at vmax
+    logits = jnp.log(jnp.asarray(th[:3]) + 1e-12)
+    np.testing.assert_allclose(mrq_mt.two_hot_symlog_decode(logits, n, lo, hi), x[:3], rtol=1e-4, atol=1e-5)
+    ce = mrq_mt.soft_cross_entropy(jnp.zeros((1, n)), jnp.asarray([3.0]), n, lo, hi)
+    assert float(ce[0]) == pytest.approx(np.log(n), rel=1e-6)  # uniform prediction: CE = log n
+
+
+def test_running_scale_moves_towards_the_5_95_percentile_range_at_rate_tau():
+    q = jnp.arange(101, dtype=jnp.float32)  # P5 = 5, P95 = 95
+    assert float(mrq_mt.running_scale(jnp.float32(1.0), q, 0.01)) == pytest.approx(1.0 + 0.01 * (90 - 1))
+    assert float(mrq_mt.running_scale(jnp.float32(2.0), q * 0.001, 0.5)) == pytest.approx(1.5)  # range < 1 -> 1
+
+
+def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two_sampled_heads():
+    state = _state()
+    term = np.zeros((3, 5), bool)
+    term[1, 2] = True  # task 1's window ends at its third transition
+    win = _windows([0, 1, 2], terminated=term)
+    key = jax.random.key(7)
+    y = np.asarray(mrq_mt.value_target(state, win, key))
+
+    # by hand: R = sum_i gamma^i c_i r_i, bootstrap gamma^5 c_5 min(Q'_i, Q'_j) with the drawn heads
+    gammas = np.array([0.99, 0.995, 0.95])
+    r = np.asarray(win.reward, np.float64)
+    alive = np.ones((3, 6))
+    alive[1, 3:] = 0.0  # c_0..c_2 = 1 (the terminating reward counts), c_3.. = 0
+    ret = np.sum(gammas[:, None] ** np.arange(5) * alive[:, :5] * r, axis=1)
+    k_noise, k_heads = jax.random.split(key)
+    heads = np.asarray(mrq_mt.two_heads(state, k_heads))
+    assert heads.shape == (2,) and heads[0] != heads[1]
+    next_zs, task = mrq_mt.encode(state, state.target_encoder_params, state.task_params, win.next_obs[:, -1])
+    a, _ = mrq_mt.policy_action(state, state.target_policy_params, next_zs, task)
+    noise = jnp.clip(0.2 * jax.random.normal(k_noise, a.shape, a.dtype), -0.3, 0.3)
+    a = jnp.clip(a + noise, -1, 1) * state.action_mask[task]
+    zsa, _ = state.sa_encoder(state.target_sa_encoder_params, next_zs, a)
+    q_all = np.asarray(mrq_mt.q_values(state, state.target_value_params, zsa))  # (K, B)
+    expect = ret + gammas ** 5 * alive[:, 5] * q_all[heads].min(axis=0)
+    np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
+    # the heads matter: another pair of heads gives another target
+    others = [p for p in ((0, 1), (0, 2), (1, 2)) if set(p) != set(heads.tolist())]
+    assert any(not np.allclose(ret + gammas ** 5 * alive[:, 5] * q_all[list(p)].min(axis=0), y, atol=1e-7)
+               for p in others)
+
+
+def test_the_task_embedding_gradient_reaches_only_the_rows_of_tasks_in_the_batch():
+    state = _state()
+    grad = np.asarray(jax.jit(mrq_mt.task_embedding_grad)(state, _windows([0, 2, 2, 0])))
+    assert grad.shape == (3, 96)
+    assert np.all(grad[1] == 0.0)
+    assert np.abs(grad[0]).sum() > 0 and np.abs(grad[2]).sum() > 0
+    # one update moves exactly those rows (weight decay aside, row 1's Adam update is 0)
+    batch = _windows([0, 2, 2, 0, 0, 2, 0, 2])
+    new, _ = _update(state, batch, jax.random.key(1))
+    moved = np.abs(np.asarray(new.task_params) - np.asarray(state.task_params)).max(axis=1)
+    decay_only = np.abs(np.asarray(state.task_params[1])).max() * 0.3 * 3e-4 * 1e-4 * 1.01
+    assert moved[0] > 1e-6 and moved[2] > 1e-6 and moved[1] <= decay_only
+
+
+@pytest.mark.slow
+def test_fixed_embeddings_from_a_file_are_used_and_never_trained(tmp_path):
+    rows = np.arange(3 * 5, dtype=np.float32).reshape(3, 5) / 10
+    np.save(tmp_path / "e.npy", rows)
+    state = _state(task_embeddings=str(tmp_path / "e.npy"))
+    assert not state.learned_tasks and mrq_mt.param_count(state)["task_embedding"] == 0
+    new, _ = _update(state, _windows([0, 1, 2, 0, 1, 2, 0, 1]), jax.random.key(1))
+    np.testing.assert_array_equal(new.task_params, rows)
+    (tmp_path / "bad.json").write_text('{"a": [1, 2], "b": [3, 4]}')
+    with pytest.raises(ValueError, match="no embedding for task"):
+        _state(task_embeddings=str(tmp_path / "bad.json"))
+    np.save(tmp_path / "short.npy", rows[:2])
+    with pytest.raises(ValueError, match="3 x D"):
+        _state(task_embeddings=str(tmp_path / "short.npy"))
+
+
+def test_actions_are_zero_on_every_padded_dimension_exploring_or_not():
+    state = _state()
+    obs = jnp.asarray(_obs(np.random.default_rng(0), [0, 1, 2] * 20))
+    for explore in (False, True):
+        a = np.asarray(mrq_mt.act(state, obs, jax.random.key(3), explore))
+        assert np.all(a[0::3, 1] == 0.0) and np.all(a[2::3, 1] == 0.0)  # tasks 0 and 2 have one action
+        assert np.all(np.abs(a) <= 1.0) and np.any(a[1::3, 1] != 0.0)
+
+
+def _filled_buffer(cfg, n=64):
+    rng = np.random.default_rng(0)
+    buf = mrq_mt.buffer_init(cfg.buffer_size, SPEC.obs_dim, SPEC.act_dim, cfg)
+    add = jax.jit(mrq_mt.buffer_add)
+    for _ in range(n):
+        obs = _obs(rng, [0, 1, 2])
+        tr = Transition(jnp.asarray(obs), jnp.asarray(rng.uniform(-1, 1, (3, 2)), jnp.float32),
+                        jnp.asarray(rng.normal(size=3), jnp.float32), jnp.asarray(obs + 0.01), jnp.zeros(3, bool),
+                        jnp.zeros(3, bool))
+        buf = add(buf, tr)
+    return buf
+
+
+def test_updates_follow_the_utd_credit_exactly_and_the_same_seed_reproduces():
+    cfg = _cfg(utd=0.3)
+    state = jax.jit(lambda k: mrq_mt.init(k, SPEC.obs_dim, SPEC.act_dim, cfg, TINY))(jax.random.key(0))
+    buf = _filled_buffer(cfg)
+    block = jax.jit(mrq_mt.train_block, static_argnums=(3,))
+    counts, s = [], state
+    for i in range(7):
+        s, buf, m = block(s, buf, jax.random.key(i), 3)  # 3 env steps (one per task) per call
+        counts.append(int(s.updates))
+    assert counts == [int(np.floor(0.3 * 3 * (i + 1) + 1e-6)) for i in range(7)]  # 0, 1, 2, 3, 4, 5, 6
+    assert 0.0 <= float(s.update_credit) < 1.0 and np.isfinite(float(m["losses/value"]))
+    again, _, _ = block(s, buf, jax.random.key(0), 3)  # a 0.3 credit + 0.9 owed: one update
+    twice, _, _ = block(s, buf, jax.random.key(0), 3)
+    other, _, _ = block(s, buf, jax.random.key(1), 3)
+    same = jax.tree.leaves(again.value_params)[0], jax.tree.leaves(twice.value_params)[0]
+    np.testing.assert_array_equal(*same)
+    assert not np.array_equal(same[0], jax.tree.leaves(other.value_params)[0])
+
+
+def test_bad_settings_are_refused_with_the_flag_named():
+    for kw, msg in ((dict(updates_per_step=2), "--utd"), (dict(utd=0.0), "--utd"), (dict(num_q=1), "--num-q"),
+                    (dict(tau=1.5), "--tau")):
+        with pytest.raises(ValueError, match=msg):
+            _state(**kw)
+    with pytest.raises(ValueError, match="mt:"):
+        mrq_mt.with_tasks(mrq_mt.CONFIG(), None)
+
+
+@pytest.mark.parametrize("size,heads", [("S", 3), ("B", 5), ("L", 5), ("XL", 7)])
+def test_model_sizes_follow_scalemrls_table(size, heads):
+    cfg = dataclasses.replace(_cfg(), model_size=size)
+    state = jax.eval_shape(lambda k: mrq_mt.init(k, SPEC.obs_dim, SPEC.act_dim, cfg), jax.random.key(0))
+    widths = mrq_mt.MODEL_SIZES[size]
+    assert jax.tree.leaves(state.value_params)[0].shape[0] == heads
+    f = state.encoder_params
+    assert f["out"]["kernel"].shape == (widths["enc_dim"], widths["latent_dim"])
+    assert len(f["trunk"]["layers"]) == max(widths["enc_layers"] - 1, 1)
+    assert state.policy_params["trunk"]["layers"][0]["kernel"].shape == (widths["latent_dim"] + 96, widths["mlp_dim"])
