@@ -16,7 +16,10 @@ resets with the env seed the run gives it (``training/evaluation.py: run_evaluat
 more ``--episodes`` the run's own come first.  Prints each seed's mean, std and episode returns
 and appends them to ``--out`` (default ``RUN_DIR/evaluate.csv``:
 ``step,seed,env,return_mean,return_std,episode_returns``); the run's own files (``eval.csv``,
-``metrics.csv``, ``config.json``, ``ckpt/``) are never written.
+``metrics.csv``, ``config.json``, ``ckpt/``) are never written.  On a multitask (``mt:``) env
+``--episodes`` counts episodes per task and seed, and each seed gets, as in the run's ``eval.csv``,
+one row per task and a ``task=all`` row (the mean over tasks; columns ``task`` and ``score``, the
+return over the task's maximum, ``training/evaluation.py: task_results``).
 
 ``--video PATH`` records the first episode of ``--seed`` (default seed 0) again, the same episode
 with the same actions, one frame at the reset and one per agent step (with an action repeat of k,
@@ -56,6 +59,7 @@ from training.run import RUN_FILES  # noqa: E402  (imports no MuJoCo: MUJOCO_GL 
 
 OUT_NAME = "evaluate.csv"
 OUT_COLUMNS = ["step", "seed", "env", "return_mean", "return_std", "episode_returns"]
+MT_OUT_COLUMNS = ["step", "seed", "env", "task", "return_mean", "return_std", "episode_returns", "score"]  # mt: envs
 VIDEO_FORMATS = (".gif", ".mp4")
 GL_BACKENDS = ("egl", "osmesa", "glfw")
 GL_PACKAGES = ("EGL: libegl1 with a GPU driver or Mesa (Debian/Ubuntu: apt-get install libegl1 libgl1-mesa-dri); "
@@ -143,6 +147,10 @@ def render_needs(env_id: str) -> set[str]:
         from envs import nonstationary
 
         return set().union(*(render_needs(b) for b in nonstationary.parse(env_id).bases))
+    if env_id.startswith("mt:"):
+        from envs.multitask import member_ids
+
+        return set().union(*(render_needs(m) for m in member_ids(env_id)))
     import gymnasium as gym
 
     spec = gym.registry.get(env_id)
@@ -392,13 +400,15 @@ def record(restored, env_id: str, seed: int, row: int, evaluator, policy, render
 # The command
 # ----------------------------------------------------------------------------------------------
 def _own_eval(run_dir: Path, step: int) -> dict[int, list[float]]:
-    """The run's eval.csv returns at ``step``, per seed (empty if it has none there)."""
+    """The run's eval.csv returns at ``step``, per seed, in episode order (a multitask run's
+    ``task=all`` rows); empty if it has none there."""
     path = run_dir / "eval.csv"
     if not path.is_file():
         return {}
     with open(path, newline="") as f:
         return {int(r["seed"]): [float(x) for x in r["episode_returns"].split()]
-                for r in csv.DictReader(f) if r.get("step") and int(float(r["step"])) == step}
+                for r in csv.DictReader(f) if r.get("step") and int(float(r["step"])) == step
+                and r.get("task") in (None, "", "all")}
 
 
 def main(argv=None) -> dict:
@@ -449,26 +459,41 @@ def main(argv=None) -> dict:
     finally:
         evaluator.env.close()
 
+    tasks = evaluator.tasks  # an mt: env's member ids: rows per task, then their mean
     print(f"{run_dir}: checkpoint {restored.path.name} (step {restored.step}), env {env_id}, "
-          f"{episodes} deterministic episode(s) per seed")
-    rows = []
+          f"{episodes} deterministic episode(s) per {'task and ' if tasks else ''}seed")
+    rows, means = [], []
     for j, r in zip(seeds, returns):
         r = np.asarray(r, float)
-        print(f"  seed {j}: mean {r.mean():.2f}  std {r.std():.2f}  episodes: {' '.join(f'{x:.2f}' for x in r)}")
-        rows.append({"step": restored.step, "seed": j, "env": env_id, "return_mean": repr(float(r.mean())),
-                     "return_std": repr(float(r.std())), "episode_returns": " ".join(repr(float(x)) for x in r)})
+        if tasks is None:
+            print(f"  seed {j}: mean {r.mean():.2f}  std {r.std():.2f}  episodes: {' '.join(f'{x:.2f}' for x in r)}")
+            rows.append({"step": restored.step, "seed": j, "env": env_id, "return_mean": repr(float(r.mean())),
+                         "return_std": repr(float(r.std())), "episode_returns": " ".join(repr(float(x)) for x in r)})
+            means.append(float(np.mean(r)))
+            continue
+        from training.evaluation import task_results
+
+        for res in task_results(r, tasks):
+            score = "" if res["score"] is None else f"  score {res['score']:.3f}"
+            print(f"  seed {j} {res['task']}: mean {res['return_mean']:.2f}  std {res['return_std']:.2f}{score}"
+                  f"  episodes: {' '.join(f'{x:.2f}' for x in res['returns'])}")
+            rows.append({"step": restored.step, "seed": j, "env": env_id, "task": res["task"],
+                         "return_mean": repr(res["return_mean"]), "return_std": repr(res["return_std"]),
+                         "episode_returns": " ".join(repr(float(x)) for x in res["returns"]),
+                         "score": "" if res["score"] is None else repr(res["score"])})
+        means.append(res["return_mean"])  # the task=all row
     if len(seeds) > 1:
-        print(f"  mean over seeds: {float(np.mean([np.mean(r) for r in returns])):.2f}")
+        print(f"  mean over seeds{' (of the means over tasks)' if tasks else ''}: {float(np.mean(means)):.2f}")
     own = _own_eval(run_dir, restored.step) if env_id == run_env else {}
     if own and all(j in own for j in seeds):  # its episodes are the first ones here
-        n = min(episodes, cfg.eval_episodes)
+        n = min(episodes, cfg.eval_episodes) * (len(tasks) if tasks else 1)  # episode k ran task k % T
         same = all(own[j][:n] == list(r)[:n] for j, r in zip(seeds, returns))
         common = "" if episodes == cfg.eval_episodes else f" in its first {n} episode(s)"
         print(f"  the run's own evaluation at step {restored.step} (eval.csv): "
               + (f"the same returns{common}" if same else f"DIFFERENT returns{common}: "
                  + "; ".join(f"seed {j}: {' '.join(f'{x:.2f}' for x in own[j][:n])}" for j in seeds)))
     out.parent.mkdir(parents=True, exist_ok=True)
-    CSVTable(out, OUT_COLUMNS).append(rows)
+    CSVTable(out, OUT_COLUMNS if tasks is None else MT_OUT_COLUMNS).append(rows)
     print(f"wrote {out}")
     result = {"step": restored.step, "checkpoint": str(restored.path), "env": env_id, "seeds": seeds,
               "returns": returns, "out": str(out), "video": None, "gl": gl}

@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python scripts/plot.py RUN_DIR [RUN_DIR ...] --out FIG.png [--y return_mean]
-        [--metrics NAME [NAME ...]] [--smooth K] [--title T] [--align]
+        [--metrics NAME [NAME ...]] [--smooth K] [--title T] [--align] [--per-task]
 
 Each run directory holds ``config.json`` (keys ``agent_name``, ``env`` and optional
 ``label``), ``eval.csv`` and, for ``--metrics``, ``metrics.csv``; both CSVs
@@ -22,6 +22,12 @@ last step all runs reached).  Runs evaluated on different grids (another
 curve is linearly interpolated onto all their steps within the span they
 share.  A CSV whose steps go back (two runs appended to one file) is refused.
 Nothing is saved, and the exit status is non-zero, when a curve would be empty.
+
+Multitask (``mt:``) runs have a ``task`` column in ``eval.csv``: one row per task per (step, seed)
+and an aggregate row ``task == all`` (the mean over tasks; its ``score`` column, ``--y score``, is
+the mean over tasks of return / task maximum).  Their curve is the aggregate; ``--per-task`` draws,
+per env, the aggregate panel and one panel per task (each the mean and interval over seeds), in a
+grid of panels with the ``--metrics`` panels after them, and the table has a row per task.
 """
 
 import argparse
@@ -29,7 +35,7 @@ import csv
 import fnmatch
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,18 +51,23 @@ N_BOOT = 2000
 CI = 0.95
 BOOT_SEED = 0
 INDEX_COLUMNS = ("step", "seed")
+TASK_COLUMN, AGGREGATE_TASK = "task", "all"  # training/logger.py: a multitask run's eval.csv
 LINESTYLES = ("-", "--", ":", "-.")
 
 
 @dataclass(frozen=True)
 class Run:
-    """One loaded run directory: its grouping keys and raw CSV tables."""
+    """One loaded run directory: its grouping keys and raw CSV tables.
+
+    ``eval``: the evaluation table (a multitask run's aggregate rows, ``task == all``);
+    ``by_task``: a multitask run's rows of each task, ``{task: table}`` in file order (else empty)."""
 
     path: Path
     env: str
     label: str
     eval: dict
     metrics: dict | None
+    by_task: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,8 +141,23 @@ def load_run(run_dir, with_metrics=False):
     config = read_config(run_dir / "config.json")
     label = config.get("label") or config["agent_name"]
     eval_table = read_csv(run_dir / "eval.csv")
+    by_task = split_tasks(eval_table, run_dir / "eval.csv")
+    if by_task:
+        eval_table = by_task.pop(AGGREGATE_TASK)
     metrics = read_csv(run_dir / "metrics.csv") if with_metrics else None
-    return Run(run_dir, config["env"], str(label), eval_table, metrics)
+    return Run(run_dir, config["env"], str(label), eval_table, metrics, by_task)
+
+
+def split_tasks(table, path):
+    """A multitask eval table (a ``task`` column) split into ``{task: table}`` in file order, the
+    aggregate ``all`` among them; empty for a single-task table."""
+    if TASK_COLUMN not in table:
+        return {}
+    tasks = list(dict.fromkeys(table[TASK_COLUMN]))
+    if AGGREGATE_TASK not in tasks:
+        fail(path, f"has a {TASK_COLUMN!r} column but no aggregate rows ({TASK_COLUMN} == {AGGREGATE_TASK})")
+    return {task: {name: [cell for cell, t in zip(cells, table[TASK_COLUMN]) if t == task]
+                   for name, cells in table.items()} for task in tasks}
 
 
 def seed_curves(table, column, path):
@@ -290,24 +316,86 @@ def draw(ax, agg, color, label, linestyle="-"):
     ax.fill_between(agg.steps, agg.low, agg.high, color=color, alpha=0.2, linewidth=0)
 
 
+def eval_panel(ax, groups, colors, y, k, align=False):
+    """The evaluation curves of ``{label: [Run, ...]}`` on one axes."""
+    for label, runs in groups.items():
+        draw(ax, group_aggregate(runs, y, "eval", k, align), colors[label], label)
+    ax.set_ylabel(y)
+
+
+def metric_panel(ax, groups, colors, pattern, k, align=False):
+    """The metrics.csv columns matching ``pattern`` of ``{label: [Run, ...]}`` on one axes."""
+    all_runs = [run for runs in groups.values() for run in runs]
+    columns = expand_metric(pattern, all_runs)
+    for label, runs in groups.items():
+        for i, column in enumerate(columns):
+            name = label if len(columns) == 1 else f"{label}: {column}"
+            agg = group_aggregate(runs, column, "metrics", k, align)
+            draw(ax, agg, colors[label], name, LINESTYLES[i % len(LINESTYLES)])
+    ax.set_ylabel(pattern)
+
+
 def plot_env(axes, groups, colors, y, metrics, k, align=False):
     """Fill one column of axes: eval curves on top, one row per metric below."""
-    for label, runs in groups.items():
-        draw(axes[0], group_aggregate(runs, y, "eval", k, align), colors[label], label)
-    axes[0].set_ylabel(y)
-    all_runs = [run for runs in groups.values() for run in runs]
+    eval_panel(axes[0], groups, colors, y, k, align)
     for ax, pattern in zip(axes[1:], metrics):
-        columns = expand_metric(pattern, all_runs)
-        for label, runs in groups.items():
-            for i, column in enumerate(columns):
-                name = label if len(columns) == 1 else f"{label}: {column}"
-                agg = group_aggregate(runs, column, "metrics", k, align)
-                draw(ax, agg, colors[label], name, LINESTYLES[i % len(LINESTYLES)])
-        ax.set_ylabel(pattern)
+        metric_panel(ax, groups, colors, pattern, k, align)
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[-1].set_xlabel("environment steps")
+
+
+def env_tasks(env_groups):
+    """The tasks of an env's multitask runs, in order of first appearance (empty for single-task runs)."""
+    return list(dict.fromkeys(t for runs in env_groups.values() for run in runs for t in run.by_task))
+
+
+def task_groups(env_groups, task):
+    """``{label: [Run, ...]}`` of the runs that have ``task``, each with that task's rows as its eval table."""
+    out = {}
+    for label, runs in env_groups.items():
+        have = [replace(run, eval=run.by_task[task]) for run in runs if task in run.by_task]
+        if have:
+            out[label] = have
+    return out
+
+
+def task_panels(groups, metrics):
+    """``--per-task``: the panels of every env, ``(title, kind, {label: [Run]}, what)``, in order: the
+    env's evaluation (the aggregate of a multitask env), one per task, one per ``--metrics`` pattern."""
+    panels = []
+    for env, env_groups in groups.items():
+        tasks = env_tasks(env_groups)
+        panels.append((f"{env} (all tasks)" if tasks else env, "eval", env_groups, None))
+        panels += [(f"{env}: {task}", "eval", task_groups(env_groups, task), task) for task in tasks]
+        panels += [(f"{env}: {pattern}", "metric", env_groups, pattern) for pattern in metrics]
+    return panels
+
+
+def make_task_figure(groups, y, metrics=(), k=1, title=None, align=False):
+    """``--per-task``: a grid of panels (``task_panels``), about as many columns as rows."""
+    labels = list(dict.fromkeys(label for env in groups.values() for label in env))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    panels = task_panels(groups, metrics)
+    n_cols = int(np.ceil(np.sqrt(len(panels))))
+    n_rows = int(np.ceil(len(panels) / n_cols))
+    fig = Figure(figsize=(5.5 * n_cols, 3.5 * n_rows), layout="constrained")
+    axes = fig.subplots(n_rows, n_cols, squeeze=False).ravel()
+    for ax, (name, kind, panel_groups, what) in zip(axes, panels):
+        if kind == "eval":
+            eval_panel(ax, panel_groups, colors, y, k, align)
+        else:
+            metric_panel(ax, panel_groups, colors, what, k, align)
+        ax.set_title(name, fontsize="medium")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        ax.set_xlabel("environment steps")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    return fig
 
 
 def make_figure(groups, y, metrics=(), k=1, title=None, align=False):
@@ -325,14 +413,19 @@ def make_figure(groups, y, metrics=(), k=1, title=None, align=False):
     return fig
 
 
-def summary_rows(groups, y, align=False):
-    """Final-step (unsmoothed) mean and CI of ``y`` for every (env, label)."""
+def summary_rows(groups, y, align=False, per_task=False):
+    """Final-step (unsmoothed) mean and CI of ``y`` for every (env, label); with ``per_task``, also
+    for every task of a multitask env (its env column ``ENV: TASK``)."""
     rows = []
     for env, env_groups in groups.items():
-        for label, runs in env_groups.items():
-            agg = group_aggregate(runs, y, "eval", align=align)
-            rows.append((env, label, int(agg.n_seeds[-1]), int(agg.steps[-1]),
-                         agg.mean[-1], agg.low[-1], agg.high[-1]))
+        parts = [(env, env_groups)]
+        if per_task:
+            parts += [(f"{env}: {task}", task_groups(env_groups, task)) for task in env_tasks(env_groups)]
+        for name, part in parts:
+            for label, runs in part.items():
+                agg = group_aggregate(runs, y, "eval", align=align)
+                rows.append((name, label, int(agg.n_seeds[-1]), int(agg.steps[-1]),
+                             agg.mean[-1], agg.low[-1], agg.high[-1]))
     return rows
 
 
@@ -358,6 +451,8 @@ def parse_args(argv=None):
     parser.add_argument("--smooth", type=int, default=1, metavar="K",
                         help="trailing moving average over K points per seed (plot only)")
     parser.add_argument("--title", help="figure title")
+    parser.add_argument("--per-task", action="store_true",
+                        help="multitask (mt:) runs: a panel per task beside the aggregate (default: the aggregate)")
     parser.add_argument("--align", action="store_true",
                         help="pool runs evaluated (or logged) at different steps by interpolating every seed "
                              "onto their steps within the span they share (default: refuse them)")
@@ -372,8 +467,9 @@ def main(argv=None):
     args = parse_args(argv)
     runs = [load_run(path, with_metrics=bool(args.metrics)) for path in args.runs]
     groups = group_runs(runs)
-    fig = make_figure(groups, args.y, args.metrics, args.smooth, args.title, args.align)
-    print(format_table(summary_rows(groups, args.y, args.align), args.y))
+    build = make_task_figure if args.per_task else make_figure
+    fig = build(groups, args.y, args.metrics, args.smooth, args.title, args.align)
+    print(format_table(summary_rows(groups, args.y, args.align, args.per_task), args.y))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(args.out)

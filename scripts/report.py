@@ -17,9 +17,11 @@ Finds every run directory (config.json + eval.csv) at or under the paths and gro
 - ``improvement.png/.pdf``: the probability that each label improves on ``--baseline``;
 - ``report.md``, ``per_env.csv``, ``aggregate.csv``, ``improvement.csv``: the numbers.
 
-Normalisation (training/aggregate.py): ``dmc:`` envs 0-1000, the MR.Q paper's Gymnasium tasks
-TD3-normalised, others with ``--norm ENV=LOW:HIGH``; an env without one is left out of the
-cross-env aggregates (a report over one env aggregates its raw scores).  The baseline is
+Multitask (``mt:``) runs are read at their aggregate rows (``task=all``, the mean over tasks);
+``--y score`` takes their normalised score (the mean over tasks of return / task maximum).
+Normalisation (training/aggregate.py): ``dmc:`` envs 0-1000 (and ``mt:`` envs of ``dmc:`` tasks),
+the MR.Q paper's Gymnasium tasks TD3-normalised, others with ``--norm ENV=LOW:HIGH``; an env
+without one is left out of the cross-env aggregates (a report over one env aggregates its raw scores).  The baseline is
 ``--baseline LABEL``, else a label named ``none``, ``base`` or ``baseline``, else the first label in
 alphabetical order.  Labels missing from some env are compared on the envs they share.
 Intervals come from a fixed ``--seed`` (default 0), so a report is reproducible.
@@ -74,11 +76,11 @@ def choose_baseline(labels: list[str], given: str | None) -> str:
     return sorted(labels)[0]
 
 
-def per_env_rows(groups, norm, rng_seed):
+def per_env_rows(groups, norm, rng_seed, y="return_mean"):
     rows = []
     for g in groups:
         point, low, high = stats.bootstrap_ci(g.scores, n_boot=N_BOOT, rng=rng_seed)
-        ref, source = agg.reference(g.env, norm)
+        ref, source = agg.reference(g.env, norm, y)
         n = (lambda v: float(agg.normalise(v, *ref))) if ref else (lambda v: float("nan"))
         rows.append({"env": g.env, "label": g.label, "seeds": len(g.scores), "mean": point, "low": low, "high": high,
                      "normalised": n(point), "normalised_low": n(low), "normalised_high": n(high),
@@ -86,11 +88,11 @@ def per_env_rows(groups, norm, rng_seed):
     return rows
 
 
-def score_tasks(groups, norm):
+def score_tasks(groups, norm, y="return_mean"):
     """label -> {env: normalised scores} over the envs that have a reference (all envs' raw scores
     when the report holds one env), and a note on what was left out."""
     envs = sorted({g.env for g in groups})
-    refs = {e: agg.reference(e, norm) for e in envs}
+    refs = {e: agg.reference(e, norm, y) for e in envs}
     kept = [e for e in envs if refs[e][0] is not None]
     note = ""
     if len(envs) == 1 and not kept:
@@ -258,8 +260,8 @@ def main(argv=None) -> dict:
     labels = sorted({g.label for g in groups})
     baseline = choose_baseline(labels, args.baseline)
     args.out.mkdir(parents=True, exist_ok=True)
-    per_env = per_env_rows(groups, norm, args.seed)
-    tasks, kept, raw, note = score_tasks(groups, norm)
+    per_env = per_env_rows(groups, norm, args.seed, args.y)
+    tasks, kept, raw, note = score_tasks(groups, norm, args.y)
     unit = "raw score" if raw else "normalised score"
     files = curves(run_dirs, args.out, args)
     agg_rows, imp_rows = [], []

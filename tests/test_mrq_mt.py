@@ -201,3 +201,65 @@ def test_model_sizes_follow_scalemrls_table(size, heads):
     assert f["out"]["kernel"].shape == (widths["enc_dim"], widths["latent_dim"])
     assert len(f["trunk"]["layers"]) == max(widths["enc_layers"] - 1, 1)
     assert state.policy_params["trunk"]["layers"][0]["kernel"].shape == (widths["latent_dim"] + 96, widths["mlp_dim"])
+
+
+def _run_config(**kw):
+    from training.config import PlasticityConfig, RunConfig
+
+    agent = mrq_mt.CONFIG(**{"model_size": "S", "buffer_size": 512, "batch_size": 8, "learning_starts": 20,
+                             "utd": 0.5, **kw.pop("agent", {})})
+    return RunConfig(**{"env": "mt:cartpole2", "seeds": 2, "num_envs": 2, "total_steps": 80, "eval_every": 40,
+                        "eval_episodes": 1, "log_every": 20, "checkpoint_every": 40, "progress": False,
+                        "network": NetworkConfig(width=16), "agent_name": "mrq-mt", "agent": agent,
+                        "plasticity": PlasticityConfig(metrics_every=20, metrics_batch=8, redo=True, reset_every=20,
+                                                       reset_batch=8), **kw})
+
+
+def test_a_resumed_run_with_plasticity_metrics_and_redo_equals_the_uninterrupted_one(tmp_path, assert_same_logs):
+    """Two seeds on two cartpole tasks with the plasticity metrics and ReDo on: stopped at step 40
+    and resumed, the run ends bit-identical to an uninterrupted one, with per-task eval rows."""
+    import csv
+
+    from training import offpolicy
+
+    agent = __import__("agents").get("mrq-mt")
+    cfg = _run_config()
+    full = offpolicy.train(cfg, agent, tmp_path / "full")
+    part = offpolicy.train(cfg, agent, tmp_path / "part", stop_at=40)
+    assert part["step"] == 40
+    resumed = offpolicy.train(cfg, agent, tmp_path / "part", resume=True)
+    assert resumed["step"] == 80
+    for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_array_equal(x, y)
+    assert_same_logs(tmp_path / "full", tmp_path / "part")
+    rows = list(csv.DictReader(open(tmp_path / "full" / "eval.csv")))
+    assert {r["task"] for r in rows} == {"dmc:cartpole-balance", "dmc:cartpole-swingup", "all"}
+    metrics = list(csv.DictReader(open(tmp_path / "full" / "metrics.csv")))
+    assert any(r.get("plasticity/value/dormant_0.025", "") != "" for r in metrics) or \
+        any(k.startswith("plasticity/state_encoder") and r[k] != "" for r in metrics for k in r)
+    assert int(float(metrics[-1]["charts/updates"])) == 31  # 0.5 x 2 env steps x 31 learning iterations (steps 20..80)
+    seeds = [jax.tree.leaves(full["state"].value_params)[0][j] for j in range(2)]
+    assert not np.array_equal(*seeds)  # the two seeds differ
+
+
+@pytest.mark.slow
+def test_a_short_run_on_two_cartpole_tasks_beats_its_untrained_policy_on_each(tmp_path):
+    """mrq-mt at size S (width 64) on mt:cartpole2, one update per env step: the final evaluation
+    beats the untrained policy's on each task (mean of 2 seeds x 2 episodes per task)."""
+    import csv
+
+    from training import offpolicy
+    from training.config import PlasticityConfig
+
+    agent = __import__("agents").get("mrq-mt")
+    cfg = _run_config(total_steps=6000, eval_every=6000, eval_episodes=2, log_every=1000, checkpoint_every=100_000,
+                      network=NetworkConfig(width=64), plasticity=PlasticityConfig(),
+                      agent={"batch_size": 128, "buffer_size": 10_000, "learning_starts": 1000, "utd": 1.0})
+    offpolicy.train(cfg, agent, tmp_path / "run")
+    rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))
+
+    def mean(step, task):
+        return np.mean([float(r["return_mean"]) for r in rows if r["step"] == str(step) and r["task"] == task])
+
+    for task, margin in (("dmc:cartpole-balance", 150.0), ("dmc:cartpole-swingup", 50.0)):
+        assert mean(6000, task) > mean(0, task) + margin, (task, mean(0, task), mean(6000, task))

@@ -4,11 +4,15 @@ A run directory is a directory holding ``config.json`` and ``eval.csv`` (``.repl
 runs moved aside by ``--overwrite``, are skipped).  Runs are grouped by (env, label): the label is
 ``config["label"]`` (a sweep sets it to the variant) or the agent's name.  A seed's score is the mean
 of its last ``window`` evaluations of column ``y``; seeds of runs sharing (env, label) are pooled.
+A multitask (``mt:``) run's eval.csv has a ``task`` column: only its aggregate rows (``task=all``:
+the mean over tasks) are read, and its ``score`` column (the mean over tasks of return / the task's
+maximum) is already normalised.
 
 Normalised score = (score - low) / (high - low), per env: ``dmc:`` tasks 0 to 1000 (the Control
 Suite's return range); the Gymnasium MuJoCo tasks of the MR.Q paper TD3-normalised (random and TD3
-returns at 1M steps; Fujimoto et al. 2025, Sec. 5, the Gym aggregates); any env with
-``--norm ENV=LOW:HIGH``.  Without a reference an env keeps its raw score and is left out of
+returns at 1M steps; Fujimoto et al. 2025, Sec. 5, the Gym aggregates); an ``mt:`` env whose members
+are all ``dmc:`` tasks 0 to 1000 (its return is their mean), and its ``score`` column as it is
+(0 to 1); any env with ``--norm ENV=LOW:HIGH``.  Without a reference an env keeps its raw score and is left out of
 aggregates across envs (a report over one env aggregates its raw scores).
 """
 from __future__ import annotations
@@ -22,10 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from training.logger import AGGREGATE_TASK  # the task column of a multitask run's aggregate rows
+
 # (random, TD3) returns at 1M steps, Gymnasium MuJoCo (MR.Q paper, Fujimoto et al. 2025, the Gym table).
 TD3_NORMALISATION = {"Ant": (-70.3, 3942.0), "HalfCheetah": (-289.4, 10574.0), "Hopper": (18.8, 3226.0),
                      "Humanoid": (120.4, 5165.0), "Walker2d": (2.8, 3946.0)}
 DMC_RANGE = (0.0, 1000.0)
+SCORE_RANGE = (0.0, 1.0)  # a multitask run's score column: already normalised
 
 
 class ReportError(ValueError):
@@ -68,6 +75,10 @@ def read_eval(run_dir: Path, y: str) -> dict[int, tuple[np.ndarray, np.ndarray]]
         raise ReportError(f"{path} has no evaluations yet")
     if y not in rows[0]:
         raise ReportError(f"{path} has no column {y!r}; columns: {', '.join(rows[0])}")
+    if "task" in rows[0]:  # a multitask run: its aggregate rows (the per-task rows are for plots)
+        rows = [r for r in rows if r["task"] == AGGREGATE_TASK]
+        if not rows:
+            raise ReportError(f"{path} has no aggregate (task={AGGREGATE_TASK}) rows yet")
     per_seed: dict[int, list] = {}
     try:
         for r in rows:
@@ -111,10 +122,22 @@ def parse_norm(items) -> dict[str, tuple[float, float]]:
     return out
 
 
-def reference(env: str, given: dict) -> tuple[tuple[float, float] | None, str]:
-    """(low, high) and where they come from, or (None, why not)."""
+def reference(env: str, given: dict, y: str = "return_mean") -> tuple[tuple[float, float] | None, str]:
+    """(low, high) of column ``y`` and where they come from, or (None, why not)."""
     if env in given:
         return given[env], "--norm"
+    if env.startswith("mt:"):
+        if y == "score":
+            return SCORE_RANGE, "multitask score: mean over tasks of return / task maximum"
+        from envs.multitask import member_ids
+
+        try:
+            members = member_ids(env)
+        except ValueError as e:
+            return None, f"{e} (give --norm {env}=LOW:HIGH)"
+        if all(m.startswith("dmc:") for m in members):
+            return DMC_RANGE, "DMC return range 0-1000 (mean over dmc: tasks)"
+        return None, f"no reference score for {env}: not all its tasks are dmc: (use --y score, or --norm)"
     if env.startswith("dmc:"):  # (an ns: env changes its rewards: it needs --norm)
         return DMC_RANGE, "DMC return range 0-1000"
     name = re.sub(r"-v\d+$", "", env)

@@ -35,6 +35,7 @@ import numpy as np
 
 from training import checkpoint
 from training.config import RunConfig, to_json
+from training.evaluation import task_results
 from training.logger import RunLogger
 from training.loop import Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
 
@@ -54,7 +55,8 @@ class Driver:
         self.cfg, self.run_dir, self.hooks, self.evaluator = cfg, Path(run_dir), hooks, evaluator
         self.unit, self.speed_key, self.eval_extras, self.on_eval = unit, speed_key, eval_extras, on_eval
         self.seeds = cfg.seeds
-        self.logger = RunLogger(run_dir, cfg.tensorboard)
+        self.tasks = getattr(evaluator, "tasks", None)  # an mt: env's member ids: eval.csv gets per-task rows
+        self.logger = RunLogger(run_dir, cfg.tensorboard, multitask=self.tasks is not None)
         self.eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
         self.step, self.schedule, self.pending = 0, None, None
         self.episode_log = [[] for _ in range(cfg.seeds)] if episodes else None
@@ -84,13 +86,18 @@ class Driver:
     # ------------------------------------------------------------------------- within an iteration
     def evaluate(self, step: int, state) -> float:
         returns = self.evaluator(lambda o: self.eval_act(state, jnp.asarray(o)))
-        if self.eval_extras is None:
-            self.logger.log_eval(step, returns)
-        else:
-            self.logger.log_eval(step, returns, self.eval_extras(returns))
+        extras = None if self.eval_extras is None else self.eval_extras(returns)
+        if self.tasks is None:
+            if extras is None:
+                self.logger.log_eval(step, returns)
+            else:
+                self.logger.log_eval(step, returns, extras)
+            self.last_eval = float(np.mean(returns))
+        else:  # per-task rows; the run's figure is the aggregate: the mean over tasks of the per-task means
+            self.logger.log_eval(step, returns, extras, tasks=self.tasks)
+            self.last_eval = float(np.mean([task_results(r, self.tasks)[-1]["return_mean"] for r in returns]))
         if self.on_eval is not None:
             self.on_eval(step, state, returns)
-        self.last_eval = float(np.mean(returns))
         bar = getattr(self, "bar", None)  # set by run(); shows the evaluation now, not at the next log row
         if bar is not None:
             bar(step, ev=self.last_eval)

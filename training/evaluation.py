@@ -1,8 +1,11 @@
 """Deterministic evaluation at fixed evaluation seeds, and a run's policy restored from a checkpoint.
 
 Every loop builds its evaluator as ``run_evaluator(cfg, agent)`` does: seed ``j``'s evaluation
-episode ``k`` resets its env with seed ``eval_base_seed(cfg) + j * episodes + k``, the action
-repeat is the run's and the action mode the loop's (``eval_action_mode``).  ``restore_policy``
+episode ``k`` resets its env with seed ``eval_base_seed(cfg) + j * eval_block(cfg) + k``, the action
+repeat is the run's and the action mode the loop's (``eval_action_mode``).  For a multitask
+(``mt:``) env ``--eval-episodes K`` counts episodes per task: a seed's block is K x T episodes
+(``eval_block``), episode ``k`` runs task ``k % T``, and ``task_results`` summarises them per task
+(``task_max_return`` normalises).  ``restore_policy``
 loads a run directory's checkpoint into the structure the loop would build
 (``checkpoint_template``) without building the loop, and ``SeedPolicy`` acts with it as
 ``Driver.evaluate`` does, so ``scripts/evaluate.py`` reproduces a run's own evaluations.
@@ -18,26 +21,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import make_vector_env
+from envs.multitask import is_multitask, member_ids
+from training.logger import AGGREGATE_TASK
 
 EVAL_SEED_OFFSET = 5_000  # evaluation env seeds: cfg.seed * 10_000 + 5_000 + i (training envs: cfg.seed * 10_000 + i)
 
 
 class Evaluator:
-    """``episodes`` evaluation episodes per seed; every evaluation resets to the same env seeds.
+    """``episodes`` evaluation episodes per seed (per task and seed for an ``mt:`` env); every
+    evaluation resets to the same env seeds.
 
+    A seed's block is ``self.episodes`` episodes: ``episodes`` for a single-task env, ``episodes x T``
+    for an ``mt:`` env of T tasks, whose episode ``k`` runs task ``k % T`` (the vector env runs task
+    ``i % T`` in env ``i`` and every block is a multiple of T), so each task gets ``episodes`` episodes
+    per seed; ``tasks`` holds the member ids (None for a single-task env).
     Seed ``j``'s episode ``k`` resets with env seed ``base_seed + j * stride + k`` (``stride``:
-    default ``episodes``, i.e. ``base_seed + i`` for the ``i``-th env).  ``policy(obs)`` maps
-    observations shaped (seeds, episodes, obs_dim) to actions shaped (seeds, episodes, act_dim).
-    Returns per seed the list of episode returns.
+    default ``self.episodes``, i.e. ``base_seed + i`` for the ``i``-th env).  ``policy(obs)`` maps
+    observations shaped (seeds, self.episodes, obs_dim) to actions shaped (seeds, self.episodes, act_dim).
+    Returns per seed the list of episode returns, in episode order.
     """
 
     def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None,
                  action_mode: str = "rescale", stride: int | None = None, env_impl: str = "jax"):
-        self.seeds, self.episodes = seeds, episodes
-        self.env = make_vector_env(env_id, seeds * episodes, base_seed, action_repeat, action_mode=action_mode,
+        self.tasks = member_ids(env_id) if is_multitask(env_id) else None
+        self.seeds, self.episodes = seeds, episodes * (len(self.tasks) if self.tasks else 1)
+        self.env = make_vector_env(env_id, seeds * self.episodes, base_seed, action_repeat, action_mode=action_mode,
                                    env_impl=env_impl)
-        stride = episodes if stride is None else stride
-        self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(episodes)]
+        stride = self.episodes if stride is None else stride
+        self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(self.episodes)]
 
     def __call__(self, policy) -> list[list[float]]:
         n = self.seeds * self.episodes
@@ -53,6 +64,44 @@ class Evaluator:
         return returns.reshape(self.seeds, self.episodes).tolist()
 
 
+def task_max_return(member_id: str) -> float | None:
+    """The largest return an episode of a multitask member can earn, for normalised scores:
+    1000 for ``dmc:`` tasks (Control Suite rewards are in [0, 1] per control step over 1000 steps;
+    the action repeat sums the rewards of the steps it repeats, so the episode's total is the same);
+    None for any other member (no known maximum: its score, and the aggregate's, stay empty)."""
+    return 1000.0 if member_id.startswith("dmc:") else None
+
+
+def task_results(returns, tasks) -> list[dict]:
+    """One seed's evaluation of an ``mt:`` env summarised per task, then over tasks.
+
+    ``returns``: the seed's episode returns in episode order (episode ``k`` ran task ``k % T``);
+    ``tasks``: the member ids.  -> T + 1 dicts ``{task, returns, return_mean, return_std, score}``:
+    one per task (its episodes; ``score`` = return_mean / ``task_max_return``, None without a known
+    maximum), then ``task="all"``: ``return_mean`` the mean over tasks of the per-task means,
+    ``score`` the mean over tasks of the per-task scores (None if any task has none), and
+    ``returns`` / ``return_std`` all the seed's episodes (in episode order) and their std."""
+    r, T = np.asarray(returns, float), len(tasks)
+    if r.size % T:
+        raise ValueError(f"{r.size} evaluation returns do not split over {T} tasks")
+    rows = []
+    for t, name in enumerate(tasks):
+        own, top = r[t::T], task_max_return(name)
+        mean = float(own.mean())
+        rows.append({"task": name, "returns": own.tolist(), "return_mean": mean, "return_std": float(own.std()),
+                     "score": None if top is None else mean / top})
+    scores = [row["score"] for row in rows]
+    mean = float(np.mean([row["return_mean"] for row in rows]))
+    rows.append({"task": AGGREGATE_TASK, "returns": r.tolist(), "return_mean": mean, "return_std": float(r.std()),
+                 "score": None if None in scores else float(np.mean(scores))})
+    return rows
+
+
+def eval_block(cfg) -> int:
+    """Evaluation episodes per seed of a run: ``--eval-episodes``, times the number of tasks of an ``mt:`` env."""
+    return cfg.eval_episodes * (len(member_ids(cfg.env)) if is_multitask(cfg.env) else 1)
+
+
 def eval_base_seed(cfg) -> int:
     """The env seed of a run's first evaluation episode (seed 0, episode 0)."""
     return cfg.seed * 10_000 + EVAL_SEED_OFFSET
@@ -66,14 +115,16 @@ def eval_action_mode(cfg, agent) -> str:
 def run_evaluator(cfg, agent, env_id: str | None = None, episodes: int | None = None, seeds: int | None = None,
                   first_seed: int = 0) -> Evaluator:
     """The evaluator of a run (``cfg``, ``agent``): on ``env_id`` (default ``cfg.env``), ``episodes``
-    per seed (default ``cfg.eval_episodes``), for ``seeds`` seeds (default ``cfg.seeds``) starting at
-    seed index ``first_seed``.  Seed ``j``'s episode ``k`` resets with the env seed
-    ``eval_base_seed(cfg) + j * cfg.eval_episodes + k``, so the run's own evaluation episodes come first."""
+    per seed (per task and seed on an ``mt:`` env; default ``cfg.eval_episodes``), for ``seeds`` seeds
+    (default ``cfg.seeds``) starting at seed index ``first_seed``.  Seed ``j``'s episode ``k`` resets
+    with the env seed ``eval_base_seed(cfg) + j * eval_block(cfg) + k``, so the run's own evaluation
+    episodes come first."""
     episodes = cfg.eval_episodes if episodes is None else episodes
     seeds = cfg.seeds if seeds is None else seeds
+    block = eval_block(cfg)
     return Evaluator(cfg.env if env_id is None else env_id, seeds, episodes,
-                     eval_base_seed(cfg) + first_seed * cfg.eval_episodes, cfg.action_repeat,
-                     eval_action_mode(cfg, agent), stride=cfg.eval_episodes, env_impl=env_impl(cfg))
+                     eval_base_seed(cfg) + first_seed * block, cfg.action_repeat,
+                     eval_action_mode(cfg, agent), stride=block, env_impl=env_impl(cfg))
 
 
 def env_impl(cfg) -> str:
@@ -192,7 +243,7 @@ class RestoredRun:
     def policy(self, seed: int | None = None) -> SeedPolicy:
         """The deterministic policy of one seed index or all, acting as the run's evaluation acts."""
         return SeedPolicy(self.agent, self.state, range(self.cfg.seeds) if seed is None else [seed],
-                          block=self.cfg.eval_episodes)
+                          block=eval_block(self.cfg))
 
 
 def run_env_id(run_dir, cfg) -> str:

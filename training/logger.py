@@ -1,18 +1,26 @@
 """Run directory: config.json, metrics.csv, eval.csv, optional TensorBoard events.
 
 ``metrics.csv`` has one row per log step per seed; ``eval.csv`` one row per evaluation per
-seed (``step,seed,return_mean,return_std,episode_returns``).  Files are append-only; when a
-new metric name appears the metrics file is rewritten with the wider header, so no row is
-ever lost.  ``truncate_after`` drops the rows a resumed run will write again.
+seed (``step,seed,return_mean,return_std,episode_returns``).  A multitask (``mt:``) run's
+``eval.csv`` (``step,seed,task,return_mean,return_std,episode_returns,score``) has per evaluation
+and seed one row per task (``task``: the member id; that task's episodes; ``score`` = return_mean
+over the task's maximum return, empty where none is known) and then one ``task=all`` row (the mean
+over tasks of the per-task means and of the per-task scores, all the seed's episodes; see
+``training.evaluation.task_results``).  Files are append-only; when a new metric name appears the
+metrics file is rewritten with the wider header, so no row is ever lost.  ``truncate_after`` drops
+the rows a resumed run will write again.
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 EVAL_COLUMNS = ["step", "seed", "return_mean", "return_std", "episode_returns"]
+MT_EVAL_COLUMNS = ["step", "seed", "task", "return_mean", "return_std", "episode_returns", "score"]  # mt: runs
+AGGREGATE_TASK = "all"  # the task column's value on a multitask run's aggregate rows
 
 
 def _read(path: Path):
@@ -64,11 +72,13 @@ class CSVTable:
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
+    """``multitask``: the run's env is an ``mt:`` id (eval.csv gets ``MT_EVAL_COLUMNS``, per-task rows)."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False, multitask: bool = False):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = CSVTable(self.dir / "metrics.csv", ["step", "seed"])
-        self.evals = CSVTable(self.dir / "eval.csv", EVAL_COLUMNS)
+        self.evals = CSVTable(self.dir / "eval.csv", MT_EVAL_COLUMNS if multitask else EVAL_COLUMNS)
         self.tb = None
         if tensorboard:
             try:
@@ -89,11 +99,15 @@ class RunLogger:
                 for k, v in m.items():
                     self.tb.add_scalar(f"seed{j}/{k}", float(v), step)
 
-    def log_eval(self, step: int, returns, extra: list[dict] | None = None):
+    def log_eval(self, step: int, returns, extra: list[dict] | None = None, tasks=None):
         """``returns``: per seed, the list of evaluation episode returns; ``extra``: per seed, more
-        columns (e.g. normalised scores)."""
+        columns (e.g. normalised scores).  ``tasks``: the member ids of an ``mt:`` env, whose episode
+        ``k`` ran task ``k % len(tasks)``: per seed one row per task and a ``task=all`` row (which
+        gets ``extra``'s columns), as ``training.evaluation.task_results`` computes them."""
         import numpy as np
 
+        if tasks is not None:
+            return self._log_task_eval(step, returns, extra, tasks)
         rows = []
         for j, r in enumerate(returns):
             r = np.asarray(r, float)
@@ -102,6 +116,26 @@ class RunLogger:
                          **{k: _fmt(v) for k, v in (extra[j] if extra else {}).items()}})
             if self.tb is not None:
                 self.tb.add_scalar(f"seed{j}/eval/return", float(r.mean()), step)
+        self.evals.append(rows)
+
+    def _log_task_eval(self, step: int, returns, extra, tasks):
+        from training.evaluation import task_results
+
+        rows = []
+        for j, r in enumerate(returns):
+            for res in task_results(r, tasks):
+                aggregate = res["task"] == AGGREGATE_TASK
+                rows.append({"step": step, "seed": j, "task": res["task"], "return_mean": _fmt(res["return_mean"]),
+                             "return_std": _fmt(res["return_std"]),
+                             "episode_returns": " ".join(_fmt(x) for x in res["returns"]),
+                             "score": "" if res["score"] is None else _fmt(res["score"]),
+                             **{k: _fmt(v) for k, v in (extra[j] if extra and aggregate else {}).items()}})
+                if self.tb is not None:
+                    name = re.sub(r"[^-/.\w]", "_", res["task"])  # a TensorBoard tag: dmc:x-y -> dmc_x-y
+                    tag = f"seed{j}/eval" if aggregate else f"seed{j}/eval_tasks/{name}"
+                    self.tb.add_scalar(f"{tag}/return", res["return_mean"], step)
+                    if res["score"] is not None:
+                        self.tb.add_scalar(f"{tag}/score", res["score"], step)
         self.evals.append(rows)
 
     def truncate_after(self, step: int, evals_before: int | None = None):

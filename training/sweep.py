@@ -326,13 +326,15 @@ def preflight(trials: list[Trial], ledger: Ledger):
 
 
 def latest_return(run_dir: Path) -> tuple[int, float] | None:
-    """(step, mean over seeds of return_mean) of the last evaluation in ``run_dir/eval.csv``."""
+    """(step, mean over seeds of return_mean) of the last evaluation in ``run_dir/eval.csv`` (a
+    multitask run's aggregate rows, ``task=all``)."""
     path = Path(run_dir) / "eval.csv"
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
     except OSError:
         return None
+    rows = [r for r in rows if r.get("task") in (None, "all")]  # training/logger.py: AGGREGATE_TASK
     if not rows:
         return None
     try:
