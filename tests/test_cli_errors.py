@@ -29,12 +29,17 @@ DIRS = ("noconf", "badconf", "nockpt", "hasckpt", "haslogs")  # named by the com
 CASES = {
     # what to train
     "no-arguments": ([], "no agent given"),
-    "unknown-agent": (["dqn", "--run-dir", RUN], "unknown agent 'dqn'; available agents: mrq, ppo, ravl, sac"),
+    "unknown-agent": (["dqn", "--run-dir", RUN], "unknown agent 'dqn'; available agents: mrq, mrq-mt, ppo, ravl, sac"),
     "flag-before-agent": (["--env", "Pendulum-v1", "--run-dir", RUN], "the first argument must be an agent (mrq"),
     # env ids
     "unknown-gymnasium-id": (["sac", "--env", "HalfCheetah-v99", "--run-dir", RUN],
                              "unknown env id 'HalfCheetah-v99'"),
     "discrete-actions": (["sac", "--env", "CartPole-v1", "--run-dir", RUN], "has a Discrete action space"),
+    "mt-unknown-suite": (["sac", "--env", "mt:dmc99", "--run-dir", RUN], "unknown multitask suite 'dmc99'"),
+    "mt-envs-not-a-multiple": (["sac", "--env", "mt:cartpole2", "--num-envs", "3", "--run-dir", RUN],
+                               "--num-envs must be a multiple of 2"),
+    "mt-agent-on-one-task": (["mrq-mt", "--env", "dmc:cartpole-balance", "--run-dir", RUN],
+                             "mrq-mt needs a multitask env id"),
     "dmc-without-task": (["sac", "--env", "dmc:cheetah", "--run-dir", RUN], "malformed Control Suite id 'dmc:cheetah'"),
     "dmc-unknown-task": (["sac", "--env", "dmc:cheetah-fly", "--run-dir", RUN],
                          "unknown Control Suite task dmc:cheetah-fly; valid tasks: dmc:acrobot-swingup"),
@@ -203,7 +208,7 @@ def test_debug_shows_the_traceback(outcomes):
 def test_help_exits_zero_and_names_the_agents(outcomes):
     code, output, _ = outcomes["help"]
     assert code == 0, output
-    assert "agents: mrq, ppo, ravl, sac" in output and "--resume" in output
+    assert "agents: mrq, mrq-mt, ppo, ravl, sac" in output and "--resume" in output
 
 
 def test_at_least_25_bad_command_lines():
