@@ -6,6 +6,8 @@ import pytest
 from tests import golden
 
 RECORD = golden.load()
+TOLERANCE = {"eval": 1e-2, "leaves": 5e-3, "abs": 5e-3, "atol": 1e-4}  # relative, and absolute for ~0 sums
+CPU_SPREAD = {"ravl_toy": {"leaves": 1e-1, "abs": 3e-2, "atol": 2e-4}}
 
 
 @pytest.mark.parametrize("name", list(golden.CASES))
@@ -13,10 +15,12 @@ def test_short_run_reproduces_its_recorded_fingerprint(name, tmp_path):
     assert name in RECORD, f"no fingerprint recorded for {name}: python -m tests.golden --write {name}"
     want, got = RECORD[name], golden.fingerprint(name, tmp_path)
     assert len(got["leaves"]) == len(want["leaves"]), "the agent state has a different number of arrays"
-    # Another CPU's XLA rounds differently and the runs compound it: the recorded fingerprints differ
-    # on an AMD EPYC by up to 8.5e-4 (SAC-N/EDAC's state sums) and 2.0e-3
-    # (RAVL's toy evaluation returns), relative.  A changed rng split, update order or initialiser
-    # moves them by far more (order 1).
-    np.testing.assert_allclose(got["eval"], want["eval"], rtol=1e-2, atol=1e-3)
-    np.testing.assert_allclose(got["leaves"], want["leaves"], rtol=5e-3, atol=1e-4)
-    np.testing.assert_allclose(got["abs"], want["abs"], rtol=5e-3, atol=1e-4)
+    # Another CPU's XLA rounds differently and a run compounds it: on an AMD EPYC the recorded
+    # fingerprints differ by up to 8.5e-4 relative (SAC-N/EDAC's state sums) and, for RAVL's toy
+    # (a learned model feeding the critics), 2e-3 on evaluation returns, 1.1e-2 on absolute state
+    # sums and 4e-2 on signed sums (which cancel).  A changed rng split, update order or initialiser
+    # moves them by order 1.
+    tol = {**TOLERANCE, **CPU_SPREAD.get(name, {})}
+    np.testing.assert_allclose(got["eval"], want["eval"], rtol=tol["eval"], atol=1e-3)
+    np.testing.assert_allclose(got["leaves"], want["leaves"], rtol=tol["leaves"], atol=tol["atol"])
+    np.testing.assert_allclose(got["abs"], want["abs"], rtol=tol["abs"], atol=tol["atol"])
