@@ -69,7 +69,7 @@ import tyro
 from flax import nnx, struct
 
 from agents.api import OffPolicyConfig, check_range, check_replay
-from agents.mrq import StateActionEncoder, symexp, symlog
+from agents.mrq import PLASTIC, StateActionEncoder, _keys, symexp, symlog
 from buffers import lap
 from buffers.lap import Window
 from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
@@ -220,10 +220,6 @@ class SimNormEncoder(nnx.Module):
         return zs, {**taps, "features": zs}
 
 
-def _keys(path) -> list:
-    return [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
-
-
 def initializer(params, key):
     """Kernels N(0, 0.02^2) truncated at +-2 (torch ``trunc_normal_``), biases 0, LayerNorm gains 1."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -321,10 +317,7 @@ class MultitaskMRQState:
     plasticity: StaticPlasticity = struct.field(pytree_node=False, default=StaticPlasticity())
 
 
-PLASTIC = {"state_encoder": ("encoder_params", "encoder_opt"),
-           "sa_encoder": ("sa_encoder_params", "sa_encoder_opt"),
-           "value": ("value_params", "value_opt"),
-           "policy": ("policy_params", "policy_opt")}
+# PLASTIC: MR.Q's four networks under the same state fields (imported from agents.mrq)
 
 _METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losses/value", "losses/policy",
             "values/q_mean", "values/target_mean", "charts/q_scale")
