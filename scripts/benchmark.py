@@ -166,12 +166,14 @@ def flops_per_env_step(agent_name: str, env_id: str, width: int | None, buffer_s
     return repeats * float(cost["flops"]) + float(act["flops"])
 
 
-def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None):
+def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None,
+                        rounds: int = 7):
     """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods.
 
     The update time is that of the loop's training block (one seed, the agent's own buffer at the
     config's capacity).  MR.Q's block spans its 250-update sync period (one encoder burst), so the
-    burst is counted amortised as in training."""
+    burst is counted amortised as in training.  Plain and SIGReg blocks are timed in ``rounds``
+    alternated rounds; the medians are reported."""
     from plasticity.hooks import Hooks, reset_step
 
     agent = agents.get(agent_name)
@@ -192,7 +194,7 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
         buffer = fill(agent, buffer, random_transitions(rng, 1, 2000, env.obs_dim, env.act_dim))
         return acfg, state, buffer, key
 
-    block_time = {}
+    runs = {}
     for label, pcfg in (("plain", PlasticityConfig(metrics_every=0)),
                         ("sigreg", PlasticityConfig(metrics_every=0, sigreg_coef=0.2))):
         acfg, state, buffer, key = prepare(pcfg)
@@ -204,11 +206,23 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
 
         state, buffer, _ = run(state, buffer, key)  # compile
         jax.block_until_ready(state)
-        t0, repeat = time.perf_counter(), 3
-        for i in range(repeat):  # state and buffer threaded through (donated), as in training
-            state, buffer, _ = run(state, buffer, jax.random.fold_in(key, i))
+        runs[label] = [run, state, buffer, key]
+
+    def one_round(label, i, repeat=3):  # state and buffer threaded through (donated), as in training
+        run, state, buffer, key = runs[label]
+        t0 = time.perf_counter()
+        for j in range(repeat):
+            state, buffer, _ = run(state, buffer, jax.random.fold_in(key, repeat * i + j))
         jax.block_until_ready(state)
-        block_time[label] = (time.perf_counter() - t0) / repeat / updates
+        runs[label][1:3] = state, buffer
+        return (time.perf_counter() - t0) / repeat / updates
+
+    samples = {"plain": [], "sigreg": []}
+    for i in range(rounds):  # alternated, so a change in the machine's load hits both alike
+        for label in samples:
+            samples[label].append(one_round(label, i))
+    block_time = {label: float(np.median(v)) for label, v in samples.items()}
+    ratios = [s / p - 1 for p, s in zip(samples["plain"], samples["sigreg"])]
     t_update = block_time["plain"]
 
     pcfg = PlasticityConfig(metrics_every=10_000, regrama=True)
@@ -226,7 +240,8 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
     print(f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
           f"update time from {updates}-update training blocks")
     print(f"per update: {t_update * 1e3:.2f} ms (plain), {block_time['sigreg'] * 1e3:.2f} ms (SIGReg)")
-    print(f"SIGReg overhead: {100 * (block_time['sigreg'] / t_update - 1):.1f}% of update time")
+    print(f"SIGReg overhead: {100 * (block_time['sigreg'] / t_update - 1):.1f}% of update time (ratio of medians "
+          f"over {rounds} alternated rounds; per round: {', '.join(f'{100 * r:.1f}%' for r in ratios)})")
     print(f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% at every 10,000 updates")
     for method, t in resets.items():
         print(f"{method} event: {t * 1e3:.1f} ms = {100 * t / (1_000 * t_update):.2f}% at every 1,000 updates")
@@ -245,9 +260,10 @@ def main(argv=None):
                    help="replay capacity per seed (default: the agent config's buffer_size, as train.py)")
     p.add_argument("--plasticity", action="store_true",
                    help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time")
+    p.add_argument("--rounds", type=int, default=7, help="with --plasticity: alternated plain / SIGReg rounds")
     args = p.parse_args(argv)
     if args.plasticity:
-        return plasticity_overhead(args.agent, args.env, args.width, args.buffer_size)
+        return plasticity_overhead(args.agent, args.env, args.width, args.buffer_size, args.rounds)
     buffer_size = args.buffer_size or agents.get(args.agent).CONFIG().buffer_size
     print(f"agent={args.agent} env={args.env} buffer_size={buffer_size:,} width={args.width or 'paper default'} "
           f"backend={jax.default_backend()} devices={jax.devices()}")

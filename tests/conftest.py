@@ -76,6 +76,25 @@ if "ToyReach-v0" not in gym.registry:
 
 
 @pytest.fixture
+def no_compilation_cache_writes():
+    """Compile without writing to the persistent cache for one test (reads still hit it).
+
+    Two fresh-clone CI runs (jaxlib 0.10.2, CPU) segfaulted inside JAX's cache write
+    (``compilation_cache.put_executable_and_time`` -> ``executable.serialize()``) for the Kron + NE
+    MR.Q step of ``test_plasticity_agents``, about 300 tests into one pytest process; the same test
+    alone, or its file alone, passes, and its entry (1.4 MB) serialises fine there.  The cause inside
+    XLA was not found; these programs are compiled once per session anyway, so not caching them
+    costs nothing."""
+    import jax
+
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, key)
+    jax.config.update(key, float("inf"))  # read at every write (jax._src.compiler._cache_write)
+    yield
+    jax.config.update(key, before)
+
+
+@pytest.fixture
 def assert_same_logs():
     """assert_same_logs(run_a, run_b): eval.csv and metrics.csv hold the same rows, every value equal
     (the timing columns ``perf/*`` aside)."""
