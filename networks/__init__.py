@@ -1,4 +1,5 @@
 """Instrumented network blocks shared by every agent."""
+from networks import runtime  # noqa: F401  (process-wide JAX settings: Threefry unrolled on CPU)
 from networks.blocks import Trunk, TrunkSpec
 from networks.core import Net, build
 from networks.heads import DeterministicPolicyHead, GaussianPolicyHead, MLPHead

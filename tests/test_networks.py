@@ -98,3 +98,23 @@ def test_edac_output_init_range():
     k = np.asarray(p["out"]["kernel"])
     assert np.all(np.abs(k) <= 3e-3) and k.std() > 1e-4
     np.testing.assert_allclose(p["trunk"]["layers"][0]["bias"], 0.1)
+
+
+def test_threefry_unrolled_on_cpu_gives_the_same_bits_as_jaxs_rolled_loop():
+    """networks.runtime registers JAX's unrolled Threefry lowering on CPU: same hash, no loop."""
+    from jax._src.random import threefry2x32 as threefry
+
+    from networks import runtime
+
+    assert runtime.THREEFRY_UNROLLED
+    rng = np.random.default_rng(0)
+    k1, k2 = (jnp.asarray(rng.integers(0, 2**32, (), dtype=np.uint32)) for _ in range(2))
+    x1, x2 = (jnp.asarray(rng.integers(0, 2**32, 4096, dtype=np.uint32)) for _ in range(2))
+    unrolled = jax.jit(lambda *a: threefry.threefry2x32_p.bind(*a))
+    rolled = jax.jit(lambda *a: threefry._threefry2x32_lowering(*a, use_rolled_loops=True))
+    assert "while" not in unrolled.lower(k1, k2, x1, x2).as_text()
+    assert "while" in rolled.lower(k1, k2, x1, x2).as_text()
+    for a, b in zip(unrolled(k1, k2, x1, x2), rolled(k1, k2, x1, x2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    draw = jax.jit(lambda key: jax.random.normal(key, (256, 16)))
+    assert "while" not in draw.lower(jax.random.key(0)).compile().as_text()
