@@ -142,7 +142,7 @@ def sigreg(z, key, variant: str = "rl", num_slices: int = 16, num_points: int | 
     """SIGReg of features ``z`` shaped (N, D) (or (M, N, D) for an ensemble: mean over members)."""
     base, ks, weights = _grid(variant, num_points)
     err = _ecf_errors(_projections(z, key, num_slices), base, tuple(int(k) for k in ks))  # (..., K, S)
-    value = jnp.einsum("k,...ks->...s", jnp.asarray(weights, err.dtype), err).mean(axis=-1)
+    value = jnp.sum(jnp.asarray(weights[:, None], err.dtype) * err, axis=-2).mean(axis=-1)  # no dot: one fused kernel
     if variant == "lejepa":
         value = z.shape[-2] * value
     return jnp.mean(value)
