@@ -3,5 +3,7 @@ from networks import runtime  # noqa: F401  (process-wide JAX settings: Threefry
 from networks.blocks import Trunk, TrunkSpec
 from networks.core import Net, build
 from networks.heads import DeterministicPolicyHead, GaussianPolicyHead, MLPHead
+from networks.recurrent import RecurrentNet, RecurrentSpec, build_recurrent
 
-__all__ = ["Trunk", "TrunkSpec", "Net", "build", "MLPHead", "GaussianPolicyHead", "DeterministicPolicyHead"]
+__all__ = ["Trunk", "TrunkSpec", "Net", "build", "MLPHead", "GaussianPolicyHead", "DeterministicPolicyHead",
+           "RecurrentNet", "RecurrentSpec", "build_recurrent"]
