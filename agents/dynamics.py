@@ -12,8 +12,9 @@ Bare "section N" tags below name topics of the project's offline implementation 
 next observations, 3.1 RAVL's ensemble, 3.2 Unifloral's, 3.3 the variants compared, 6.3 Unifloral's
 model-based loop, 7.1 NeuBay's world model.
 
-Reading order: config -> network -> loss -> early stopping -> ``train`` -> ``DynamicsModel``,
-``predict``, ``step`` -> termination functions -> ``rollout`` -> ``save`` / ``load``.
+Reading order: config (``unifloral_config``, ``neubay_config``) -> network -> loss -> early stopping
+-> ``train`` -> ``DynamicsModel``, ``predict``, ``epistemic_uncertainty``, ``uncertainty_threshold``,
+``step`` -> ``rollout`` -> ``save`` / ``load``.
 
 Shapes: M = members, B = batch, O = obs dim, A = action dim, D = O + 1 (target (Δs, r)).
 
@@ -45,6 +46,8 @@ from networks.blocks import ACTIVATIONS
 from buffers.replay import Transition
 
 ELITE_SAMPLING = ("row", "step", "trajectory")
+TARGET_SCALING = ("none", "zscore")
+INITS = ("trunc_normal", "uniform")
 _VAL_CHUNK = 8192  # holdout rows per forward pass when computing validation MSE (memory bound only)
 _FORMAT = 1  # save-file format version
 
@@ -59,8 +62,8 @@ SPEC_WEIGHT_DECAY = (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4)
 class DynamicsConfig:
     """Ensemble hyperparameters.  Defaults: the RAVL version (its reference code, anyasims/edge-of-reach).
 
-    Unifloral (section 3.2): ``unifloral_config()``; NeuBay-like rollouts (section 3.3):
-    ``elite_sampling="trajectory"`` (plus ``layer_norm=True``, ``max_holdout=1000``).
+    Unifloral (section 3.2): ``unifloral_config()``; NeuBay's world-model posterior (section 7.1):
+    ``neubay_config(kind)``.
     """
 
     members: int = 7
@@ -101,6 +104,20 @@ class DynamicsConfig:
     max_logvar_init: float = 0.5
     min_logvar_init: float = -10.0
     logvar_range_coef: float = 0.01
+    target_scaling: str = "none"
+    """"none": targets (Δs, r) in raw units (sections 3.1, 3.2); "zscore": NeuBay's (section 7.1), the
+    next state z-scored and predicted as a residual on the z-scored state, i.e. Δs / std(s), and
+    (r - mean r) / std(r).  The loss, the holdout MSE (so elites and early stopping) and the
+    uncertainty are in these training units; ``predict`` and ``step`` return raw units either way."""
+    learn_logvar_bounds: bool = True
+    """True: per-dimension log-variance bounds are parameters trained with the ``logvar_range_coef``
+    penalty (section 3.1).  False: the bounds stay at (min_logvar_init, max_logvar_init) and the same
+    soft clamp is applied to log sigma = logvar / 2, as NeuBay clamps log sigma to [-5, 0.25]
+    (section 7.1; the bounds get no gradient and no weight decay)"""
+    init: str = "trunc_normal"
+    """Linear layers' initial weights: "trunc_normal" = the RAVL reference's N(0, 1/(2 sqrt(fan_in)))
+    truncated at 2 std with zero biases; "uniform" = U(+-1/sqrt(fan_in)) for weights and biases
+    (PyTorch's / Equinox's default, which NeuBay's reference code keeps)"""
     elite_sampling: str = "row"
     """which member produces each model step: "row" = a random elite per row per step (RAVL,
     section 3.1); "step" = one random elite per step for the whole batch (Unifloral, section 6.3);
@@ -120,6 +137,12 @@ class DynamicsConfig:
             raise ValueError(f"need 1 <= elites <= members, got elites={self.elites}, members={self.members}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; choose from {sorted(ACTIVATIONS)}")
+        if self.target_scaling not in TARGET_SCALING:
+            raise ValueError(f"target_scaling must be one of {TARGET_SCALING}, got {self.target_scaling!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if not self.input_clip > 0:
+            raise ValueError(f"input_clip must be positive (inf: no clip), got {self.input_clip}")
         if self.elite_sampling not in ELITE_SAMPLING:
             raise ValueError(f"elite_sampling must be one of {ELITE_SAMPLING}, got {self.elite_sampling!r}")
         if not 0.0 < self.holdout < 1.0:
@@ -145,6 +168,35 @@ def unifloral_config(**overrides) -> DynamicsConfig:
     return DynamicsConfig(**{**kw, **overrides})
 
 
+NO_EPOCH_CAP = 1_000_000
+NEUBAY_EPOCH_CAPS = {"random": 1200, "medium": 1200, "medium-expert": 600, "medium-replay": None}
+"""Section 7.1: NeuBay's epoch caps by dataset kind (None: early stopping alone ends training)."""
+
+
+def neubay_config(kind: Optional[str] = None, **overrides) -> DynamicsConfig:
+    """NeuBay's world-model posterior (Ni et al., arXiv 2512.04341; section 7.1).
+
+    128 members of 4 blocks (Linear -> LayerNorm -> leaky-ReLU, 200 units); z-scored inputs (no
+    clip) and z-scored residual targets; log sigma soft-clamped to [-5, 0.25]; Gaussian NLL; AdamW
+    (lr 1e-3, decoupled weight decay 5e-5), batch 256; holdout min(20%, 1000); every member sees the
+    whole training split in its own order each epoch (no bootstrap); stop after 5 epochs without a
+    member improving its holdout MSE by more than 1%, no minimum and no lr cut; the epoch cap of the
+    dataset ``kind`` (``NEUBAY_EPOCH_CAPS``; kinds outside that table get none, our reading); the
+    best 100 of 128 members by holdout MSE are the elites; one member per imagined trajectory.
+    """
+    if kind is not None and kind not in NEUBAY_EPOCH_CAPS:
+        cap = None  # e.g. "expert", "full-replay": the paper gives no cap for them
+    else:
+        cap = NEUBAY_EPOCH_CAPS.get(kind) if kind is not None else None
+    kw = dict(members=128, elites=100, width=200, depth=4, activation="leaky_relu", layer_norm=True,
+              normalize_inputs=True, input_clip=math.inf, weight_decay=0.0, adamw_weight_decay=5e-5, lr=1e-3,
+              batch_size=256, holdout=0.2, max_holdout=1000, bootstrap=False, min_epochs=0,
+              max_epochs=NO_EPOCH_CAP if cap is None else cap, patience=5, improvement=0.01, lr_cut=1.0,
+              max_logvar_init=0.5, min_logvar_init=-10.0, logvar_range_coef=0.0, learn_logvar_bounds=False,
+              target_scaling="zscore", init="uniform", elite_sampling="trajectory")
+    return DynamicsConfig(**{**kw, **overrides})
+
+
 # ============================================================================ network
 
 
@@ -164,6 +216,23 @@ def _trunc_normal(key, shape, fan_in):
     return std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
 
 
+def _fan_in_uniform(key, shape, fan_in):
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): PyTorch's and Equinox's default for Linear weights and biases."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def _init_linear(layer, cfg: "DynamicsConfig", rngs: nnx.Rngs):
+    """Re-draw one Linear layer's params by ``cfg.init``."""
+    fan_in = layer.kernel[...].shape[0]
+    if cfg.init == "uniform":
+        layer.kernel[...] = _fan_in_uniform(rngs.params(), layer.kernel[...].shape, fan_in)
+        layer.bias[...] = _fan_in_uniform(rngs.params(), layer.bias[...].shape, fan_in)
+    else:
+        layer.kernel[...] = _trunc_normal(rngs.params(), layer.kernel[...].shape, fan_in)
+        layer.bias[...] = jnp.zeros_like(layer.bias[...])
+
+
 class GaussianDynamics(nnx.Module):
     """One member: instrumented trunk -> separate linear heads for the mean and the log-variance of
     (Δs, r), with learned per-dimension log-variance bounds (section 3.1).
@@ -176,20 +245,32 @@ class GaussianDynamics(nnx.Module):
     def __init__(self, in_dim: int, out_dim: int, cfg: DynamicsConfig, *, rngs: nnx.Rngs):
         spec = TrunkSpec(cfg.width, cfg.depth, "mlp", cfg.activation, cfg.layer_norm)
         self.trunk = Trunk(in_dim, spec, rngs=rngs)
-        for layer in self.trunk.layers:  # zero biases already (hidden_bias_init = 0)
-            layer.kernel[...] = _trunc_normal(rngs.params(), layer.kernel[...].shape, layer.kernel[...].shape[0])
-        zeros = nnx.initializers.zeros
-        head = lambda: nnx.Linear(  # noqa: E731
-            cfg.width, out_dim, rngs=rngs, bias_init=zeros,
-            kernel_init=lambda k, s, d=jnp.float32: _trunc_normal(k, s, s[0]).astype(d))
-        self.mean = head()
-        self.logvar = head()
+        if cfg.init == "trunc_normal":  # (the draws of the reference-RAVL default, in their original order)
+            for layer in self.trunk.layers:  # zero biases already (hidden_bias_init = 0)
+                layer.kernel[...] = _trunc_normal(rngs.params(), layer.kernel[...].shape, layer.kernel[...].shape[0])
+            zeros = nnx.initializers.zeros
+            head = lambda: nnx.Linear(  # noqa: E731
+                cfg.width, out_dim, rngs=rngs, bias_init=zeros,
+                kernel_init=lambda k, s, d=jnp.float32: _trunc_normal(k, s, s[0]).astype(d))
+            self.mean = head()
+            self.logvar = head()
+        else:
+            self.mean = nnx.Linear(cfg.width, out_dim, rngs=rngs)
+            self.logvar = nnx.Linear(cfg.width, out_dim, rngs=rngs)
+            for layer in (*self.trunk.layers, self.mean, self.logvar):
+                _init_linear(layer, cfg, rngs)
         self.max_logvar = nnx.Param(jnp.full((out_dim,), cfg.max_logvar_init, jnp.float32))
         self.min_logvar = nnx.Param(jnp.full((out_dim,), cfg.min_logvar_init, jnp.float32))
+        self.learn_bounds = cfg.learn_logvar_bounds
 
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
-        logvar = soft_clamp(self.logvar(h), self.max_logvar[...], self.min_logvar[...])
+        raw = self.logvar(h)
+        if self.learn_bounds:
+            logvar = soft_clamp(raw, self.max_logvar[...], self.min_logvar[...])
+        else:  # NeuBay: log sigma = raw / 2 soft-clamped to [min / 2, max / 2] with fixed bounds
+            hi, lo = jax.lax.stop_gradient(self.max_logvar[...]), jax.lax.stop_gradient(self.min_logvar[...])
+            logvar = 2.0 * soft_clamp(0.5 * raw, 0.5 * hi, 0.5 * lo)
         return (self.mean(h), logvar), {**taps, "features": h}
 
 
@@ -211,7 +292,8 @@ def _build(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig):
     """-> (Net named "dynamics", params with a leading member axis M)."""
     shape_cfg = DynamicsConfig(members=cfg.members, elites=1, width=cfg.width, depth=cfg.depth,
                                activation=cfg.activation, layer_norm=cfg.layer_norm, weight_decay=0.0,
-                               max_logvar_init=cfg.max_logvar_init, min_logvar_init=cfg.min_logvar_init)
+                               max_logvar_init=cfg.max_logvar_init, min_logvar_init=cfg.min_logvar_init,
+                               learn_logvar_bounds=cfg.learn_logvar_bounds, init=cfg.init)
     net, init = _initializer(obs_dim, act_dim, shape_cfg)  # only the fields the module reads
     return net, init(key)
 
@@ -260,6 +342,8 @@ def ensemble_loss(params, net: Net, x, y, cfg: DynamicsConfig):
     mean, logvar = net(params, x, member_inputs=True)
     nll = gaussian_nll(mean, logvar, y)  # (M,)
     bounds = cfg.logvar_range_coef * (_leaf(params, "max_logvar").sum(-1) - _leaf(params, "min_logvar").sum(-1))
+    if not cfg.learn_logvar_bounds:
+        bounds = 0.0
     decay = jax.tree.map(lambda w, c: 0.5 * c * (w ** 2).reshape(w.shape[0], -1).sum(-1),
                          params, decay_coefficients(params, cfg))
     l2 = sum(jax.tree.leaves(decay))
@@ -308,17 +392,25 @@ class EarlyStopping:
 # ============================================================================ training
 
 
+def _decayed(params):
+    """AdamW's mask when the log-variance bounds are fixed: every parameter but the bounds."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _path_names(path)[-1] not in ("max_logvar", "min_logvar"), params)
+
+
 def _optimizer(cfg: DynamicsConfig):
-    make = optax.adamw if cfg.adamw_weight_decay > 0 else optax.adam
-    kw = {"weight_decay": cfg.adamw_weight_decay} if cfg.adamw_weight_decay > 0 else {}
-    return optax.inject_hyperparams(make)(learning_rate=cfg.lr, **kw)
+    if cfg.adamw_weight_decay <= 0:
+        return optax.inject_hyperparams(optax.adam)(learning_rate=cfg.lr)
+    mask = None if cfg.learn_logvar_bounds else _decayed
+    return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=cfg.lr, weight_decay=cfg.adamw_weight_decay, mask=mask)
 
 
 def _epoch_cfg(cfg: DynamicsConfig) -> DynamicsConfig:
     """``cfg`` with the fields the jitted epoch never reads set to fixed values, so models that differ
     only in stopping / holdout / sampling settings share one compiled epoch."""
     return replace(cfg, elites=1, min_epochs=0, max_epochs=1, patience=1, improvement=0.0, lr_cut=1.0,
-                   holdout=0.5, max_holdout=None, bootstrap=True, elite_sampling="row", lr=1e-3,
+                   holdout=0.5, max_holdout=None, elite_sampling="row", lr=1e-3, target_scaling="none",
                    normalize_inputs=True, input_clip=10.0, max_logvar_init=0.5, min_logvar_init=-10.0)
 
 
@@ -330,15 +422,22 @@ def _normalize(x, mean, std, cfg: DynamicsConfig):
 
 @partial(jax.jit, static_argnames=("net", "cfg"))
 def _train_epoch(params, opt_state, key, x, y, boot, net: Net, cfg: DynamicsConfig):
-    """One pass over the training split: a single shuffle of the rows (each row holds one bootstrap
-    index per member), then a ``lax.scan`` over minibatches; all members step together, each on its
-    own batch.  The last partial minibatch is dropped (our reading; rows move every epoch)."""
+    """One pass over the training split, then a ``lax.scan`` over minibatches; all members step
+    together, each on its own batch.  With ``bootstrap``: one shuffle of the rows, each row holding
+    one bootstrap index per member (section 3.1); without: each member its own permutation of the
+    whole split (NeuBay, section 7.1).  The last partial minibatch is dropped (our reading; rows
+    move every epoch)."""
     tx = _optimizer(cfg)
     m, n = boot.shape
     bsz = min(cfg.batch_size, n)
     steps = n // bsz
-    perm = jax.random.permutation(key, n)[: steps * bsz]
-    idx = boot[:, perm].reshape(m, steps, bsz).transpose(1, 0, 2)  # (steps, M, B)
+    if cfg.bootstrap:
+        perm = jax.random.permutation(key, n)[: steps * bsz]
+        idx = boot[:, perm]
+    else:
+        perms = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, m))
+        idx = jnp.take_along_axis(boot, perms, axis=1)[:, : steps * bsz]
+    idx = idx.reshape(m, steps, bsz).transpose(1, 0, 2)  # (steps, M, B)
 
     def one(carry, ids):
         params, opt_state = carry
@@ -353,7 +452,7 @@ def _train_epoch(params, opt_state, key, x, y, boot, net: Net, cfg: DynamicsConf
 @partial(jax.jit, static_argnames=("net", "n"))
 def _validation_mse(params, x, y, net: Net, n: int):
     """Per-member mean squared error of the mean prediction, over the first ``n`` rows of the
-    chunked (C, chunk, ...) holdout and every target dimension, in raw target units."""
+    chunked (C, chunk, ...) holdout and every target dimension, in the training target units."""
     def chunk(xy):
         mean, _ = net(params, xy[0])
         return ((mean - xy[1][None]) ** 2).sum(-1)  # (M, chunk)
@@ -400,7 +499,9 @@ class DynamicsModel:
 
     ``params``: every leaf has a leading member axis M.  ``input_mean`` / ``input_std``: (O + A,)
     statistics of (s, a) (0 / 1 with ``normalize_inputs=False``).  ``elites``: (E,) int32 member
-    indices, best first.  ``val_mse``: (M,) holdout MSE of each member's kept params.
+    indices, best first.  ``val_mse``: (M,) holdout MSE of each member's kept params (training
+    units).  ``target_mean`` / ``target_std``: (O + 1,) the network predicts
+    (target - target_mean) / target_std (0 / 1 unless ``target_scaling="zscore"``).
     """
 
     params: object
@@ -408,6 +509,8 @@ class DynamicsModel:
     input_std: jax.Array
     elites: jax.Array
     val_mse: jax.Array
+    target_mean: jax.Array
+    target_std: jax.Array
     net: Net = struct.field(pytree_node=False)
     cfg: DynamicsConfig = struct.field(pytree_node=False)
     obs_dim: int = struct.field(pytree_node=False)
@@ -415,14 +518,39 @@ class DynamicsModel:
 
 
 def init_model(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig = DynamicsConfig(),
-               input_mean=None, input_std=None) -> DynamicsModel:
+               input_mean=None, input_std=None, target_mean=None, target_std=None) -> DynamicsModel:
     """An untrained model: fresh params, identity normalisation unless given, elites = members 0..E-1."""
     net, params = _build(key, obs_dim, act_dim, cfg)
-    dim = obs_dim + act_dim
-    mean = jnp.zeros(dim, jnp.float32) if input_mean is None else jnp.asarray(input_mean, jnp.float32)
-    std = jnp.ones(dim, jnp.float32) if input_std is None else jnp.asarray(input_std, jnp.float32)
-    return DynamicsModel(params, mean, std, jnp.arange(cfg.elites, dtype=jnp.int32),
-                         jnp.full(cfg.members, jnp.nan, jnp.float32), net, cfg, obs_dim, act_dim)
+
+    def stat(value, dim, fill):
+        return jnp.full(dim, fill, jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
+
+    d_in, d_out = obs_dim + act_dim, obs_dim + 1
+    return DynamicsModel(params, stat(input_mean, d_in, 0.0), stat(input_std, d_in, 1.0),
+                         jnp.arange(cfg.elites, dtype=jnp.int32), jnp.full(cfg.members, jnp.nan, jnp.float32),
+                         stat(target_mean, d_out, 0.0), stat(target_std, d_out, 1.0), net, cfg, obs_dim, act_dim)
+
+
+def target_statistics(obs, rewards, cfg: DynamicsConfig):
+    """(mean, std) of the (Δs, r) targets the network is trained on, (O + 1,) each.
+
+    ``"zscore"`` (section 7.1): the next state z-scored with the state's statistics and predicted as
+    a residual on the z-scored state, so Δs is divided by std(s) and not centred; the reward is
+    z-scored.  A constant dimension keeps std 1.  ``"none"``: 0 and 1.
+    """
+    dim = obs.shape[1] + 1
+    if cfg.target_scaling == "none":
+        return np.zeros(dim), np.ones(dim)
+    std = np.concatenate([obs.std(0, dtype=np.float64), rewards.std(0, dtype=np.float64)])
+    mean = np.concatenate([np.zeros(obs.shape[1]), rewards.mean(0, dtype=np.float64)])
+    return mean, np.where(std < 1e-12, 1.0, std)
+
+
+def _scaled_targets(model: DynamicsModel, obs, rewards, next_obs) -> np.ndarray:
+    targets = np.concatenate([next_obs - obs, rewards], axis=1)
+    if model.cfg.target_scaling == "none":
+        return targets
+    return ((targets - np.asarray(model.target_mean)) / np.asarray(model.target_std)).astype(np.float32)
 
 
 def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsConfig(),
@@ -455,14 +583,14 @@ def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsCo
     val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
 
     inputs = np.concatenate([obs, actions], axis=1)
-    targets = np.concatenate([next_obs - obs, rewards], axis=1)
     if cfg.normalize_inputs:
         mean = inputs.mean(0, dtype=np.float64)
         std = inputs.std(0, dtype=np.float64)
         std = np.where(std < 1e-6, 1.0, std)  # constant inputs: centre only (as the reference's filter)
     else:
         mean, std = np.zeros(inputs.shape[1]), np.ones(inputs.shape[1])
-    model = init_model(k_init, obs_dim, act_dim, cfg, mean, std)
+    model = init_model(k_init, obs_dim, act_dim, cfg, mean, std, *target_statistics(obs, rewards, cfg))
+    targets = _scaled_targets(model, obs, rewards, next_obs)
     x = np.asarray(_normalize(jnp.asarray(inputs), model.input_mean, model.input_std, cfg))
     x_train, y_train = jnp.asarray(x[train_idx]), jnp.asarray(targets[train_idx])
     chunk = min(_VAL_CHUNK, n_val)
@@ -511,10 +639,11 @@ def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsCo
 
 
 def validation_mse(model: DynamicsModel, obs, actions, rewards, next_obs) -> np.ndarray:
-    """Per-member MSE of the mean prediction of (Δs, r) on the given transitions, raw units -> (M,)."""
+    """Per-member MSE of the mean prediction of (Δs, r) on the given transitions -> (M,), in the
+    training units (raw, or z-scored with ``target_scaling="zscore"``)."""
     obs, actions, rewards, next_obs = _as_arrays(obs, actions, rewards, next_obs)
     x = _normalize(jnp.asarray(np.concatenate([obs, actions], 1)), model.input_mean, model.input_std, model.cfg)
-    y = np.concatenate([next_obs - obs, rewards], 1)
+    y = _scaled_targets(model, obs, rewards, next_obs)
     size = min(_VAL_CHUNK, len(obs))
     return np.asarray(_validation_mse(model.params, _chunked(np.asarray(x), size), _chunked(y, size),
                                       model.net, len(obs)))
@@ -538,7 +667,41 @@ def predict(model: DynamicsModel, obs, action):
     which calls the network directly, rather than this cached function).
     """
     x = _normalize(jnp.concatenate([obs, action], axis=-1), model.input_mean, model.input_std, model.cfg)
-    return model.net(model.params, x)
+    mean, logvar = model.net(model.params, x)
+    if model.cfg.target_scaling == "none":
+        return mean, logvar
+    return mean * model.target_std + model.target_mean, logvar + 2.0 * jnp.log(model.target_std)
+
+
+def elite_params(model: DynamicsModel):
+    """The elites' params, in elite order (best first): every leaf (E, ...)."""
+    return jax.tree.map(lambda p: p[model.elites], model.params)
+
+
+@jax.jit
+def epistemic_uncertainty(model: DynamicsModel, obs, action):
+    """NeuBay's epistemic uncertainty (section 7.1) of each row -> (B,): the std across the elite
+    members of the predicted mean, root-mean-square over the target dimensions, in the training
+    units (z-scored with ``target_scaling="zscore"``, where every dimension weighs alike)."""
+    x = _normalize(jnp.concatenate([obs, action], axis=-1), model.input_mean, model.input_std, model.cfg)
+    mean, _ = model.net(elite_params(model), x)  # (E, B, D)
+    return jnp.sqrt(mean.var(axis=0).mean(axis=-1))
+
+
+def uncertainty_threshold(model: DynamicsModel, obs, actions, quantile: Optional[float] = 1.0,
+                          chunk: int = _VAL_CHUNK) -> float:
+    """The rollout truncation threshold (section 7.2): the ``quantile`` of ``epistemic_uncertainty``
+    over the dataset's (s, a) rows; NeuBay's default 1.0 is its maximum.  ``None``: no truncation
+    (inf)."""
+    if quantile is None:
+        return math.inf
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"uncertainty quantile must be in [0, 1] (or None: no truncation), got {quantile}")
+    obs, actions = np.asarray(obs, np.float32), np.asarray(actions, np.float32)
+    unc = np.concatenate([np.asarray(epistemic_uncertainty(model, jnp.asarray(obs[i:i + chunk]),
+                                                           jnp.asarray(actions[i:i + chunk])))
+                          for i in range(0, len(obs), chunk)])
+    return float(np.quantile(unc.astype(np.float64), quantile))
 
 
 @jax.jit
@@ -621,7 +784,8 @@ def save(path, model: DynamicsModel) -> None:
     meta = {"format": _FORMAT, "obs_dim": model.obs_dim, "act_dim": model.act_dim, "config": asdict(model.cfg)}
     arrays = {f"params/{k}": np.asarray(v) for k, v in _named_leaves(model.params).items()}
     arrays.update(input_mean=np.asarray(model.input_mean), input_std=np.asarray(model.input_std),
-                  elites=np.asarray(model.elites), val_mse=np.asarray(model.val_mse))
+                  elites=np.asarray(model.elites), val_mse=np.asarray(model.val_mse),
+                  target_mean=np.asarray(model.target_mean), target_std=np.asarray(model.target_std))
     with open(path, "wb") as f:
         np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
 
@@ -649,8 +813,13 @@ def load(path) -> DynamicsModel:
         problems += [f"{k}: shape {data['params/' + k].shape}, expected {v.shape}"
                      for k, v in expected.items() if k in stored and data["params/" + k].shape != v.shape]
         m, d = cfg.members, template.obs_dim + template.act_dim
-        for name, shape in (("input_mean", (d,)), ("input_std", (d,)), ("elites", (cfg.elites,)),
-                            ("val_mse", (m,))):
+        d_out = template.obs_dim + 1
+        checks = [("input_mean", (d,)), ("input_std", (d,)), ("elites", (cfg.elites,)), ("val_mse", (m,))]
+        targets = {"target_mean": np.asarray(template.target_mean), "target_std": np.asarray(template.target_std)}
+        if "target_mean" in data.files or cfg.target_scaling != "none":  # files before target scaling: 0 / 1
+            checks += [("target_mean", (d_out,)), ("target_std", (d_out,))]
+            targets = {k: data[k] for k in targets if k in data.files}
+        for name, shape in checks:
             if name not in data.files or data[name].shape != shape:
                 problems.append(f"{name}: expected shape {shape}")
         if problems:
@@ -660,4 +829,6 @@ def load(path) -> DynamicsModel:
         return template.replace(params=params, input_mean=jnp.asarray(data["input_mean"]),
                                 input_std=jnp.asarray(data["input_std"]),
                                 elites=jnp.asarray(data["elites"], jnp.int32),
-                                val_mse=jnp.asarray(data["val_mse"]))
+                                val_mse=jnp.asarray(data["val_mse"]),
+                                target_mean=jnp.asarray(targets["target_mean"], jnp.float32),
+                                target_std=jnp.asarray(targets["target_std"], jnp.float32))

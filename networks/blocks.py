@@ -22,6 +22,7 @@ ACTIVATIONS = {
     "gelu": jax.nn.gelu,
     "silu": jax.nn.silu,
     "tanh": jnp.tanh,
+    "leaky_relu": jax.nn.leaky_relu,  # negative slope 0.01 (NeuBay's world-model blocks)
     "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
 }
 Block = Literal["mlp", "simba", "multiskip"]

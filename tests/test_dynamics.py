@@ -386,3 +386,144 @@ def test_save_load_round_trip(tmp_path, data, trained):
     np.savez(bad, x=np.zeros(3))
     with pytest.raises(ValueError, match="not a saved dynamics model"):
         dyn.load(bad)
+
+
+# ----------------------------------------------------------------------------- NeuBay's world model (section 7.1)
+
+NEUBAY_SMALL = dict(members=6, elites=4, width=16, batch_size=64, max_epochs=4)
+
+
+def test_neubay_config_is_the_papers_posterior():
+    cfg = dyn.neubay_config()
+    assert (cfg.members, cfg.elites, cfg.width, cfg.depth) == (128, 100, 200, 4)
+    assert cfg.activation == "leaky_relu" and cfg.layer_norm and not cfg.bootstrap
+    assert (cfg.adamw_weight_decay, cfg.lr, cfg.batch_size, cfg.max_holdout, cfg.holdout) == (5e-5, 1e-3, 256, 1000, 0.2)
+    assert (cfg.patience, cfg.improvement, cfg.min_epochs, cfg.lr_cut) == (5, 0.01, 0, 1.0)
+    assert cfg.target_scaling == "zscore" and not cfg.learn_logvar_bounds and cfg.elite_sampling == "trajectory"
+    assert (cfg.min_logvar_init / 2, cfg.max_logvar_init / 2) == (-5.0, 0.25)  # log sigma in [-5, 0.25]
+    caps = {k: dyn.neubay_config(k).max_epochs for k in ("random", "medium", "medium-expert", "medium-replay")}
+    assert caps == {"random": 1200, "medium": 1200, "medium-expert": 600, "medium-replay": dyn.NO_EPOCH_CAP}
+    assert dyn.neubay_config("medium", members=8, elites=3).members == 8
+
+
+def test_zscored_targets_are_the_residual_on_the_zscored_state(data):
+    s, a, r, s2 = data
+    model, info = dyn.train(jax.random.key(1), s, a, r, s2, dyn.neubay_config(**{**NEUBAY_SMALL, "max_epochs": 20}))
+    np.testing.assert_allclose(np.asarray(model.target_std), np.r_[s.std(0), r.std()], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.target_mean), np.r_[np.zeros(OBS), r.mean()], rtol=1e-5, atol=1e-6)
+    # the network's own output is in z-scored units; predict maps it back to raw (Δs, r)
+    x = (np.concatenate([s[:20], a[:20]], 1) - np.asarray(model.input_mean)) / np.asarray(model.input_std)
+    raw_mean, raw_logvar = model.net(model.params, jnp.asarray(x))
+    mean, logvar = dyn.predict(model, s[:20], a[:20])
+    std = np.asarray(model.target_std)
+    np.testing.assert_allclose(np.asarray(mean), np.asarray(raw_mean) * std + np.asarray(model.target_mean),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logvar), np.asarray(raw_logvar) + 2 * np.log(std), rtol=1e-5, atol=1e-5)
+    # holdout MSE is in the training (z-scored) units, and the fit is real there
+    val = dyn.validation_mse(model, s[info["holdout_idx"]], a[info["holdout_idx"]], r[info["holdout_idx"]],
+                             s2[info["holdout_idx"]])
+    np.testing.assert_allclose(val, info["val_mse"], rtol=1e-4)
+    scaled = (np.c_[s2 - s, r] - np.asarray(model.target_mean)) / std
+    assert info["val_mse"].min() < 0.1 * scaled.var(0).mean(), (info["val_mse"], scaled.var(0).mean())
+    assert info["val_curve"][-1].min() < info["val_curve"][0].min()
+
+
+def test_fixed_logsigma_bounds_clamp_and_never_move(data):
+    s, a, r, s2 = data
+    cfg = dyn.neubay_config(**NEUBAY_SMALL)
+    model, _ = dyn.train(jax.random.key(2), s, a, r, s2, cfg)
+    for name, value in (("max_logvar", 0.5), ("min_logvar", -10.0)):
+        np.testing.assert_array_equal(np.asarray(dyn._leaf(model.params, name)), value)
+    # push the log-variance head far out: log sigma stays in [-5, 0.25]; the soft clamp's second softplus
+    # can lift the top by log1p(exp(-(0.25 + 5))) (soft_clamp's docstring)
+    top = 0.25 + np.log1p(np.exp(-5.25)) + 1e-5
+    for scale in (1e3, -1e3):
+        big = edit(model.params, lambda n, x: x * scale if n.startswith("logvar") else x)
+        _, logvar = model.net(big, jnp.asarray(np.concatenate([s[:50], a[:50]], 1)))
+        log_sigma = 0.5 * np.asarray(logvar)
+        assert log_sigma.min() >= -5.0 - 1e-5 and log_sigma.max() <= top
+        assert log_sigma.max() > 0.2 if scale > 0 else log_sigma.min() < -4.9
+
+
+def test_without_bootstrap_each_member_shuffles_its_own_way(data):
+    """NeuBay: every member sees the whole split, in its own order.  Members that start identical
+    would stay identical under one shared order; they part after one epoch."""
+    s, a, r, s2 = data
+    cfg = dyn.neubay_config(**NEUBAY_SMALL)
+    model = dyn.init_model(jax.random.key(0), OBS, ACT, cfg)
+    same = jax.tree.map(lambda p: jnp.broadcast_to(p[:1], p.shape), model.params)
+    x = jnp.asarray(np.concatenate([s, a], 1))
+    y = jnp.asarray(np.concatenate([s2 - s, r[:, None]], 1))
+    boot = jnp.tile(jnp.arange(len(s), dtype=jnp.int32), (cfg.members, 1))
+    opt = dyn._optimizer(cfg).init(same)
+    after, _, _ = dyn._train_epoch(same, opt, jax.random.key(1), x, y, boot, model.net, dyn._epoch_cfg(cfg))
+    kernel = np.asarray(named(after)["trunk/layers/0/kernel"])
+    assert not np.allclose(kernel[0], kernel[1])
+    shared, _, _ = dyn._train_epoch(same, opt, jax.random.key(1), x, y, boot, model.net,
+                                    dyn._epoch_cfg(replace(cfg, bootstrap=True)))
+    kernel = np.asarray(named(shared)["trunk/layers/0/kernel"])  # one shared order, identity "bootstrap"
+    np.testing.assert_allclose(kernel[0], kernel[1], rtol=1e-5, atol=1e-6)
+
+
+def test_elites_are_the_best_100_of_128(data):
+    s, a, r, s2 = data
+    cfg = dyn.neubay_config(width=8, depth=2, batch_size=128, max_epochs=1)
+    model, info = dyn.train(jax.random.key(3), s[:400], a[:400], r[:400], s2[:400], cfg)
+    elites = np.asarray(model.elites)
+    assert len(elites) == 100 and len(set(elites.tolist())) == 100
+    val = info["val_mse"]
+    others = np.setdiff1d(np.arange(128), elites)
+    assert val[elites].max() <= val[others].min()
+    assert (np.diff(val[elites]) >= 0).all()  # best first
+
+
+def _constant_members(model, means):
+    """Every member predicts the constant (M, D) ``means`` (training units): mean head = bias only."""
+    def put(name, x):
+        if name == "mean/kernel":
+            return jnp.zeros_like(x)
+        if name == "mean/bias":
+            return jnp.asarray(means, x.dtype)
+        return x
+    return model.replace(params=edit(model.params, put))
+
+
+def test_epistemic_uncertainty_and_threshold_hand_case(data):
+    s, a, r, s2 = data
+    cfg = dyn.neubay_config(members=5, elites=3, width=8)
+    model = dyn.init_model(jax.random.key(0), OBS, ACT, cfg, target_std=np.full(OBS + 1, 7.0))
+    means = np.arange(5 * (OBS + 1), dtype=np.float32).reshape(5, OBS + 1) ** 1.5
+    model = _constant_members(model, means).replace(elites=jnp.asarray([4, 0, 2], jnp.int32))
+    unc = np.asarray(dyn.epistemic_uncertainty(model, s[:10], a[:10]))
+    # std over the elites only (members 4, 0, 2), RMS over dims, in training units (target_std not applied)
+    expected = np.sqrt(means[[4, 0, 2]].var(0).mean())
+    np.testing.assert_allclose(unc, expected, rtol=1e-5)
+
+    # a member whose mean grows with the action: uncertainty varies over rows; threshold = its max
+    def put(name, x):
+        return x.at[0].set(0.0).at[0, 0, 0].set(1.0) if name == "mean/kernel" else x
+    varying = model.replace(params=edit(model.params, put), elites=jnp.asarray([0, 1], jnp.int32))
+    rows = np.asarray(dyn.epistemic_uncertainty(varying, s, a))
+    assert rows.std() > 0
+    assert dyn.uncertainty_threshold(varying, s, a, chunk=300) == pytest.approx(rows.max(), rel=1e-6)
+    assert dyn.uncertainty_threshold(varying, s, a, 0.5) == pytest.approx(np.quantile(rows, 0.5), rel=1e-5)
+    assert dyn.uncertainty_threshold(varying, s, a, None) == np.inf
+    with pytest.raises(ValueError, match="quantile"):
+        dyn.uncertainty_threshold(varying, s, a, 1.5)
+
+
+def test_neubay_model_save_load_round_trip(tmp_path, data):
+    s, a, r, s2 = data
+    model, _ = dyn.train(jax.random.key(4), s, a, r, s2, dyn.neubay_config(**NEUBAY_SMALL))
+    dyn.save(tmp_path / "m.npz", model)
+    back = dyn.load(tmp_path / "m.npz")
+    assert back.cfg == model.cfg
+    for f in ("target_mean", "target_std", "elites", "val_mse"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(model, f)))
+    for x, y in zip(dyn.predict(model, s[:30], a[:30]), dyn.predict(back, s[:30], a[:30])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    stored = dict(np.load(tmp_path / "m.npz"))
+    del stored["target_std"]
+    np.savez(tmp_path / "bad.npz", **stored)
+    with pytest.raises(ValueError, match="target_std"):
+        dyn.load(tmp_path / "bad.npz")
