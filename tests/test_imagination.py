@@ -113,6 +113,7 @@ def test_each_tape_keeps_its_member_and_stops_at_termination_or_the_horizon():
     assert stats["ended_terminated"].any() and stats["ended_horizon"].any()  # both endings happened
 
 
+@pytest.mark.slow
 def test_truncation_at_the_first_step_whose_uncertainty_exceeds_the_threshold():
     cfg = dyn.neubay_config(members=4, elites=4, width=16, depth=2)
     model = dyn.init_model(jax.random.key(1), OBS, ACT, cfg)  # untrained members disagree, more so far out
@@ -144,6 +145,7 @@ def test_truncation_at_the_first_step_whose_uncertainty_exceeds_the_threshold():
     assert (stats["horizon"] > 1).any()  # and let some run on
 
 
+@pytest.mark.slow
 def test_warm_up_and_stepping_equal_one_pass_of_the_recurrence_over_the_tape():
     """The actions of the imagined steps are what the recurrent actor gives on the whole history at once."""
     net, params = build_recurrent("actor", OBS + ACT + 1, RecurrentSpec(d_model=8, d_hidden=4), jax.random.key(2))
