@@ -109,6 +109,12 @@ def release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+    try:  # hand the freed pages back to the OS (glibc keeps them in its arenas otherwise)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def pytest_terminal_summary(terminalreporter):
