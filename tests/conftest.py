@@ -94,15 +94,34 @@ def no_compilation_cache_writes():
     jax.config.update(key, before)
 
 
+RELEASE_ABOVE_MB = float(os.environ.get("RLZOO_TEST_RELEASE_ABOVE_MB", "4000"))
+RELEASE_GROWTH_MB = 2000.0
+_release = {"above": RELEASE_ABOVE_MB}
+
+
+def _resident_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():
-    """Drop JAX's in-memory caches (traces, compiled executables) after each test file.
+    """Drop JAX's in-memory caches (traces, compiled executables) after a test file when the pytest
+    process has grown past ``RLZOO_TEST_RELEASE_ABOVE_MB`` (4000 MB) resident, then again each time
+    it has grown 2000 MB more.
 
-    Without this the single pytest process held every program the suite had compiled: 7.4 GB
+    Without this the single pytest process kept every program the suite had compiled: 7.4 GB
     resident halfway through a fresh-clone run, on the way to the point where CI segfaulted inside
-    an executable's serialisation (see ``no_compilation_cache_writes``).  A later file that needs
-    the same program loads it from the persistent cache instead of keeping it in memory."""
+    an executable's serialisation (see ``no_compilation_cache_writes``).  Dropping them after every
+    file instead nearly doubled the suite's time (48 min against about 25: tracing and lowering are
+    not in the persistent cache, and programs under its 0.2 s threshold are compiled again), so it
+    happens a few times per session only."""
     yield
+    if _resident_mb() < _release["above"]:
+        return
     import gc
 
     import jax
@@ -115,6 +134,7 @@ def release_compiled_programs():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+    _release["above"] = _resident_mb() + RELEASE_GROWTH_MB
 
 
 def pytest_terminal_summary(terminalreporter):
