@@ -116,9 +116,8 @@ def release_compiled_programs():
     Without this the single pytest process kept every program the suite had compiled: 7.4 GB
     resident halfway through a fresh-clone run, on the way to the point where CI segfaulted inside
     an executable's serialisation (see ``no_compilation_cache_writes``).  Dropping them after every
-    file instead nearly doubled the suite's time (48 min against about 25: tracing and lowering are
-    not in the persistent cache, and programs under its 0.2 s threshold are compiled again), so it
-    happens a few times per session only."""
+    file recompiles what later files share (tracing and lowering are not in the persistent cache,
+    nor programs under its 0.2 s threshold), so it happens a few times per session only."""
     yield
     if _resident_mb() < _release["above"]:
         return
