@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from agents import imagination
+from agents import imagination, sac
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from networks.recurrent import RecurrentNet, RecurrentSpec, build_recurrent
@@ -268,8 +268,7 @@ def redq_target(next_qs, heads, reward, terminated, next_log_prob, alpha, gamma)
     """y = r + gamma (1 - terminated) (min over the drawn ``heads`` of Q'(h', a') - alpha log pi(a'|h')).
 
     ``next_qs``: (N, ...) every target head's value; ``heads``: (M,) indices."""
-    next_q = next_qs[heads].min(axis=0)
-    return reward + gamma * (1.0 - terminated.astype(reward.dtype)) * (next_q - alpha * next_log_prob)
+    return sac.td_target(reward, terminated, next_qs[heads].min(axis=0), next_log_prob, alpha, gamma)
 
 
 def critic_loss(critic_params, state: NeuBayState, tape: TapeBatch, alpha, key):
