@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo", "ravl": "agents.ravl",
-          "mrq-mt": "agents.mrq_mt"}
+          "mrq-mt": "agents.mrq_mt", "neubay": "agents.neubay"}
 
 
 def get(name: str):

@@ -34,6 +34,17 @@ Offline (``OfflineAgent``): a fixed dataset.
     make_epoch(cfg, env_id) -> epoch(state, data, aux, key) -> (state, data, metrics)
     sample_batch(state, data, key, n) -> batch
 
+    An offline agent may also define ``with_dataset(cfg, env_id, metadata, total_updates) -> cfg``:
+    the config a run on this dataset trains with (e.g. per-task presets read from the dataset's
+    kind); the offline loop calls it before ``init`` and writes the result to config.json.
+
+Recurrent (``RecurrentAgent``, optional, e.g. ``neubay``): an agent whose policy depends on the
+episode's history.  Evaluation then carries a memory per episode instead of calling ``act``:
+    initial_memory(state, batch) -> memory               zero memory for ``batch`` episodes
+    act_step(state, memory, obs, prev_action, prev_reward, start, key, explore) -> (action, memory)
+                              ``start`` (batch,) marks an episode's first step (its previous
+                              action and reward are ignored there)
+
 Multitask (``TaskConditionedAgent``, optional, e.g. ``mrq-mt``): an agent that needs the env's task
 layout (``envs.multitask.TaskSpec`` of an ``mt:`` id: tasks, their widths, episode lengths) defines
     with_tasks(cfg, spec) -> cfg   the config ``init`` takes (``spec`` None: a single-task env id,
@@ -54,7 +65,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity
 
-__all__ = ["Agent", "TaskConditionedAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
+__all__ = ["Agent", "TaskConditionedAgent", "RecurrentAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
            "ExplorationNoiseAgent", "StaticPlasticity", "KINDS", "OffPolicyConfig", "protocol_for"]
 
 
@@ -116,6 +127,13 @@ class OfflineAgent(Agent, Protocol):
     def make_epoch(self, cfg, env_id: str): ...
 
     def sample_batch(self, state, data, key, batch_size: int): ...
+
+
+@runtime_checkable
+class RecurrentAgent(Protocol):
+    def initial_memory(self, state, batch: int): ...
+
+    def act_step(self, state, memory, obs, prev_action, prev_reward, start, key, explore: bool): ...
 
 
 @runtime_checkable

@@ -688,19 +688,24 @@ def epistemic_uncertainty(model: DynamicsModel, obs, action):
     return jnp.sqrt(mean.var(axis=0).mean(axis=-1))
 
 
+def dataset_uncertainties(model: DynamicsModel, obs, actions, chunk: int = _VAL_CHUNK) -> np.ndarray:
+    """``epistemic_uncertainty`` of every (s, a) row of a dataset, in chunks -> (N,) numpy."""
+    obs, actions = np.asarray(obs, np.float32), np.asarray(actions, np.float32)
+    return np.concatenate([np.asarray(epistemic_uncertainty(model, jnp.asarray(obs[i:i + chunk]),
+                                                            jnp.asarray(actions[i:i + chunk])))
+                           for i in range(0, len(obs), chunk)])
+
+
 def uncertainty_threshold(model: DynamicsModel, obs, actions, quantile: Optional[float] = 1.0,
-                          chunk: int = _VAL_CHUNK) -> float:
+                          chunk: int = _VAL_CHUNK, uncertainties=None) -> float:
     """The rollout truncation threshold (section 7.2): the ``quantile`` of ``epistemic_uncertainty``
-    over the dataset's (s, a) rows; NeuBay's default 1.0 is its maximum.  ``None``: no truncation
-    (inf)."""
+    over the dataset's (s, a) rows (or of ``uncertainties``, already computed); NeuBay's default 1.0
+    is its maximum.  ``None``: no truncation (inf)."""
     if quantile is None:
         return math.inf
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"uncertainty quantile must be in [0, 1] (or None: no truncation), got {quantile}")
-    obs, actions = np.asarray(obs, np.float32), np.asarray(actions, np.float32)
-    unc = np.concatenate([np.asarray(epistemic_uncertainty(model, jnp.asarray(obs[i:i + chunk]),
-                                                           jnp.asarray(actions[i:i + chunk])))
-                          for i in range(0, len(obs), chunk)])
+    unc = dataset_uncertainties(model, obs, actions, chunk) if uncertainties is None else np.asarray(uncertainties)
     return float(np.quantile(unc.astype(np.float64), quantile))
 
 
@@ -832,3 +837,45 @@ def load(path) -> DynamicsModel:
                                 val_mse=jnp.asarray(data["val_mse"]),
                                 target_mean=jnp.asarray(targets["target_mean"], jnp.float32),
                                 target_std=jnp.asarray(targets["target_std"], jnp.float32))
+
+
+# ============================================================================ a run's model
+
+
+def load_or_train(key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: Optional[str] = None,
+                  log=print) -> DynamicsModel:
+    """The dynamics model an offline run uses: ``explicit_path`` (``--model``), else the model cached
+    at ``cache_path`` (it must have been trained with ``cfg``), else one trained now on the dataset's
+    true next observations (``dataset``: an ``envs.datasets.Dataset``, actions in [-1, 1]) and saved
+    at ``cache_path``.  Raises SystemExit (a message) for a missing ``--model``, a model of other
+    dimensions, or a cached one trained with other settings."""
+    from pathlib import Path
+
+    path = Path(explicit_path) if explicit_path else Path(cache_path)
+    if path.exists():
+        log(f"dynamics model: {path}")
+        model = load(path)
+        if (model.obs_dim, model.act_dim) != (dataset.obs_dim, dataset.act_dim):
+            raise SystemExit(f"dynamics model {path} is for obs/act dims {model.obs_dim}/{model.act_dim}, the "
+                             f"dataset has {dataset.obs_dim}/{dataset.act_dim}")
+        if not explicit_path and model.cfg != cfg:
+            changed = [f.name for f in fields(DynamicsConfig) if getattr(model.cfg, f.name) != getattr(cfg, f.name)]
+            raise SystemExit(f"the cached dynamics model {path} was trained with other --dynamics settings "
+                             f"({', '.join(changed)}): delete it to retrain, or pass --model {path} to use it")
+        return model
+    if explicit_path:
+        raise SystemExit(f"--model {path}: no such file")
+    log(f"training the dynamics ensemble on {len(dataset)} transitions (cached at {path}) ...")
+    t = dataset.transitions(unit_actions=True)
+
+    def progress(epoch, row):
+        if epoch % 25 == 0 or row.get("action") not in (None, "", "continue"):
+            log(f"  dynamics epoch {epoch}: train loss {row['train_loss']:.4f}, "
+                f"best validation MSE {np.min(row['best_val_mse']):.5f} {row.get('action') or ''}")
+
+    model, info = train(key, t.obs, t.action, t.reward, t.next_obs, cfg, log=progress)
+    save(path, model)
+    val = np.asarray(info["val_mse"])
+    log(f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "
+        f"elites {np.asarray(info['elites']).tolist()}")
+    return model

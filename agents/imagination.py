@@ -154,7 +154,7 @@ def _left_padded(inputs, t0):
 
 
 def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int, max_horizon: int,
-            threshold, done_fn: Callable, penalty: float = 0.0, from_start: bool = False):
+            threshold, done_fn: Callable, penalty: float = 0.0, from_start: bool = False, active=True):
     """One collection of ``batch`` tapes (steps 1-4 of the module docstring) -> (Tape, stats).
 
     ``policy(carry, inputs (B, T, I), start (B, T), key) -> (action (B, A) at the last step, carry)``
@@ -162,6 +162,8 @@ def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int,
     ``threshold``: the epistemic-uncertainty cut (``dynamics.uncertainty_threshold``; inf: none).
     ``done_fn(next_obs (B, O)) -> bool (B,)``: the env's termination function.
     ``stats``: imagined steps per tape (``horizon``), how each ended, the imagined return.
+    ``active`` (a traced bool): False imagines nothing (every tape is its real prefix and the loop
+    takes no step), so a caller under ``vmap`` can skip a collection without a ``cond``.
     """
     k_prefix, k_warm, k_loop = jax.random.split(key, 3)
     traj, t0 = sample_prefixes(hist, k_prefix, batch, from_start)
@@ -201,7 +203,7 @@ def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int,
         a2, carry = policy(carry, x, jnp.zeros((batch, 1), bool), k_act)
         return (k + 1, tape, jnp.where(still[:, None], s2, s), jnp.where(still[:, None], a2, a), carry, still, key)
 
-    loop = (jnp.int32(0), tape, state, action, carry, ~prefix_done, k_loop)
+    loop = (jnp.int32(0), tape, state, action, carry, ~prefix_done & active, k_loop)
     _, tape, *_ = jax.lax.while_loop(alive_steps, one, loop)
     horizon = tape.length - tape.prefix
     last = jnp.maximum(tape.length - 1, 0)

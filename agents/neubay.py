@@ -32,16 +32,24 @@ is not wired yet, and the agent is not registered in ``agents.AGENTS``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
+from agents import dynamics as dynamics_lib
 from agents import imagination, sac
+from agents.dynamics import DynamicsConfig, neubay_config
+from buffers import tapes as tapes_lib
+from envs import datasets, termination
+from networks.config import NetworkConfig
+from plasticity.api import StaticPlasticity
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from networks.recurrent import RecurrentNet, RecurrentSpec, build_recurrent
@@ -58,9 +66,18 @@ TASK_SETTINGS = {
 FIXED_ALPHA_ENVS = ("hopper",)  # the paper keeps alpha at 0.2 on hopper
 
 
+# what an unset (None) per-task or per-run field becomes outside the tables: the reference's base config
+BASE = {"encoder_lr": 1e-5, "real_weight": 0.05, "fixed_alpha": False, "updates": 2_000_000, "max_horizon": 1000}
+
+
 @dataclass(frozen=True)
 class NeuBayConfig:
-    """The learner's hyperparameters (defaults: the reference's base config for D4RL locomotion)."""
+    """NeuBay's hyperparameters (defaults: the reference's base config for D4RL locomotion).
+
+    Fields left at None are set per run (``with_dataset``): the encoder lr, ``real_weight`` and
+    hopper's fixed alpha from the paper's per-task table when the dataset names a D4RL-style task
+    (``TASK_SETTINGS``; ``BASE`` otherwise), the actor's cosine horizon from ``--total-steps``, the
+    imagination horizon from the env's episode limit.  A flag given on the command line wins."""
 
     critics: int = 10
     sampled_critics: int = 2
@@ -71,67 +88,127 @@ class NeuBayConfig:
     d_hidden: int = 128
     lru_layers: int = 2
     r_max: float = 0.9
-    encoder_lr: float = 1e-5
-    """the encoders' lr, tuned per task (``TASK_SETTINGS``, 3e-7 .. 3e-5)"""
+    encoder_lr: Optional[float] = None
+    """the encoders' lr (None: the task's from the paper's table, 3e-7 .. 3e-5; else 1e-5)"""
     head_lr: float = 1e-4
     alpha_lr: float = 1e-4
     actor_lr_final_ratio: float = 0.0
     """the actor's lrs decay by a cosine to this fraction over ``updates`` steps (critic: constant)"""
-    updates: int = 2_000_000
-    """total gradient steps of a run (the actor's cosine horizon)"""
+    updates: Optional[int] = None
+    """the actor's cosine horizon in gradient steps (None: the run's --total-steps; the paper: 2M)"""
     grad_clip: float = 1000.0
     gamma: float = 0.99
     tau: float = 0.005
     init_alpha: float = 0.2
-    fixed_alpha: bool = False
-    """keep alpha at ``init_alpha`` (the paper's setting for hopper)"""
+    fixed_alpha: Optional[bool] = None
+    """keep alpha at ``init_alpha`` (None: on hopper, as the paper)"""
     target_entropy: Optional[float] = None
     """None: -|A|"""
-    real_weight: float = 0.05
-    """weight of the real-data mean in every loss (``TASK_SETTINGS``)"""
+    real_weight: Optional[float] = None
+    """weight of the real-data mean in every loss (None: the task's from the paper's table; else 0.05)"""
     tape_len: int = 2048
-    """transitions per training batch (one tape)"""
+    """transitions per training batch (one tape of whole trajectories laid end to end)"""
     utd: float = 0.05
-    """gradient steps per new imagined transition"""
+    """gradient steps per collected transition: each collection owes ceil(utd x its transitions)"""
     rollout_batch: int = 100
     """trajectories imagined per collection (one per posterior member)"""
     buffer_transitions: int = 40_000_000
+    """the tape buffer's capacity (positions: transitions plus one final state per trajectory); a run
+    that cannot fill it (--total-steps / utd) allocates only what it can use"""
     uncertainty_quantile: Optional[float] = 1.0
     """the truncation threshold's quantile of the dataset's uncertainties (None: no truncation)"""
     penalty: float = 0.0
     """MOPO-style reward penalty on the uncertainty (divided by its dataset mean); NeuBay: 0"""
     planning_members: int = 100
-    """elites the imagination draws from (the paper's ablation: 5, 20, 100)"""
+    """elites the imagination draws from, best first (the paper's ablation: 5, 20, 100)"""
+    max_horizon: Optional[int] = None
+    """trajectory length cap of tapes and imagination (None: the env's episode limit, 1000 for MuJoCo)"""
+    dataset: Optional[str] = None
+    """a D4RL-layout HDF5 file (envs/datasets.py); or give --env and --kind to use the cache"""
+    kind: Optional[str] = None
+    """dataset kind looked up in the cache with --env: random, medium, medium-replay, expert, medium-expert"""
+    dataset_root: Optional[str] = None
+    """dataset cache directory (default: $RLZOO_DATASETS or ~/.cache/rlzoo/datasets)"""
+    model: Optional[str] = None
+    """a trained world model (.npz from agents/dynamics.py); default: <dataset>.neubay-<seed>.npz,
+    trained on first use and then reused"""
+    updates_per_epoch: int = 1000
+    """gradient steps per jitted epoch (collections fall inside epochs, whenever the owed steps are done)"""
+    dynamics: DynamicsConfig = field(default_factory=neubay_config)
+    """the world-model posterior (section 7.1), as --dynamics.<field>; its epoch cap follows the
+    dataset kind unless --dynamics.max-epochs is given"""
 
     def __post_init__(self):
+        if isinstance(self.dynamics, dict):  # from config.json
+            object.__setattr__(self, "dynamics", DynamicsConfig(**self.dynamics))
         if not 1 <= self.sampled_critics <= self.critics:
             raise ValueError(f"need 1 <= --sampled-critics <= --critics, got {self.sampled_critics}, {self.critics}")
-        if not 0.0 <= self.real_weight <= 1.0:
+        if self.real_weight is not None and not 0.0 <= self.real_weight <= 1.0:
             raise ValueError(f"--real-weight must be in [0, 1], got {self.real_weight}")
         for name in ("head_width", "head_depth", "d_model", "d_hidden", "lru_layers", "updates", "tape_len",
-                     "rollout_batch", "planning_members"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                     "rollout_batch", "planning_members", "max_horizon", "updates_per_epoch", "buffer_transitions"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.tape_len < 2:
             raise ValueError("--tape-len must be >= 2 (a transition needs its next position)")
+        if not 0.0 < self.utd <= 1000.0:
+            raise ValueError(f"--utd must be in (0, 1000], got {self.utd}")
         if self.uncertainty_quantile is not None and not 0.0 <= self.uncertainty_quantile <= 1.0:
             raise ValueError(f"--uncertainty-quantile must be in [0, 1], got {self.uncertainty_quantile}")
+        if self.planning_members > self.dynamics.elites:
+            raise ValueError(f"--planning-members {self.planning_members} is more than the world model's "
+                             f"--dynamics.elites {self.dynamics.elites}")
 
     @property
     def recurrent(self) -> RecurrentSpec:
         return RecurrentSpec(self.d_model, self.d_hidden, self.lru_layers, 0.0, self.r_max)
 
 
-def task_config(cfg: NeuBayConfig, env: str, kind: str, **overrides) -> NeuBayConfig:
-    """``cfg`` with the paper's per-task encoder lr, real_weight and (hopper) fixed alpha; flags the
-    user gave (``overrides``) win.  An env / kind outside the table keeps ``cfg``'s values."""
-    base = env.split("-")[0].lower()
+def resolved(cfg: NeuBayConfig) -> NeuBayConfig:
+    """``cfg`` with every field still None set to its ``BASE`` value."""
+    return dataclasses.replace(cfg, **{k: v for k, v in BASE.items() if getattr(cfg, k) is None})
+
+
+def task_config(cfg: NeuBayConfig, env: str, kind: Optional[str], **overrides) -> NeuBayConfig:
+    """``cfg`` with its unset (None) encoder lr, real_weight and fixed alpha taken from the paper's
+    per-task table (``TASK_SETTINGS``; hopper: fixed alpha); ``overrides`` win, values already set in
+    ``cfg`` are kept, and an env / kind outside the table leaves them unset."""
+    base = (datasets.d4rl_name(env) or env.split("-")[0]).lower()
     kw = {}
     if (base, kind) in TASK_SETTINGS:
         kw["encoder_lr"], kw["real_weight"] = TASK_SETTINGS[(base, kind)]
-    if base in FIXED_ALPHA_ENVS:
-        kw["fixed_alpha"] = True
-    return NeuBayConfig(**{**cfg.__dict__, **kw, **overrides})
+    kw["fixed_alpha"] = base in FIXED_ALPHA_ENVS
+    kw = {k: v for k, v in kw.items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **{**kw, **overrides})
+
+
+def episode_limit(env_id: str) -> int:
+    """The env's episode limit in steps (Gymnasium's registry), 1000 when it names none."""
+    try:
+        import gymnasium as gym
+
+        return int(gym.spec(env_id).max_episode_steps or BASE["max_horizon"])
+    except Exception:  # noqa: BLE001  (dmc:, ns: ids and unknown names: the MuJoCo default)
+        return BASE["max_horizon"]
+
+
+def with_dataset(cfg: NeuBayConfig, env_id: str, metadata: dict, total_updates: int) -> NeuBayConfig:
+    """The config a run on this dataset trains with (``training/offline.py`` calls it before ``init``):
+    the per-task settings of the dataset's env and kind (``task_config``; the kind from its metadata,
+    else ``--kind``), the actor's cosine over ``total_updates``, tapes cut at the env's episode
+    limit, the world model's epoch cap of the kind (``dynamics.NEUBAY_EPOCH_CAPS``) unless
+    --dynamics.max-epochs was given; then ``BASE`` for whatever is still unset."""
+    kind = metadata.get("kind") or cfg.kind
+    cfg = task_config(cfg, env_id, kind)
+    if cfg.updates is None:
+        cfg = dataclasses.replace(cfg, updates=int(total_updates))
+    if cfg.max_horizon is None:
+        cfg = dataclasses.replace(cfg, max_horizon=episode_limit(env_id))
+    cap = dynamics_lib.NEUBAY_EPOCH_CAPS.get(kind)
+    if cap is not None and cfg.dynamics.max_epochs == dynamics_lib.NO_EPOCH_CAP:
+        cfg = dataclasses.replace(cfg, dynamics=dataclasses.replace(cfg.dynamics, max_epochs=cap))
+    return resolved(cfg)
 
 
 class TapeBatch(NamedTuple):
@@ -208,8 +285,19 @@ def _optimizer(cfg: NeuBayConfig, actor: bool):
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig()) -> NeuBayState:
-    """Actor and critic, each its own recurrent encoder over x_t = [s_t, a_{t-1}, r_{t-1}]."""
+def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
+         network: NetworkConfig = NetworkConfig(), plasticity: StaticPlasticity = StaticPlasticity()) -> NeuBayState:
+    """Actor and critic, each its own recurrent encoder over x_t = [s_t, a_{t-1}, r_{t-1}].
+
+    Unset per-run fields take their ``BASE`` values (a run sets them first: ``with_dataset``).  The
+    sizes are NeuBay's own flags (--head-width, --d-model, ...): ``--network.*`` flags and plasticity
+    interventions are refused."""
+    if network != NetworkConfig():
+        raise ValueError("--network.* flags do not apply to agent 'neubay': its sizes are --head-width, "
+                         "--head-depth, --d-model, --d-hidden and --lru-layers")
+    if plasticity != StaticPlasticity():
+        raise ValueError("plasticity interventions do not apply to agent 'neubay' (it declares no plastic networks)")
+    cfg = resolved(cfg)
     in_dim = obs_dim + act_dim + 1
     head = TrunkSpec(cfg.head_width, cfg.head_depth, activation="leaky_relu", layer_norm=True)
     k_ae, k_ah, k_ce, k_ch, k_out = jax.random.split(key, 5)
@@ -346,13 +434,27 @@ def initial_memory(state: NeuBayState, batch: int):
     return state.actor_encoder.initial_state((batch,))
 
 
-def act_step(state: NeuBayState, memory, inputs, start, key, explore: bool):
-    """One step of ``batch`` episodes: inputs (B, I) = [s_t, a_{t-1}, r_{t-1}], start (B,) ->
-    (action (B, A), memory).  A sampled action when exploring, tanh(mean) otherwise."""
+def act_step(state: NeuBayState, memory, obs, prev_action, prev_reward, start, key, explore: bool):
+    """One step of ``batch`` episodes: obs (B, O), the previous step's action (B, A) and reward (B,)
+    (ignored where ``start``: an episode's first step), start (B,) -> (action (B, A), memory).
+    A sampled action when exploring, tanh(mean) otherwise."""
+    first = start[:, None]
+    inputs = jnp.concatenate([obs, jnp.where(first, 0.0, prev_action), jnp.where(first, 0.0, prev_reward[:, None])],
+                             axis=-1)
     y, memory = state.actor_encoder.step(state.actor_params["encoder"], inputs, memory, start)
     mean, log_std = state.actor_head(state.actor_params["head"], y)
     action = tanh_gaussian_sample(key, mean, log_std)[0] if explore else tanh_gaussian_mode(mean)
     return action, memory
+
+
+def act(state: NeuBayState, obs, key, explore: bool):
+    """The contract's memoryless act: the first step of an episode (zero memory, no previous action or
+    reward) for every row of obs (B, O).  Evaluation uses ``initial_memory`` / ``act_step`` instead,
+    carrying each episode's history (``agents.api.RecurrentAgent``)."""
+    b = obs.shape[0]
+    action, _ = act_step(state, initial_memory(state, b), obs, jnp.zeros((b, state.act_dim), obs.dtype),
+                         jnp.zeros(b, obs.dtype), jnp.ones(b, bool), key, explore)
+    return action
 
 
 def rollout_policy(state: NeuBayState, explore: bool = True):
@@ -364,3 +466,163 @@ def rollout_policy(state: NeuBayState, explore: bool = True):
         action = tanh_gaussian_sample(key, mean, log_std)[0] if explore else tanh_gaussian_mode(mean)
         return action, memory
     return policy
+
+
+# ----------------------------------------------------------------------------- the offline run
+
+KIND = "offline"
+CONFIG = NeuBayConfig
+EXPERIENCE_REVIEW = False  # a fixed dataset: no online stream to review
+HORIZON_QUANTILES = (0.1, 0.5, 0.9)
+
+
+class World(NamedTuple):
+    """What every seed imagines in (``prepare``, shared, not checkpointed: the model is cached on disk)."""
+
+    model: dynamics_lib.DynamicsModel  # elites cut to the ``planning_members`` best
+    histories: imagination.Histories  # the dataset's trajectories, actions in [-1, 1]
+    threshold: jax.Array  # the truncation threshold (inf: none)
+    penalty: jax.Array  # the reward penalty per unit of uncertainty (cfg.penalty / its dataset mean)
+
+
+class Data(NamedTuple):
+    """What one seed learns from: its tape buffer, the gradient steps it owes its collections, and
+    the last collection's statistics.  ``real`` is empty: the dataset lives in ``World``."""
+
+    real: tuple
+    tapes: tapes_lib.TapeBuffer
+    debt: jax.Array
+    last_collection: dict
+
+
+def tape_capacity(cfg: NeuBayConfig) -> int:
+    """Positions the run's tape buffer needs: ``buffer_transitions``, or less when the run cannot
+    collect that many (--total-steps / utd transitions, plus one collection of whole tapes on each side)."""
+    cfg = resolved(cfg)
+    one = cfg.rollout_batch * (cfg.max_horizon + 1)
+    reachable = math.ceil(cfg.updates / cfg.utd) + cfg.rollout_batch + 2 * one
+    return max(min(cfg.buffer_transitions, reachable), one)
+
+
+def _collection_stats(stats, tape: imagination.Tape, active):
+    horizon = stats["horizon"].astype(jnp.float32)
+    out = {"rollout/horizon_mean": horizon.mean(), "rollout/horizon_max": horizon.max(),
+           "rollout/prefix_mean": stats["prefix"].astype(jnp.float32).mean(),
+           "rollout/ended_terminated": stats["ended_terminated"].mean(),
+           "rollout/ended_uncertainty": stats["ended_uncertainty"].mean(),
+           "rollout/ended_horizon": stats["ended_horizon"].mean(),
+           "rollout/imagined_return": stats["imagined_return"].mean(),
+           "rollout/uncertainty_mean": stats["uncertainty_mean"],
+           "rollout/transitions": tape.length.sum().astype(jnp.float32)}
+    for q in HORIZON_QUANTILES:
+        out[f"rollout/horizon_p{int(q * 100)}"] = jnp.quantile(horizon, q)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def _empty_stats():
+    names = ["horizon_mean", "horizon_max", "prefix_mean", "ended_terminated", "ended_uncertainty", "ended_horizon",
+             "imagined_return", "uncertainty_mean", "transitions"] + [f"horizon_p{int(q * 100)}"
+                                                                       for q in HORIZON_QUANTILES]
+    return {f"rollout/{n}": jnp.zeros((), jnp.float32) for n in names}
+
+
+def data_init(real, cfg: NeuBayConfig) -> Data:
+    obs_dim, act_dim = real.obs.shape[-1], real.action.shape[-1]
+    return Data((), tapes_lib.init(tape_capacity(cfg), obs_dim, act_dim), jnp.zeros((), jnp.int32), _empty_stats())
+
+
+def model_path(dataset_path, seed: int) -> str:
+    return f"{dataset_path}.neubay-{seed}.npz"
+
+
+def prepare(key, dataset, dataset_path, cfg: NeuBayConfig, seed: int, log=print) -> World:
+    """Once per run: the world-model posterior (loaded or trained with ``cfg.dynamics``), its
+    ``planning_members`` best elites, the dataset's trajectories, the truncation threshold and the
+    penalty's scale (sections 7.1-7.2)."""
+    cfg = resolved(cfg)
+    model = dynamics_lib.load_or_train(key, dataset, cfg.dynamics, model_path(dataset_path, seed), cfg.model, log)
+    if cfg.planning_members > model.elites.shape[0]:
+        raise SystemExit(f"--planning-members {cfg.planning_members}: the world model has only "
+                         f"{model.elites.shape[0]} elites")
+    model = model.replace(elites=model.elites[:cfg.planning_members])
+    t = dataset.transitions(unit_actions=True)
+    unc = dynamics_lib.dataset_uncertainties(model, t.obs, t.action)
+    threshold = dynamics_lib.uncertainty_threshold(model, t.obs, t.action, cfg.uncertainty_quantile, uncertainties=unc)
+    mean_unc = float(np.mean(unc))
+    log(f"world model: {int(model.elites.shape[0])} members for imagination, validation MSE of the best "
+        f"{float(np.asarray(model.val_mse)[int(model.elites[0])]):.4g}; dataset uncertainty mean {mean_unc:.4g}, "
+        f"truncation threshold {threshold:.4g} (quantile {cfg.uncertainty_quantile})")
+    hist = imagination.histories(t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, cfg.max_horizon)
+    return World(model, hist, jnp.asarray(threshold, jnp.float32),
+                 jnp.asarray(cfg.penalty / max(mean_unc, 1e-12), jnp.float32))
+
+
+def buffer_tape(tape: tapes_lib.Tape) -> TapeBatch:
+    """A tape from the buffer as a training batch of one row: inputs [s_t, a_{t-1}, r_{t-1}]."""
+    inputs = jnp.concatenate([tape.obs, tapes_lib.previous(tape.action, tape.start),
+                              tapes_lib.previous(tape.reward, tape.start)[:, None]], axis=-1)
+    return TapeBatch(*(x[None] for x in (inputs, tape.start, tape.action, tape.reward, tape.terminated, tape.real)))
+
+
+def sample_batch(state: NeuBayState, data: Data, key, batch_size: int) -> TapeBatch:
+    """One training tape of ``batch_size`` positions from the seed's tape buffer."""
+    return buffer_tape(tapes_lib.sample(data.tapes, key, batch_size))
+
+
+def collect(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayConfig, done_fn, active=True) -> Data:
+    """One collection (section 7.2): ``rollout_batch`` tapes imagined with the stochastic actor, added
+    to the buffer, and ceil(utd x their transitions) gradient steps owed.  ``active`` False: none."""
+    tape, stats = imagination.imagine(world.model, world.histories, rollout_policy(state, explore=True),
+                                      initial_memory(state, cfg.rollout_batch), key, batch=cfg.rollout_batch,
+                                      max_horizon=cfg.max_horizon, threshold=world.threshold, done_fn=done_fn,
+                                      penalty=world.penalty, active=active)
+    tapes = tapes_lib.add(data.tapes, tape.obs, tape.action, tape.reward, tape.terminated, tape.real, tape.length,
+                          keep=jnp.broadcast_to(active, tape.length.shape))
+    owed = jnp.ceil(cfg.utd * tape.length.sum()).astype(jnp.int32)
+    last = jax.tree.map(lambda new, old: jnp.where(active, new, old), _collection_stats(stats, tape, active),
+                        data.last_collection)
+    return Data(data.real, tapes, data.debt + jnp.where(active, owed, 0), last)
+
+
+def train_epoch(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayConfig, done_fn):
+    """``updates_per_epoch`` gradient steps for one seed, collecting whenever the owed steps are done
+    (the reference's loop: collect, then ceil(utd x new transitions) steps, repeat).  The collection
+    is skipped (``active``), not branched on, so the seeds' vmap runs one program."""
+    total = cfg.updates_per_epoch
+    probe = jax.eval_shape(lambda s, d, k: update(s, sample_batch(s, d, k, cfg.tape_len), k)[1], state, data, key)
+    zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), probe)
+
+    def owing(carry):
+        _, data, _, done, _ = carry
+        return (data.debt > 0) & (done < total)
+
+    def one_update(carry):
+        state, data, key, done, sums = carry
+        key, k_sample, k_update = jax.random.split(key, 3)
+        state, metrics = update(state, sample_batch(state, data, k_sample, cfg.tape_len), k_update)
+        sums = jax.tree.map(jnp.add, sums, metrics)
+        return state, data._replace(debt=data.debt - 1), key, done + 1, sums
+
+    def not_done(carry):
+        return carry[3] < total
+
+    def pay_then_collect(carry):
+        state, data, key, done, sums = jax.lax.while_loop(owing, one_update, carry)
+        key, k_collect = jax.random.split(key)
+        data = collect(state, data, world, k_collect, cfg, done_fn, active=(data.debt == 0) & (done < total))
+        return state, data, key, done, sums
+
+    state, data, _, _, sums = jax.lax.while_loop(not_done, pay_then_collect,
+                                                 (state, data, key, jnp.zeros((), jnp.int32), zeros))
+    metrics = {**jax.tree.map(lambda m: m / total, sums), **data.last_collection,
+               "rollout/owed_updates": data.debt.astype(jnp.float32),
+               "buffer/trajectories": tapes_lib.stored_episodes(data.tapes).astype(jnp.float32),
+               "buffer/positions": tapes_lib.stored_positions(data.tapes).astype(jnp.float32)}
+    return state, data, metrics
+
+
+def make_epoch(cfg: NeuBayConfig, env_id: str):
+    """The loop's per-seed epoch function, with the env's termination function bound."""
+    cfg = resolved(cfg)
+    done_fn = termination.termination_fn(env_id)
+    return lambda state, data, world, key: train_epoch(state, data, world, key, cfg, done_fn)

@@ -39,7 +39,6 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from agents import dynamics as dynamics_lib
 from agents import sac
@@ -152,35 +151,7 @@ def sample_batch(state, data: Data, key, batch_size: int) -> Transition:
 
 def prepare(key, dataset, dataset_path, cfg: RAVLConfig, seed: int, log=print):
     """Step 0: the dynamics ensemble for this dataset (loaded from ``cfg.model`` / the cache or trained)."""
-    path = Path(cfg.model) if cfg.model else model_path(dataset_path, seed)
-    if path.exists():
-        log(f"dynamics model: {path}")
-        model = dynamics_lib.load(path)
-        if (model.obs_dim, model.act_dim) != (dataset.obs_dim, dataset.act_dim):
-            raise SystemExit(f"dynamics model {path} is for obs/act dims {model.obs_dim}/{model.act_dim}, the "
-                             f"dataset has {dataset.obs_dim}/{dataset.act_dim}")
-        if not cfg.model and model.cfg != cfg.dynamics:
-            changed = [f.name for f in dataclasses.fields(DynamicsConfig)
-                       if getattr(model.cfg, f.name) != getattr(cfg.dynamics, f.name)]
-            raise SystemExit(f"the cached dynamics model {path} was trained with other --dynamics settings "
-                             f"({', '.join(changed)}): delete it to retrain, or pass --model {path} to use it")
-        return model
-    if cfg.model:
-        raise SystemExit(f"--model {path}: no such file")
-    log(f"training the dynamics ensemble on {len(dataset)} transitions (cached at {path}) ...")
-    t = dataset.transitions(unit_actions=True)
-
-    def progress(epoch, row):
-        if epoch % 25 == 0 or row.get("action") not in (None, "", "continue"):
-            log(f"  dynamics epoch {epoch}: train loss {row['train_loss']:.4f}, "
-                f"best validation MSE {np.min(row['best_val_mse']):.5f} {row.get('action') or ''}")
-
-    model, info = dynamics_lib.train(key, t.obs, t.action, t.reward, t.next_obs, cfg.dynamics, log=progress)
-    dynamics_lib.save(path, model)
-    val = np.asarray(info["val_mse"])
-    log(f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "
-        f"elites {np.asarray(info['elites']).tolist()}")
-    return model
+    return dynamics_lib.load_or_train(key, dataset, cfg.dynamics, model_path(dataset_path, seed), cfg.model, log)
 
 
 def model_path(dataset_path, seed: int) -> Path:

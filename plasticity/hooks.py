@@ -40,7 +40,7 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     wanted = [flag for flag, on in (("--plasticity.metrics-every", cfg.metrics_every > 0),
                                     ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
                                     ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
-                                    ("--plasticity.ne", cfg.ne)) if on]
+                                    ("--plasticity.ne", cfg.ne), ("--plasticity.kron", cfg.kron)) if on]
     if wanted and not isinstance(agent, PlasticAgent):
         raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: it declares no plastic "
                          "networks (plasticity.api.PlasticAgent)")

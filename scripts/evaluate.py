@@ -373,6 +373,7 @@ def record(restored, env_id: str, seed: int, row: int, evaluator, policy, render
         seconds = agent_step_seconds(env)
         fps = fps or (1.0 / seconds if seconds else 30.0)
         obs, _ = env.reset(seed=env_seed)
+        policy.reset()  # a recurrent agent's memory starts with the episode
         writer = VideoWriter(path, fps)
         try:
             writer.add(renderer(env))
@@ -382,6 +383,7 @@ def record(restored, env_id: str, seed: int, row: int, evaluator, policy, render
                 batch = np.broadcast_to(np.asarray(obs, np.float32), (rows, episodes, obs.shape[-1]))
                 action = np.asarray(policy(batch)[row, 0], np.float32)
                 obs, reward, terminated, truncated, _ = env.step(action)
+                policy.observe(np.full((rows, episodes), np.float32(reward)))
                 total += float(np.float32(reward))  # as VectorEnv stores rewards
                 steps += 1
                 done = terminated or truncated

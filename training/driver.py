@@ -29,13 +29,11 @@ import math
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from training import checkpoint
 from training.config import RunConfig, to_json
-from training.evaluation import task_results
+from training.evaluation import policy_maker, task_results
 from training.logger import RunLogger
 from training.loop import Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
 
@@ -57,7 +55,7 @@ class Driver:
         self.seeds = cfg.seeds
         self.tasks = getattr(evaluator, "tasks", None)  # an mt: env's member ids: eval.csv gets per-task rows
         self.logger = RunLogger(run_dir, cfg.tensorboard, multitask=self.tasks is not None)
-        self.eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
+        self.eval_policy = policy_maker(agent)  # vmapped agent state -> the deterministic policy
         self.step, self.schedule, self.pending = 0, None, None
         self.episode_log = [[] for _ in range(cfg.seeds)] if episodes else None
         self.last_eval, self.last_return = math.nan, math.nan
@@ -85,7 +83,7 @@ class Driver:
 
     # ------------------------------------------------------------------------- within an iteration
     def evaluate(self, step: int, state) -> float:
-        returns = self.evaluator(lambda o: self.eval_act(state, jnp.asarray(o)))
+        returns = self.evaluator(self.eval_policy(state))
         extras = None if self.eval_extras is None else self.eval_extras(returns)
         if self.tasks is None:
             if extras is None:

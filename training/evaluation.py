@@ -38,7 +38,9 @@ class Evaluator:
     Seed ``j``'s episode ``k`` resets with env seed ``base_seed + j * stride + k`` (``stride``:
     default ``self.episodes``, i.e. ``base_seed + i`` for the ``i``-th env).  ``policy(obs)`` maps
     observations shaped (seeds, self.episodes, obs_dim) to actions shaped (seeds, self.episodes, act_dim).
-    Returns per seed the list of episode returns, in episode order.
+    A policy with a memory (``RecurrentPolicy``, a recurrent ``SeedPolicy``) also has ``reset()``,
+    called when the episodes start, and ``observe(reward)``, called with each step's rewards shaped
+    (seeds, self.episodes).  Returns per seed the list of episode returns, in episode order.
     """
 
     def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None,
@@ -53,11 +55,15 @@ class Evaluator:
     def __call__(self, policy) -> list[list[float]]:
         n = self.seeds * self.episodes
         obs = self.env.reset(self.env_seeds)
+        if hasattr(policy, "reset"):
+            policy.reset()
         returns = np.zeros(n)
         done = np.zeros(n, bool)
         while not done.all():
             actions = np.asarray(policy(obs.reshape(self.seeds, self.episodes, -1))).reshape(n, -1)
             obs, reward, terminated, truncated, _ = self.env.step(actions)
+            if hasattr(policy, "observe"):
+                policy.observe(np.asarray(reward, np.float32).reshape(self.seeds, self.episodes))
             returns += np.where(done, 0.0, reward)
             done |= terminated | truncated
         self.env.pop_finished()
@@ -137,6 +143,61 @@ def deterministic_act(agent):
     return jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
 
 
+def is_recurrent(agent) -> bool:
+    """Whether the agent acts from the episode's history (``agents.api.RecurrentAgent``)."""
+    from agents.api import RecurrentAgent
+
+    return isinstance(agent, RecurrentAgent)
+
+
+def recurrent_fns(agent):
+    """(memory(states, n), step(states, memory, obs, prev_action, prev_reward, start), action_shape(states,
+    obs)): the recurrent agent's zero memory and deterministic step, vmapped over the seed axis and
+    jitted, and the shape of its actions (abstract, nothing computed)."""
+    memory = jax.jit(jax.vmap(lambda s, n: agent.initial_memory(s, n), in_axes=(0, None)), static_argnums=1)
+    step = jax.jit(jax.vmap(lambda s, m, o, a, r, st: agent.act_step(s, m, o, a, r, st, None, False)))
+    act = jax.vmap(lambda s, o: agent.act(s, o, None, False))
+    return memory, step, lambda state, obs: jax.eval_shape(act, state, obs)
+
+
+class RecurrentPolicy:
+    """A recurrent agent's deterministic policy for ``Evaluator``: it carries each episode's memory,
+    its previous action (the policy's own, in [-1, 1]) and reward (``observe``), and marks the first
+    step after ``reset()`` as the episodes' start."""
+
+    def __init__(self, state, fns):
+        self.state, (self._memory, self._step, self._action_shape) = state, fns
+        self.reset()
+
+    def reset(self):
+        self.memory = self.prev_action = self.prev_reward = None
+
+    def __call__(self, obs):
+        obs = jnp.asarray(obs, jnp.float32)
+        start = self.memory is None
+        if start:  # zero memory, previous action and reward (ignored at a start, shaped as the actions)
+            self.memory = self._memory(self.state, obs.shape[1])
+            self.prev_action = jnp.zeros(self._action_shape(self.state, obs).shape, jnp.float32)
+            self.prev_reward = jnp.zeros(obs.shape[:2], jnp.float32)
+        action, self.memory = self._step(self.state, self.memory, obs, self.prev_action, self.prev_reward,
+                                         jnp.full(obs.shape[:2], start))
+        self.prev_action = action
+        return action
+
+    def observe(self, reward):
+        self.prev_reward = jnp.asarray(reward, jnp.float32)
+
+
+def policy_maker(agent):
+    """``make(states) -> policy`` for ``Evaluator``: the deterministic policy of a vmapped agent state,
+    a ``RecurrentPolicy`` for a recurrent agent (the jitted functions are built once, here)."""
+    if is_recurrent(agent):
+        fns = recurrent_fns(agent)
+        return lambda state: RecurrentPolicy(state, fns)
+    act = deterministic_act(agent)
+    return lambda state: (lambda obs: act(state, jnp.asarray(obs)))
+
+
 class SeedPolicy:
     """The deterministic policy of seeds ``seeds`` (indices) of a vmapped agent ``state``, for ``Evaluator``.
 
@@ -145,25 +206,45 @@ class SeedPolicy:
     the run's evaluation does: the same program on the same shapes, with each episode of the run in
     its own place, gives the same actions to the bit (XLA's results can differ in the last bit
     between shapes, and an episode's return with them).  Rows of seeds not asked for, and the
-    padding of the last block, hold zeros and are dropped.
+    padding of the last block, hold zeros and are dropped.  For a recurrent agent each block of
+    episodes keeps its own memory (``reset`` / ``observe`` as ``Evaluator`` calls them).
     """
 
     def __init__(self, agent, state, seeds, block: int | None = None):
         self.state, self.seeds, self.block = state, list(seeds), block
         self.total = jax.tree.leaves(state)[0].shape[0]
-        self.act = deterministic_act(agent)
+        make = policy_maker(agent)
+        self.recurrent = is_recurrent(agent)
+        self._make = lambda: make(state)  # noqa: E731
+        self.parts = {}  # one policy per block of episodes (a recurrent one carries its episodes' memory)
+
+    def reset(self):
+        self.parts = {}
+
+    def _blocks(self, n):
+        block = self.block or n
+        return [(start, min(n, start + block), block) for start in range(0, n, block)]
+
+    def _full(self, x, block):
+        full = np.zeros((self.total, block) + x.shape[2:], np.float32)
+        full[self.seeds, :x.shape[1]] = x
+        return full
 
     def __call__(self, obs):
         obs = np.asarray(obs, np.float32)
-        n = obs.shape[1]
-        block = self.block or n
         out = []
-        for start in range(0, n, block):
-            part = obs[:, start:start + block]
-            full = np.zeros((self.total, block, obs.shape[2]), np.float32)
-            full[self.seeds, :part.shape[1]] = part
-            out.append(np.asarray(self.act(self.state, jnp.asarray(full)))[self.seeds, :part.shape[1]])
+        for start, end, block in self._blocks(obs.shape[1]):
+            policy = self.parts.setdefault(start, self._make())
+            actions = np.asarray(policy(jnp.asarray(self._full(obs[:, start:end], block))))
+            out.append(actions[self.seeds, :end - start])
         return np.concatenate(out, axis=1)
+
+    def observe(self, reward):
+        """A step's rewards (len(seeds), n), for a recurrent agent's next inputs."""
+        reward = np.asarray(reward, np.float32)
+        if self.recurrent:
+            for start, end, block in self._blocks(reward.shape[1]):
+                self.parts[start].observe(jnp.asarray(self._full(reward[:, start:end], block)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,6 +68,16 @@ def resolve_dataset(cfg: RunConfig):
     return path, dataset, env_id
 
 
+def dataset_config(cfg: RunConfig, agent, dataset, env_id: str) -> RunConfig:
+    """``cfg`` with the env evaluated on and the agent's config for this dataset (``with_dataset``,
+    where the agent defines it: e.g. NeuBay's per-task presets) -- what config.json records."""
+    cfg = dataclasses.replace(cfg, env=env_id)
+    if hasattr(agent, "with_dataset"):
+        cfg = dataclasses.replace(cfg, agent=agent.with_dataset(cfg.agent, env_id, dict(dataset.metadata),
+                                                                 cfg.total_steps))
+    return cfg
+
+
 def scores(returns, env_id: str, metadata: dict) -> dict:
     """Normalised scores of a mean return under each reference that is known for this dataset."""
     out = {}
@@ -100,7 +110,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     """Train (or resume) an offline run.  ``stop_at`` ends early at that update count."""
     check(cfg)
     path, dataset, env_id = resolve_dataset(cfg)
-    cfg = dataclasses.replace(cfg, env=env_id)  # config.json (and plots) name the env evaluated on
+    cfg = dataset_config(cfg, agent, dataset, env_id)  # config.json (and plots) name the env evaluated on
     iteration = OfflineIteration(cfg, agent, path, dataset, env_id)
     driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator, unit="update",
                     speed_key="perf/updates_per_s", episodes=False,

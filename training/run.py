@@ -147,7 +147,10 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
     if agent.KIND == "offline":
         from training.offline import resolve_dataset
 
-        _, dataset, _ = resolve_dataset(cfg)  # the dataset file exists, is readable HDF5 and fits its env
+        from training.offline import dataset_config
+
+        _, dataset, env_id = resolve_dataset(cfg)  # the dataset file exists, is readable HDF5 and fits its env
+        cfg = dataset_config(cfg, agent, dataset, env_id)  # the agent's config as the run will build it
         obs_dim, act_dim = dataset.obs_dim, dataset.act_dim
     else:
         from envs import make_env
@@ -238,12 +241,27 @@ def discard_empty_start(run_dir: Path, existed: bool):
         run_dir.rmdir()
 
 
+def default_metrics(cfg: RunConfig, agent, log=print) -> RunConfig:
+    """The default plasticity metrics (``--plasticity.metrics-every`` left at its default) switched off,
+    saying so, for an agent that declares no plastic networks; an explicit other value is refused
+    by ``preflight`` as before."""
+    from plasticity.api import PlasticAgent
+    from plasticity.config import PlasticityConfig
+
+    default = PlasticityConfig().metrics_every
+    if isinstance(agent, PlasticAgent) or cfg.plasticity.metrics_every != default or cfg.resume:
+        return cfg
+    log(f"plasticity metrics: off (agent {cfg.agent_name!r} declares no plastic networks)")
+    return dataclasses.replace(cfg, plasticity=dataclasses.replace(cfg.plasticity, metrics_every=0))
+
+
 def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrite: bool = False) -> dict:
     """Train (or resume, with ``cfg.resume``) a run.  ``check=False`` skips ``preflight`` (the caller ran it).
 
     A new run claims its directory (``claim``); with ``overwrite`` a run already there is first
     moved into ``run_dir/.replaced-<time>/`` (``move_aside``)."""
     agent = agents.get(cfg.agent_name)
+    cfg = default_metrics(cfg, agent)
     if check:
         preflight(cfg, agent, overwrite=overwrite)
     if cfg.resume:

@@ -1,0 +1,139 @@
+"""A FIFO of whole trajectories on the device, sampled as tapes: uniform episodes laid end to end.
+
+Recurrent agents learn from sequences, not single transitions.  This buffer stores trajectories
+back to back in one ring of positions; position t of an episode holds the state s_t and, for
+t < its length, transition t (a_t, r_t, terminated_t, a real/imagined flag); the episode's last
+position holds its final state with a zero transition.  A sample is one tape of ``T`` positions:
+episodes drawn uniformly (not by length) and concatenated until the tape is full, the last one
+cut (the sampling of NeuBay's tape buffer, Ni et al., arXiv 2512.04341, section 4; the design of
+recurrent replay from whole episodes follows Kapturowski et al., R2D2, 2019).  ``start`` marks each
+episode's first position, so a recurrent core resets there and a loss masks the transition
+that would cross into the next episode.
+
+Episodes are whole or absent: adding overwrites the oldest positions and drops every episode
+whose first position was overwritten.  Positions and episodes are counted with int32 totals, so a
+buffer takes at most 2**31 positions over its life.  Every function is jit- and vmap-friendly.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Steps(NamedTuple):
+    """Per position: the state, then the transition taken from it (zeros at an episode's last position)."""
+
+    obs: jax.Array  # (C, O)
+    action: jax.Array  # (C, A)
+    reward: jax.Array  # (C,)
+    terminated: jax.Array  # (C,) bool
+    real: jax.Array  # (C,) bool: the transition is from the dataset (not imagined)
+
+
+class TapeBuffer(NamedTuple):
+    steps: Steps
+    episode_start: jax.Array  # (E,) absolute position of episode k's first slot, at k % E
+    episode_length: jax.Array  # (E,) positions of episode k (its transitions + 1)
+    written: jax.Array  # positions ever written
+    episodes: jax.Array  # episodes ever added (the newest is episodes - 1)
+    first: jax.Array  # the oldest episode still whole
+
+
+class Tape(NamedTuple):
+    """One sampled tape of T positions (``Steps`` fields and ``start``: an episode begins here)."""
+
+    obs: jax.Array
+    action: jax.Array
+    reward: jax.Array
+    terminated: jax.Array
+    real: jax.Array
+    start: jax.Array
+
+
+def init(capacity: int, obs_dim: int, act_dim: int) -> TapeBuffer:
+    """An empty buffer of ``capacity`` positions (an episode of L transitions takes L + 1)."""
+    if capacity < 2:
+        raise ValueError(f"a tape buffer needs at least 2 positions, got {capacity}")
+    f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
+    steps = Steps(f(obs_dim), f(act_dim), f(), jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
+    episodes = capacity // 2 + 1  # whole episodes take >= 2 positions each
+    zero = jnp.zeros((), jnp.int32)
+    return TapeBuffer(steps, jnp.zeros(episodes, jnp.int32), jnp.zeros(episodes, jnp.int32), zero, zero, zero)
+
+
+def capacity(buffer: TapeBuffer) -> int:
+    return buffer.steps.reward.shape[-1]
+
+
+def stored_episodes(buffer: TapeBuffer):
+    return buffer.episodes - buffer.first
+
+
+def stored_positions(buffer: TapeBuffer):
+    return jnp.minimum(buffer.written, capacity(buffer))
+
+
+def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=None) -> TapeBuffer:
+    """Append B episodes in order: obs (B, H + 1, O), action (B, H, A), reward / terminated / real
+    (B, H), ``length`` (B,) transitions per episode (slots past it are ignored); ``keep`` (B,) bool
+    leaves out the others (and every episode of length 0).  One call may add at most ``capacity``
+    positions."""
+    cap, n_ep = capacity(buffer), buffer.episode_start.shape[0]
+    b, horizon = reward.shape
+    if b * (horizon + 1) > cap:
+        raise ValueError(f"{b} episodes of up to {horizon} transitions need up to {b * (horizon + 1)} positions; "
+                         f"the buffer holds {cap}")
+    keep = (length >= 1) if keep is None else (keep & (length >= 1))
+    size = jnp.where(keep, length + 1, 0).astype(jnp.int32)
+    offset = jnp.cumsum(size) - size
+    t = jnp.arange(horizon + 1)
+    inside = keep[:, None] & (t[None] <= length[:, None])
+    dest = jnp.where(inside, (buffer.written + offset[:, None] + t[None]) % cap, cap).reshape(-1)
+    moving = (t[None, :horizon] < length[:, None])
+
+    def transitions(x):  # (B, H, ...) -> (B, H + 1, ...) with zeros at and past the episode's length
+        x = jnp.where(moving.reshape(moving.shape + (1,) * (x.ndim - 2)), x, jnp.zeros_like(x))
+        return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+
+    new = Steps(obs, transitions(action), transitions(reward), transitions(terminated), transitions(real))
+    steps = jax.tree.map(lambda d, x: d.at[dest].set(x.reshape((-1,) + d.shape[1:]).astype(d.dtype), mode="drop"),
+                         buffer.steps, new)
+    k = buffer.episodes + jnp.cumsum(keep) - 1
+    slot = jnp.where(keep, k % n_ep, n_ep)
+    episode_start = buffer.episode_start.at[slot].set(buffer.written + offset, mode="drop")
+    episode_length = buffer.episode_length.at[slot].set(size, mode="drop")
+    written = buffer.written + size.sum()
+    episodes = buffer.episodes + keep.sum().astype(jnp.int32)
+
+    def overwritten(first):
+        return (first < episodes) & (episode_start[first % n_ep] < written - cap)
+
+    first = jax.lax.while_loop(overwritten, lambda f: f + 1, buffer.first)
+    return TapeBuffer(steps, episode_start, episode_length, written, episodes, first)
+
+
+def sample(buffer: TapeBuffer, key, length: int) -> Tape:
+    """One tape of ``length`` positions: uniformly drawn stored episodes laid end to end, the last
+    one cut.  The buffer must hold at least one episode."""
+    cap, n_ep = capacity(buffer), buffer.episode_start.shape[0]
+    count = jnp.maximum(stored_episodes(buffer), 1)
+    # every episode takes >= 2 positions, so ``length`` draws always fill the tape
+    k = (buffer.first + jax.random.randint(key, (length,), 0, count)) % n_ep
+    sizes = buffer.episode_length[k]
+    ends = jnp.cumsum(sizes)
+    j = jnp.arange(length)
+    which = jnp.searchsorted(ends, j, side="right")
+    within = j - (ends[which] - sizes[which])
+    pos = (buffer.episode_start[k[which]] + within) % cap
+    s = jax.tree.map(lambda x: x[pos], buffer.steps)
+    return Tape(s.obs, s.action, s.reward, s.terminated, s.real, within == 0)
+
+
+def previous(x, start):
+    """x shifted one position later along axis 0, with zeros at every episode start (``start``):
+    the previous action / reward of each position."""
+    shifted = jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]], axis=0)
+    mask = start.reshape(start.shape + (1,) * (x.ndim - 1))
+    return jnp.where(mask, jnp.zeros_like(shifted), shifted)
