@@ -25,10 +25,13 @@ the critic's stay constant.  Heads are 2 x 256 (Linear, LayerNorm, leaky-ReLU); 
 layer starts at U(+-0.1 / sqrt(256)) (the reference's scale 0.01 on the fan-in variance, our reading
 of "small") with a zero bias; the actor's log-std is clipped to [-5, 2].
 
-Status: the learner, the per-task settings and acting (``act_step``, ``rollout_policy``) are here
-and tested; the run around them (collect tapes with ``imagination.imagine`` at UTD 0.05 into a
-tape buffer, evaluation episodes carrying the recurrent state, ``train.py neubay``, checkpoints)
-is not wired yet, and the agent is not registered in ``agents.AGENTS``.
+The run (section 7.2 and the reference's main loop): ``prepare`` fits or loads the world-model
+posterior and computes the truncation threshold; each epoch of ``updates_per_epoch`` steps pays
+the gradient steps its collections owe (ceil(utd x transitions) each) and collects whenever they
+are paid (``train_epoch``), tapes going into a FIFO of whole trajectories (``buffers/tapes.py``)
+sampled as one tape of ``tape_len`` positions per step.  Evaluation carries the actor's memory
+(``initial_memory`` / ``act_step``).  Not built: the Markov (MLP) ablation; plasticity metrics and
+interventions (no plastic networks are declared: they are refused).
 """
 from __future__ import annotations
 

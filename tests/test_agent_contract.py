@@ -58,7 +58,11 @@ def _finite(metrics):
     return all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(metrics))
 
 
-@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "example"])
+def test_every_registered_agent_is_checked_here():
+    assert set(agents.AGENTS) == {"sac", "mrq", "mrq-mt", "ppo", "ravl", "neubay"}
+
+
+@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "neubay", "example"])
 def test_agent_exports_the_contract_of_its_kind(name, registry):
     agent = agents.get(name)
     proto = api.protocol_for(agent)
@@ -138,6 +142,26 @@ def test_offline_agent_samples_its_data_and_updates():
     assert batch.obs.shape == (8, OBS)
     _, metrics = agent.update(state, batch, jax.random.key(2))
     assert _finite(metrics)
+
+
+def test_recurrent_agent_acts_step_by_step_with_its_memory():
+    """``agents.api.RecurrentAgent``: the names and signatures, and one step from a zero memory
+    equals the memoryless ``act`` (an episode's first step)."""
+    agent = agents.get("neubay")
+    assert isinstance(agent, api.RecurrentAgent)
+    for method, fn in _protocol_methods(api.RecurrentAgent).items():
+        need, allow = _positional(getattr(agent, method))
+        assert need <= _positional(fn)[1] - 1 <= allow
+    cfg = agent.CONFIG(critics=2, head_width=8, d_model=8, d_hidden=4, lru_layers=1)
+    state = agent.init(jax.random.key(0), OBS, ACT, cfg)
+    obs = jnp.ones((4, OBS))
+    action, memory = agent.act_step(state, agent.initial_memory(state, 4), obs, jnp.ones((4, ACT)), jnp.ones(4),
+                                    jnp.ones(4, bool), None, False)
+    assert action.shape == (4, ACT) and bool(jnp.all(jnp.abs(action) <= 1.0))
+    np.testing.assert_allclose(np.asarray(action), np.asarray(agent.act(state, obs, None, False)), rtol=1e-6)
+    later, _ = agent.act_step(state, memory, obs, jnp.ones((4, ACT)), jnp.ones(4), jnp.zeros(4, bool), None, False)
+    assert not np.allclose(np.asarray(later), np.asarray(action))  # the memory changes what it does
+    assert not isinstance(agents.get("sac"), api.RecurrentAgent)
 
 
 def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_path):

@@ -29,7 +29,7 @@ DIRS = ("noconf", "badconf", "nockpt", "hasckpt", "haslogs")  # named by the com
 CASES = {
     # what to train
     "no-arguments": ([], "no agent given"),
-    "unknown-agent": (["dqn", "--run-dir", RUN], "unknown agent 'dqn'; available agents: mrq, mrq-mt, ppo, ravl, sac"),
+    "unknown-agent": (["dqn", "--run-dir", RUN], "unknown agent 'dqn'; available agents: mrq, mrq-mt, neubay, ppo, ravl, sac"),
     "flag-before-agent": (["--env", "Pendulum-v1", "--run-dir", RUN], "the first argument must be an agent (mrq"),
     # env ids
     "unknown-gymnasium-id": (["sac", "--env", "HalfCheetah-v99", "--run-dir", RUN],
@@ -208,7 +208,7 @@ def test_debug_shows_the_traceback(outcomes):
 def test_help_exits_zero_and_names_the_agents(outcomes):
     code, output, _ = outcomes["help"]
     assert code == 0, output
-    assert "agents: mrq, mrq-mt, ppo, ravl, sac" in output and "--resume" in output
+    assert "agents: mrq, mrq-mt, neubay, ppo, ravl, sac" in output and "--resume" in output
 
 
 def test_at_least_25_bad_command_lines():

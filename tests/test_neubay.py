@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pathlib import Path
 
 from agents import dynamics as dyn
 from agents import imagination as im
@@ -10,7 +11,8 @@ from agents import neubay
 
 OBS, ACT = 3, 2
 SMALL = neubay.NeuBayConfig(critics=4, sampled_critics=2, head_width=16, d_model=16, d_hidden=8, lru_layers=1,
-                            encoder_lr=1e-3, head_lr=1e-3, updates=1000, tape_len=32)
+                            encoder_lr=1e-3, head_lr=1e-3, updates=1000, tape_len=32, real_weight=0.05,
+                            fixed_alpha=False)
 # the one other config the tests compile: all weight on real data, alpha fixed (as for hopper)
 REAL_FIXED = neubay.NeuBayConfig(**{**SMALL.__dict__, "real_weight": 1.0, "fixed_alpha": True})
 STEP = jax.jit(neubay.update)
@@ -46,9 +48,28 @@ def test_task_settings_and_their_overrides():
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha) == (3e-7, 0.5, True)
     cfg = neubay.task_config(neubay.NeuBayConfig(), "HalfCheetah-v5", "medium-replay", real_weight=0.3)
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha) == (1e-5, 0.3, False)
-    assert neubay.task_config(neubay.NeuBayConfig(), "ant", "medium") == neubay.NeuBayConfig()
+    # a value set in the config (a flag) is kept; a task outside the table keeps the base values
+    cfg = neubay.task_config(neubay.NeuBayConfig(encoder_lr=2e-4), "Hopper-v5", "medium")
+    assert (cfg.encoder_lr, cfg.real_weight) == (2e-4, 0.8)
+    assert neubay.resolved(neubay.task_config(neubay.NeuBayConfig(), "ant", "medium")) == \
+        neubay.resolved(neubay.NeuBayConfig())
     with pytest.raises(ValueError, match="sampled-critics"):
         neubay.NeuBayConfig(critics=2, sampled_critics=3)
+
+
+def test_a_run_resolves_presets_from_the_dataset():
+    cfg = neubay.with_dataset(neubay.NeuBayConfig(), "Hopper-v5", {"kind": "medium-replay"}, 50_000)
+    assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.updates, cfg.max_horizon) == \
+        (3e-7, 0.5, True, 50_000, 1000)
+    assert cfg.dynamics.max_epochs == dyn.NO_EPOCH_CAP  # medium-replay: no cap
+    cfg = neubay.with_dataset(neubay.NeuBayConfig(kind="medium"), "Walker2d-v5", {}, 10)
+    assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.dynamics.max_epochs) == (3e-6, 0.5, False, 1200)
+    given = neubay.NeuBayConfig(dynamics=dyn.neubay_config(max_epochs=7), updates=99)
+    cfg = neubay.with_dataset(given, "Hopper-v5", {"kind": "medium"}, 10)
+    assert (cfg.dynamics.max_epochs, cfg.updates) == (7, 99)  # flags win over the presets
+    assert neubay.with_dataset(cfg, "Hopper-v5", {"kind": "medium"}, 10) == cfg  # a resumed run: unchanged
+    cfg = neubay.with_dataset(neubay.NeuBayConfig(), "ToyReach-v0", {"kind": "random"}, 10)
+    assert (cfg.encoder_lr, cfg.real_weight, cfg.max_horizon) == (1e-5, 0.05, 20)  # base values; its 20-step limit
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +147,171 @@ def test_stepping_the_actor_equals_running_it_over_the_sequence():
     state = neubay.init(jax.random.key(7), OBS, ACT, SMALL)
     x = jax.random.normal(jax.random.key(8), (3, 9, OBS + ACT + 1))
     start = jnp.zeros((3, 9), bool).at[:, 0].set(True).at[1, 5].set(True)
+    x = jnp.where(start[..., None] & (jnp.arange(OBS + ACT + 1) >= OBS), 0.0, x)  # no previous step at a start
     memory, stepped = neubay.initial_memory(state, 3), []
     act = jax.jit(neubay.act_step, static_argnames="explore")
     for t in range(9):
-        a, memory = act(state, memory, x[:, t], start[:, t], None, explore=False)
+        a, memory = act(state, memory, x[:, t, :OBS], x[:, t, OBS:OBS + ACT], x[:, t, -1], start[:, t], None,
+                        explore=False)
         stepped.append(a)
     policy = jax.jit(neubay.rollout_policy(state, explore=False))
     for t in (4, 8):
         a, _ = policy(neubay.initial_memory(state, 3), x[:, :t + 1], start[:, :t + 1], jax.random.key(0))
         np.testing.assert_allclose(np.asarray(a), np.asarray(stepped[t]), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the offline run end to end
+
+
+def _run_config(dataset, run_dir, total=400, **kw):
+    from training.config import RunConfig
+
+    world = dyn.neubay_config(members=4, elites=3, width=32, depth=2, max_epochs=30, batch_size=128)
+    agent = neubay.NeuBayConfig(dataset=str(dataset), critics=4, head_width=32, d_model=32, d_hidden=16,
+                                lru_layers=1, encoder_lr=1e-3, real_weight=0.5, tape_len=128, rollout_batch=8,
+                                planning_members=3, updates_per_epoch=100, dynamics=world)
+    return RunConfig(**{"env": None, "total_steps": total, "eval_every": 200, "eval_episodes": 4, "log_every": 100,
+                        "checkpoint_every": 200, "progress": False, "run_dir": str(run_dir), "agent_name": "neubay",
+                        "agent": agent, **kw})
+
+
+@pytest.fixture(scope="module")
+def toy_dataset(tmp_path_factory):
+    from tests.test_ravl import _toy_dataset
+
+    path = tmp_path_factory.mktemp("neubay") / "toyreach-random.hdf5"
+    _toy_dataset(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(toy_dataset, tmp_path_factory):
+    from training.run import run
+
+    run_dir = tmp_path_factory.mktemp("neubay-run") / "a"
+    return run(_run_config(toy_dataset, run_dir)), run_dir
+
+
+def _eval_rows(run_dir):
+    import csv
+
+    return {int(r["step"]): r for r in csv.DictReader(open(run_dir / "eval.csv"))}
+
+
+@pytest.mark.slow
+def test_a_short_run_beats_its_untrained_policy(finished_run, toy_dataset):
+    import json
+
+    out, run_dir = finished_run
+    rows = _eval_rows(run_dir)
+    first, last = float(rows[0]["return_mean"]), float(rows[400]["return_mean"])
+    assert last > first + 4.0 and last > 8.0, (first, last)
+    assert np.all(np.asarray(out["state"].updates) == 400)
+    saved = json.loads((run_dir / "config.json").read_text())["agent"]
+    # config.json holds the settings the run trained with: the cosine over the run, ToyReach's 20-step limit
+    assert (saved["updates"], saved["max_horizon"], saved["fixed_alpha"]) == (400, 20, False)
+    metrics = (run_dir / "metrics.csv").read_text().splitlines()[0]
+    for name in ("rollout/horizon_p50", "rollout/ended_uncertainty", "buffer/trajectories", "losses/critic_real"):
+        assert name in metrics
+    assert Path(neubay.model_path(toy_dataset, 0)).exists()  # the world model is cached beside the dataset
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_and_evaluate_reproduces_the_run(finished_run, toy_dataset, tmp_path):
+    import dataclasses
+
+    from training.evaluation import restore_policy
+    from training.run import run
+
+    full, full_dir = finished_run
+    run(_run_config(toy_dataset, tmp_path / "b"), stop_at=200)
+    resumed = run(dataclasses.replace(_run_config(toy_dataset, tmp_path / "b"), resume=str(tmp_path / "b")))
+    for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert (full_dir / "eval.csv").read_text() == (tmp_path / "b" / "eval.csv").read_text()
+    # the checkpoint's recurrent policy, evaluated as scripts/evaluate.py does, gives the run's own returns
+    restored = restore_policy(full_dir)
+    returns = restored.evaluator()(restored.policy())
+    logged = [float(x) for x in _eval_rows(full_dir)[400]["episode_returns"].split()]
+    np.testing.assert_allclose(returns[0], logged, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
+    """The evaluator's recurrent policy against a hand-written loop over one env with act_step."""
+    import gymnasium as gym
+
+    from training.evaluation import Evaluator, policy_maker
+
+    out, _ = finished_run
+    state = out["state"]
+    returns = Evaluator("ToyReach-v0", 1, 2, base_seed=123)(policy_maker(neubay)(state))[0]
+    one = jax.tree.map(lambda x: x[0], state)
+    step = jax.jit(neubay.act_step, static_argnames="explore")
+    for k, expected in enumerate(returns):
+        env = gym.make("ToyReach-v0")
+        obs, _ = env.reset(seed=123 + k)
+        memory, prev_a, prev_r, total, start = neubay.initial_memory(one, 1), jnp.zeros((1, 1)), jnp.zeros(1), 0.0, True
+        done = False
+        while not done:
+            action, memory = step(one, memory, jnp.asarray(obs, jnp.float32)[None], prev_a, prev_r,
+                                  jnp.array([start]), None, explore=False)
+            obs, reward, terminated, truncated, _ = env.step(np.asarray(action[0]))
+            prev_a, prev_r, start = action, jnp.array([reward], jnp.float32), False
+            total += float(np.float32(reward))
+            done = terminated or truncated
+        assert total == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    # and the memory matters: acting from a fresh memory at every step (``act``) gives other returns
+    forgetful = Evaluator("ToyReach-v0", 1, 2, base_seed=123)(
+        lambda o: jax.vmap(lambda s, x: neubay.act(s, x, None, False))(state, jnp.asarray(o)))[0]
+    assert not np.allclose(forgetful, returns)
+
+
+def test_one_collection_owes_utd_times_its_transitions():
+    from envs import termination
+
+    cfg = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12,
+                                                 "utd": 0.25, "updates": 100}))
+    model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
+    rng = np.random.default_rng(0)
+    n = 30
+    obs = rng.normal(size=(n, OBS)).astype(np.float32)
+    hist = im.histories(obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool),
+                        np.arange(n) % 10 == 9, 12)
+    world = neubay.World(model, hist, jnp.float32(np.inf), jnp.float32(0.0))
+    state = neubay.init(jax.random.key(1), OBS, ACT, cfg)
+    data = neubay.data_init(types_real(n), cfg)
+    data = neubay.collect(state, data, world, jax.random.key(2), cfg, termination.never_done)
+    transitions = int(data.tapes.written) - int(data.tapes.episodes)  # positions = transitions + one per tape
+    assert int(data.debt) == int(np.ceil(0.25 * transitions)) and int(data.tapes.episodes) == 4
+    skipped = neubay.collect(state, data, world, jax.random.key(3), cfg, termination.never_done, active=False)
+    assert int(skipped.tapes.written) == int(data.tapes.written) and int(skipped.debt) == int(data.debt)
+    epoch = jax.jit(neubay.make_epoch(dataclasses_replace(cfg, updates_per_epoch=7), "ToyReach-v0"))
+    state2, data2, metrics = epoch(state, data, world, jax.random.key(4))
+    assert int(state2.updates) == 7  # exactly the epoch's updates, collections falling where the debt is paid
+    assert int(data2.tapes.episodes) >= 4 and np.isfinite(float(metrics["losses/critic"]))
+
+
+def types_real(n):
+    from buffers.replay import Transition
+
+    z = jnp.zeros
+    return Transition(z((n, OBS)), z((n, ACT)), z(n), z((n, OBS)), z(n, bool), z(n, bool))
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_refusals_name_what_does_not_apply(toy_dataset, tmp_path):
+    from scripts.train import main
+
+    with pytest.raises(ValueError, match="--network.* flags do not apply to agent 'neubay'"):
+        main(["neubay", "--dataset", str(toy_dataset), "--network.width", "64", "--run-dir", str(tmp_path / "a")])
+    with pytest.raises(ValueError, match="plasticity.redo does not apply to agent 'neubay'"):
+        main(["neubay", "--dataset", str(toy_dataset), "--plasticity.redo", "--run-dir", str(tmp_path / "b")])
+    with pytest.raises(ValueError, match="planning-members 200 is more than"):
+        main(["neubay", "--dataset", str(toy_dataset), "--planning-members", "200", "--run-dir", str(tmp_path / "c")])
+    assert not any((tmp_path / d).exists() for d in "abc")

@@ -158,7 +158,7 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
         env = make_env(cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl)  # an unknown or malformed env id fails here
         obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
         env.close()
-    check_applicable(cfg.plasticity, agent, cfg.agent_name)
+    check_applicable(default_metrics(cfg, agent, log=lambda *_: None).plasticity, agent, cfg.agent_name)
     check_agent_config(cfg, agent, obs_dim, act_dim)
 
 
@@ -249,7 +249,7 @@ def default_metrics(cfg: RunConfig, agent, log=print) -> RunConfig:
     from plasticity.config import PlasticityConfig
 
     default = PlasticityConfig().metrics_every
-    if isinstance(agent, PlasticAgent) or cfg.plasticity.metrics_every != default or cfg.resume:
+    if isinstance(agent, PlasticAgent) or cfg.plasticity.metrics_every != default:
         return cfg
     log(f"plasticity metrics: off (agent {cfg.agent_name!r} declares no plastic networks)")
     return dataclasses.replace(cfg, plasticity=dataclasses.replace(cfg.plasticity, metrics_every=0))
