@@ -70,6 +70,11 @@ def load_run(run_dir):
     agent = agents.get(cfg.agent_name)
     if agent.KIND != "offline":
         raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}, not an offline agent")
+    from training.evaluation import is_recurrent
+
+    if is_recurrent(agent):
+        raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}: the diagnostics read Markov critics Q(s, a) "
+                         "(RAVL's); a recurrent agent's critics read whole histories")
     path, dataset, env_id = resolve_dataset(cfg)
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
     aux = agent.prepare(keys[0], dataset, path, cfg.agent, cfg.seed, log=lambda *_: None)
