@@ -507,7 +507,7 @@ def tape_capacity(cfg: NeuBayConfig) -> int:
     return max(min(cfg.buffer_transitions, reachable), one)
 
 
-def _collection_stats(stats, tape: imagination.Tape, active):
+def _collection_stats(stats, tape: imagination.Tape):
     horizon = stats["horizon"].astype(jnp.float32)
     out = {"rollout/horizon_mean": horizon.mean(), "rollout/horizon_max": horizon.max(),
            "rollout/prefix_mean": stats["prefix"].astype(jnp.float32).mean(),
@@ -582,7 +582,7 @@ def collect(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayConfig
     tapes = tapes_lib.add(data.tapes, tape.obs, tape.action, tape.reward, tape.terminated, tape.real, tape.length,
                           keep=jnp.broadcast_to(active, tape.length.shape))
     owed = jnp.ceil(cfg.utd * tape.length.sum()).astype(jnp.int32)
-    last = jax.tree.map(lambda new, old: jnp.where(active, new, old), _collection_stats(stats, tape, active),
+    last = jax.tree.map(lambda new, old: jnp.where(active, new, old), _collection_stats(stats, tape),
                         data.last_collection)
     return Data(data.real, tapes, data.debt + jnp.where(active, owed, 0), last)
 
