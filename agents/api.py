@@ -61,7 +61,7 @@ Protocols live there and are re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity
 
@@ -163,6 +163,18 @@ class OffPolicyConfig:
     """uniform-random env steps before learning starts"""
     updates_per_step: int = 1
     """gradient steps per env step (update-to-data ratio)"""
+
+
+@dataclass(frozen=True)
+class OfflineDataConfig:
+    """Where an offline agent's dataset comes from: a file, or an env and kind in the cache."""
+
+    dataset: Optional[str] = None
+    """a D4RL-layout HDF5 file (envs/datasets.py); or give --env and --kind to use the cache"""
+    kind: Optional[str] = None
+    """dataset kind looked up in the cache with --env: random, medium, medium-replay, expert, medium-expert"""
+    dataset_root: Optional[str] = None
+    """dataset cache directory (default: $RLZOO_DATASETS or ~/.cache/rlzoo/datasets)"""
 
 
 def check_range(low: float, high: float, **values: float):

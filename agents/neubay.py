@@ -48,6 +48,7 @@ from flax import struct
 
 from agents import dynamics as dynamics_lib
 from agents import imagination, sac
+from agents.api import OfflineDataConfig
 from agents.dynamics import DynamicsConfig, neubay_config
 from buffers import tapes as tapes_lib
 from envs import datasets, termination
@@ -74,7 +75,7 @@ BASE = {"encoder_lr": 1e-5, "real_weight": 0.05, "fixed_alpha": False, "updates"
 
 
 @dataclass(frozen=True)
-class NeuBayConfig:
+class NeuBayConfig(OfflineDataConfig):
     """NeuBay's hyperparameters (defaults: the reference's base config for D4RL locomotion).
 
     Fields left at None are set per run (``with_dataset``): the encoder lr, ``real_weight`` and
@@ -126,12 +127,6 @@ class NeuBayConfig:
     """elites the imagination draws from, best first (the paper's ablation: 5, 20, 100)"""
     max_horizon: Optional[int] = None
     """trajectory length cap of tapes and imagination (None: the env's episode limit, 1000 for MuJoCo)"""
-    dataset: Optional[str] = None
-    """a D4RL-layout HDF5 file (envs/datasets.py); or give --env and --kind to use the cache"""
-    kind: Optional[str] = None
-    """dataset kind looked up in the cache with --env: random, medium, medium-replay, expert, medium-expert"""
-    dataset_root: Optional[str] = None
-    """dataset cache directory (default: $RLZOO_DATASETS or ~/.cache/rlzoo/datasets)"""
     model: Optional[str] = None
     """a trained world model (.npz from agents/dynamics.py); default: <dataset>.neubay-<seed>.npz,
     trained on first use and then reused"""

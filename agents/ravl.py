@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from agents import dynamics as dynamics_lib
 from agents import sac
+from agents.api import OfflineDataConfig
 from agents.dynamics import DynamicsConfig
 from envs import termination
 from plasticity.api import StaticPlasticity
@@ -51,7 +52,7 @@ from buffers.replay import Transition
 
 
 @dataclass(frozen=True)
-class RAVLConfig(sac.SACHyperparams):
+class RAVLConfig(sac.SACHyperparams, OfflineDataConfig):
     """RAVL (spec 5.4): SAC-N/EDAC hyperparameters, the data mix and the model rollouts."""
 
     critics: int = 10
@@ -59,12 +60,6 @@ class RAVLConfig(sac.SACHyperparams):
     eta: float = 1.0
     """EDAC gradient-diversity coefficient"""
     edac_init: bool = True
-    dataset: Optional[str] = None
-    """a D4RL-layout HDF5 file (envs/datasets.py); or give --env and --kind to use the cache"""
-    kind: Optional[str] = None
-    """dataset kind looked up in the cache with --env: random, medium, medium-replay, expert, medium-expert"""
-    dataset_root: Optional[str] = None
-    """dataset cache directory (default: $RLZOO_DATASETS or ~/.cache/rlzoo/datasets)"""
     model: Optional[str] = None
     """a trained dynamics model (.npz from agents/dynamics.py); default: <dataset>.dynamics-<seed>.npz,
     trained on first use and then reused"""
