@@ -40,6 +40,7 @@ import numpy as np
 
 from envs import playground
 from training.config import RunConfig
+from training.seeds import over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training import offpolicy, onpolicy
@@ -372,7 +373,7 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
         per_seed = lambda x: x.reshape(S, E, *x.shape[1:])  # noqa: E731
         transition = replay.Transition(carry.obs, carry.action, per_seed(out.reward), per_seed(out.next_obs),
                                        per_seed(out.terminated), per_seed(out.truncated))
-        buffer = jax.vmap(agent.buffer_add)(carry.buffer, transition)
+        buffer = over_seeds(agent.buffer_add)(carry.buffer, transition)
         obs = per_seed(out.obs)
         key, k = jax.random.split(carry.key)
         k_train, k_act = jax.random.split(k)
@@ -380,7 +381,7 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
 
         def train(args):
             state, buffer = args
-            return jax.vmap(block)(state, buffer, jax.random.split(k_train, S), replay_control)
+            return over_seeds(block)(state, buffer, jax.random.split(k_train, S), replay_control)
 
         def wait(args):
             state, buffer = args
@@ -389,7 +390,7 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
         state, buffer, metrics = jax.lax.cond(learning, train, wait, (carry.state, buffer))
         action = jax.lax.cond(
             learning,
-            lambda: jax.vmap(lambda s, o, kk: agent.act(s, o, kk, explore=True))(state, obs, jax.random.split(k_act, S)),
+            lambda: over_seeds(lambda s, o, kk: agent.act(s, o, kk, explore=True))(state, obs, jax.random.split(k_act, S)),
             lambda: jax.random.uniform(k_act, (S, E, act_dim), minval=-1.0, maxval=1.0))
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
         return (OffPolicyCarry(state, buffer, env_state, obs, action, key), _add_episodes(totals, out, S, E),

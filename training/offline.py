@@ -34,6 +34,7 @@ import numpy as np
 from envs import datasets
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training.config import RunConfig
+from training.seeds import over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import check_positive, run_counts
@@ -154,7 +155,7 @@ class OfflineIteration:
         self.state, self.data = initial_state(cfg, agent, dataset, keys[2:])
         self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, total_updates=cfg.total_steps)
         self.state = self.hooks.start(self.state)
-        self.epoch_fn = jax.jit(jax.vmap(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
+        self.epoch_fn = jax.jit(over_seeds(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
         self.meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
 
     def fresh(self):

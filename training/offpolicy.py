@@ -20,6 +20,7 @@ from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity.least import LEAST
 from buffers import replay
 from training.config import RunConfig
+from training.seeds import over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
@@ -54,7 +55,7 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     def store(buffer, transition, obs):
         seeds, envs = obs.shape[:2]
         flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
-        return jax.vmap(agent.buffer_add)(buffer, flat)
+        return over_seeds(agent.buffer_add)(buffer, flat)
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
     def learn_and_act(state, buffer, obs, key, random_actions: bool, train: bool, replay_control=None):
@@ -62,11 +63,11 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         k_train, k_act = jax.random.split(key)
         metrics = {}
         if train:
-            state, buffer, metrics = jax.vmap(block)(state, buffer, jax.random.split(k_train, seeds), replay_control)
+            state, buffer, metrics = over_seeds(block)(state, buffer, jax.random.split(k_train, seeds), replay_control)
         if random_actions:
             action = jax.random.uniform(k_act, (seeds, envs, act_dim), minval=-1.0, maxval=1.0)
         else:
-            action = jax.vmap(partial(agent.act, explore=True))(state, obs, jax.random.split(k_act, seeds))
+            action = over_seeds(partial(agent.act, explore=True))(state, obs, jax.random.split(k_act, seeds))
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
         return state, buffer, action, metrics, finite
 

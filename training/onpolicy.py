@@ -36,6 +36,7 @@ import numpy as np
 from envs import make_vector_env
 from envs import nonstationary
 from training.config import RunConfig
+from training.seeds import over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
@@ -114,7 +115,7 @@ def seed_fns(agent, T: int):
 
     def iterate_all(state, loop, key):
         seeds = loop.returns.shape[0]
-        state, loop, action, metrics = jax.vmap(iterate)(state, loop, jax.random.split(key, seeds))
+        state, loop, action, metrics = over_seeds(iterate)(state, loop, jax.random.split(key, seeds))
         losses = [v for k, v in metrics.items() if k.startswith("losses/")]
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in losses] or [jnp.bool_(True)]))
         return state, loop, action, metrics, finite

@@ -1,0 +1,27 @@
+"""Seeds as a batch axis: ``over_seeds`` maps a one-seed function over the leading axis.
+
+With one seed (train.py's default) the function runs on the squeezed arrays instead of through
+``jax.vmap`` over an axis of size 1.  XLA on CPU does not drop such an axis everywhere: a vmapped
+MR.Q update at 1 seed took 101 ms against 81 ms unmapped (HalfCheetah sizes, medians of 4 rounds;
+the dots and gathers keep a batch dimension), and the loops pay it every env step.  The random
+numbers are the same (a key's bits do not depend on vmap); float results can differ in the last
+bits, as between any two compiled programs.
+"""
+from __future__ import annotations
+
+import jax
+
+
+def over_seeds(fn, in_axes=0):
+    """``jax.vmap(fn, in_axes)``, or, when every mapped argument's seed axis has size 1, ``fn`` on
+    the arguments without that axis and the outputs with it put back.  The choice is made while
+    tracing (shapes are static), so a jitted caller compiles one program per seed count."""
+    def mapped(*args):
+        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        leaves = [x for a, ax in zip(args, axes) if ax is not None for x in jax.tree.leaves(a)]
+        if not leaves or any(x.shape[0] != 1 for x in leaves):
+            return jax.vmap(fn, in_axes=in_axes)(*args)
+        squeezed = [a if ax is None else jax.tree.map(lambda x: x[0], a) for a, ax in zip(args, axes)]
+        return jax.tree.map(lambda x: x[None], fn(*squeezed))
+
+    return mapped
