@@ -18,7 +18,7 @@ worlds.  One collection (section 4, "rollouts"; the reference's ``ContCollector`
 
 Agent inputs are [s_t, a_{t-1}, r_{t-1}] (zeros at t = 0; ``agent_inputs``), with the model's
 sampled reward as r_{t-1}; the stored reward is that reward minus ``penalty * uncertainty``
-(NeuBay uses no penalty; the coefficient is an ablation, section 7.5 of our notes: the caller
+(NeuBay uses no penalty; the coefficient is one of the paper's ablations: the caller
 passes it already divided by the dataset's mean uncertainty, as the reference does).
 
 The whole collection is one traceable function (a ``lax.while_loop`` that stops when every

@@ -30,8 +30,15 @@ posterior and computes the truncation threshold; each epoch of ``updates_per_epo
 the gradient steps its collections owe (ceil(utd x transitions) each) and collects whenever they
 are paid (``train_epoch``), tapes going into a FIFO of whole trajectories (``buffers/tapes.py``)
 sampled as one tape of ``tape_len`` positions per step.  Evaluation carries the actor's memory
-(``initial_memory`` / ``act_step``).  Not built: the Markov (MLP) ablation; plasticity metrics and
-interventions (no plastic networks are declared: they are refused).
+(``initial_memory`` / ``act_step``).  Not built: plasticity metrics and interventions (no plastic
+networks are declared: they are refused).
+
+The Markov ablation (``--markov``; one of the paper's ablations, as the reference's ``offline_markov.py``):
+the same heads on the state alone (the actor on s_t, the critics on [s_t, a_t]) with no encoder
+(``networks.recurrent.Memoryless`` in the encoders' place), trained on batches of ``tape_len``
+transitions drawn uniformly from the same tape buffer (``tapes.sample_transitions``), not on tapes.
+Collection is unchanged (real prefix then imagined suffix, the first imagined action from the
+prefix's last state); the encoder lr is unused, every other setting is shared.
 """
 from __future__ import annotations
 
@@ -56,9 +63,9 @@ from networks.config import NetworkConfig
 from plasticity.api import StaticPlasticity
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
-from networks.recurrent import RecurrentNet, RecurrentSpec, build_recurrent
+from networks.recurrent import Memoryless, RecurrentNet, RecurrentSpec, build_recurrent
 
-# Section 7.4 of our notes (the paper's per-task table): (encoder lr, real_weight) by D4RL task.
+# The paper's per-task table (its appendix's hyperparameters): (encoder lr, real_weight) by D4RL task.
 TASK_SETTINGS = {
     ("halfcheetah", "random"): (3e-5, 0.8), ("halfcheetah", "medium"): (3e-5, 0.8),
     ("halfcheetah", "medium-replay"): (1e-5, 0.05), ("halfcheetah", "medium-expert"): (3e-5, 0.8),
@@ -92,6 +99,9 @@ class NeuBayConfig(OfflineDataConfig):
     d_hidden: int = 128
     lru_layers: int = 2
     r_max: float = 0.9
+    markov: bool = False
+    """the paper's Markov (MLP) ablation: actor and critics on the state, no recurrent encoder, uniform
+    transitions instead of tapes"""
     encoder_lr: Optional[float] = None
     """the encoders' lr (None: the task's from the paper's table, 3e-7 .. 3e-5; else 1e-5)"""
     head_lr: float = 1e-4
@@ -247,9 +257,9 @@ class NeuBayState:
     alpha_opt: object
     updates: jax.Array
     cfg: NeuBayConfig = struct.field(pytree_node=False)
-    actor_encoder: RecurrentNet = struct.field(pytree_node=False)
+    actor_encoder: RecurrentNet | Memoryless = struct.field(pytree_node=False)
     actor_head: Net = struct.field(pytree_node=False)
-    critic_encoder: RecurrentNet = struct.field(pytree_node=False)
+    critic_encoder: RecurrentNet | Memoryless = struct.field(pytree_node=False)
     critic_heads: Net = struct.field(pytree_node=False)
     act_dim: int = struct.field(pytree_node=False)
 
@@ -285,7 +295,8 @@ def _optimizer(cfg: NeuBayConfig, actor: bool):
 
 def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
          network: NetworkConfig = NetworkConfig(), plasticity: StaticPlasticity = StaticPlasticity()) -> NeuBayState:
-    """Actor and critic, each its own recurrent encoder over x_t = [s_t, a_{t-1}, r_{t-1}].
+    """Actor and critic, each its own recurrent encoder over x_t = [s_t, a_{t-1}, r_{t-1}] (``markov``:
+    none, the heads read s_t).
 
     Unset per-run fields take their ``BASE`` values (a run sets them first: ``with_dataset``).  The
     sizes are NeuBay's own flags (--head-width, --d-model, ...): ``--network.*`` flags and plasticity
@@ -299,10 +310,15 @@ def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
     in_dim = obs_dim + act_dim + 1
     head = TrunkSpec(cfg.head_width, cfg.head_depth, activation="leaky_relu", layer_norm=True)
     k_ae, k_ah, k_ce, k_ch, k_out = jax.random.split(key, 5)
-    actor_encoder, ae = build_recurrent("actor_encoder", in_dim, cfg.recurrent, k_ae)
-    actor_head, ah = build("actor", lambda r: GaussianPolicyHead(cfg.d_model, act_dim, head, rngs=r), k_ah)
-    critic_encoder, ce = build_recurrent("critic_encoder", in_dim, cfg.recurrent, k_ce)
-    critic_heads, ch = build("critic", lambda r: MLPHead(cfg.d_model + act_dim, 1, head, rngs=r), k_ch,
+    if cfg.markov:
+        (actor_encoder, ae), (critic_encoder, ce) = ((Memoryless(n, obs_dim), {}) for n in ("actor_encoder",
+                                                                                           "critic_encoder"))
+    else:
+        actor_encoder, ae = build_recurrent("actor_encoder", in_dim, cfg.recurrent, k_ae)
+        critic_encoder, ce = build_recurrent("critic_encoder", in_dim, cfg.recurrent, k_ce)
+    feature = obs_dim if cfg.markov else cfg.d_model
+    actor_head, ah = build("actor", lambda r: GaussianPolicyHead(feature, act_dim, head, rngs=r), k_ah)
+    critic_heads, ch = build("critic", lambda r: MLPHead(feature + act_dim, 1, head, rngs=r), k_ch,
                              ensemble=cfg.critics, initializer=_critic_out_init)
     actor_params, critic_params = {"encoder": ae, "head": ah}, {"encoder": ce, "heads": ch}
     log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
@@ -563,7 +579,11 @@ def buffer_tape(tape: tapes_lib.Tape) -> TapeBatch:
 
 
 def sample_batch(state: NeuBayState, data: Data, key, batch_size: int) -> TapeBatch:
-    """One training tape of ``batch_size`` positions from the seed's tape buffer."""
+    """One training tape of ``batch_size`` positions from the seed's tape buffer (``markov``:
+    ``batch_size`` uniform transitions, each a tape of two positions)."""
+    if state.cfg.markov:
+        return jax.vmap(lambda t: jax.tree.map(lambda x: x[0], buffer_tape(t)))(
+            tapes_lib.sample_transitions(data.tapes, key, batch_size))
     return buffer_tape(tapes_lib.sample(data.tapes, key, batch_size))
 
 

@@ -30,6 +30,7 @@ class Steps(NamedTuple):
     reward: jax.Array  # (C,)
     terminated: jax.Array  # (C,) bool
     real: jax.Array  # (C,) bool: the transition is from the dataset (not imagined)
+    has_next: jax.Array  # (C,) bool: a transition starts here (False at an episode's last position)
 
 
 class TapeBuffer(NamedTuple):
@@ -57,7 +58,8 @@ def init(capacity: int, obs_dim: int, act_dim: int) -> TapeBuffer:
     if capacity < 2:
         raise ValueError(f"a tape buffer needs at least 2 positions, got {capacity}")
     f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
-    steps = Steps(f(obs_dim), f(act_dim), f(), jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
+    no = lambda: jnp.zeros(capacity, bool)  # noqa: E731
+    steps = Steps(f(obs_dim), f(act_dim), f(), no(), no(), no())
     episodes = capacity // 2 + 1  # whole episodes take >= 2 positions each
     zero = jnp.zeros((), jnp.int32)
     return TapeBuffer(steps, jnp.zeros(episodes, jnp.int32), jnp.zeros(episodes, jnp.int32), zero, zero, zero)
@@ -97,7 +99,8 @@ def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=
         x = jnp.where(moving.reshape(moving.shape + (1,) * (x.ndim - 2)), x, jnp.zeros_like(x))
         return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
 
-    new = Steps(obs, transitions(action), transitions(reward), transitions(terminated), transitions(real))
+    new = Steps(obs, transitions(action), transitions(reward), transitions(terminated), transitions(real),
+                transitions(jnp.ones_like(terminated, bool)))
     steps = jax.tree.map(lambda d, x: d.at[dest].set(x.reshape((-1,) + d.shape[1:]).astype(d.dtype), mode="drop"),
                          buffer.steps, new)
     k = buffer.episodes + jnp.cumsum(keep) - 1
@@ -129,6 +132,22 @@ def sample(buffer: TapeBuffer, key, length: int) -> Tape:
     pos = (buffer.episode_start[k[which]] + within) % cap
     s = jax.tree.map(lambda x: x[pos], buffer.steps)
     return Tape(s.obs, s.action, s.reward, s.terminated, s.real, within == 0)
+
+
+def sample_transitions(buffer: TapeBuffer, key, n: int) -> Tape:
+    """``n`` positions drawn uniformly from the stored ones, each with its successor: a tape of
+    shape (n, 2, ...) whose second position is marked a ``start`` where the first has no transition
+    (an episode's last position), so a loss masking transitions into a start drops exactly those.
+    Uniform over positions, hence over the transitions kept (a Markov learner's replay; the rows
+    masked out are the episodes' final states, one per episode).  The buffer must not be empty."""
+    cap = capacity(buffer)
+    stored = stored_positions(buffer)
+    first = buffer.written - stored  # the oldest absolute position still in the ring
+    p = first + jax.random.randint(key, (n,), 0, jnp.maximum(stored - 1, 1))
+    pos = jnp.stack([p, p + 1], axis=1) % cap
+    s = jax.tree.map(lambda x: x[pos], buffer.steps)
+    start = jnp.stack([jnp.ones(n, bool), ~s.has_next[:, 0] | (p + 1 >= buffer.written)], axis=1)
+    return Tape(s.obs, s.action, s.reward, s.terminated, s.real, start)
 
 
 def previous(x, start):

@@ -211,3 +211,26 @@ def build_recurrent(name: str, in_dim: int, spec: RecurrentSpec, key) -> tuple[R
     make = lambda rngs: RecurrentCore(in_dim, spec, rngs=rngs)  # noqa: E731
     graphdef, params = nnx.split(make(nnx.Rngs(key)), nnx.Param)
     return RecurrentNet(name, graphdef, spec, make), params
+
+
+@dataclass(frozen=True)
+class Memoryless:
+    """The ``RecurrentNet`` interface over no recurrence: the output at each position is the first
+    ``out_dim`` features of its input (e.g. the state s_t of [s_t, a_{t-1}, r_{t-1}]), the memory an
+    empty (*batch, 0) array and the params an empty dict.  An agent written against ``RecurrentNet``
+    becomes its Markov (MLP) ablation with this in place of its encoders."""
+
+    name: str
+    out_dim: int
+
+    def init(self, key):
+        return {}
+
+    def initial_state(self, batch_shape: tuple = ()):
+        return jnp.zeros((*batch_shape, 0), jnp.float32)
+
+    def __call__(self, params, x, state, start):
+        return x[..., :self.out_dim], state
+
+    def step(self, params, x, state, start):
+        return x[..., :self.out_dim], state

@@ -160,6 +160,37 @@ def test_stepping_the_actor_equals_running_it_over_the_sequence():
         np.testing.assert_allclose(np.asarray(a), np.asarray(stepped[t]), rtol=1e-4, atol=1e-5)
 
 
+MARKOV = neubay.NeuBayConfig(**{**SMALL.__dict__, "markov": True})
+
+
+def test_the_markov_ablation_acts_on_the_state_alone(tape):
+    state = neubay.init(jax.random.key(7), OBS, ACT, MARKOV)
+    assert state.actor_params["encoder"] == {} and state.critic_params["encoder"] == {}
+    first = state.actor_params["head"]["trunk"]["layers"][0]["kernel"].value
+    assert first.shape[0] == OBS  # the actor's first layer reads s_t (not a d_model feature)
+    critic_first = state.critic_params["heads"]["trunk"]["layers"][0]["kernel"].value
+    assert critic_first.shape[-2] == OBS + ACT  # the critics read [s_t, a_t]
+    obs = jax.random.normal(jax.random.key(8), (3, OBS))
+    memory = neubay.initial_memory(state, 3)
+    a1, m1 = neubay.act_step(state, memory, obs, jnp.ones((3, ACT)), jnp.ones(3), jnp.zeros(3, bool), None, False)
+    a0, _ = neubay.act_step(state, memory, obs, jnp.zeros((3, ACT)), jnp.zeros(3), jnp.ones(3, bool), None, False)
+    np.testing.assert_array_equal(np.asarray(a1), np.asarray(a0))  # no history: the previous step is ignored
+    np.testing.assert_array_equal(np.asarray(a1), np.asarray(neubay.act(state, obs, None, False)))
+    assert m1.shape == (3, 0)
+    # trained on uniform transitions from the tape buffer: rows of two positions, the tail state masked
+    buf = neubay.tapes_lib.add(neubay.tapes_lib.init(200, OBS, ACT), tape.obs, tape.action, tape.reward,
+                               tape.terminated, tape.real, tape.length)
+    data = neubay.Data((), buf, jnp.zeros((), jnp.int32), {})
+    batch = neubay.sample_batch(state, data, jax.random.key(9), 64)
+    assert batch.inputs.shape == (64, 2, OBS + ACT + 1)
+    step = jax.jit(neubay.update)
+    losses = []
+    for k in jax.random.split(jax.random.key(10), 40):
+        state, m = step(state, neubay.sample_batch(state, data, k, 64), k)
+        losses.append(float(m["losses/critic"]))
+    assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+
+
 # ----------------------------------------------------------------------------- the offline run end to end
 
 
@@ -267,11 +298,12 @@ def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
     assert not np.allclose(forgetful, returns)
 
 
-def test_one_collection_owes_utd_times_its_transitions():
+@pytest.mark.parametrize("markov", [False, True])
+def test_one_collection_owes_utd_times_its_transitions(markov):
     from envs import termination
 
     cfg = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12,
-                                                 "utd": 0.25, "updates": 100}))
+                                                 "utd": 0.25, "updates": 100, "markov": markov}))
     model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
     rng = np.random.default_rng(0)
     n = 30

@@ -101,3 +101,34 @@ def test_buffers_vmap_over_seeds():
     np.testing.assert_array_equal(np.asarray(bufs.written), [7, 4])
     tape = jax.vmap(lambda b, k: tapes.sample(b, k, 5))(bufs, jax.random.split(jax.random.key(0), 2))
     np.testing.assert_array_equal(np.asarray(tape.obs[1, :, 0]), [10, 11, 12, 13, 10])
+
+
+def test_transitions_are_drawn_uniformly_with_their_successor():
+    buf = tapes.add(tapes.init(20, 1, 1), *_episodes([2, 3]))  # positions 0-2 and 3-6; 2 and 6 final states
+    np.testing.assert_array_equal(np.asarray(buf.steps.has_next[:7]), [1, 1, 0, 1, 1, 1, 0])
+    pair = tapes.sample_transitions(buf, jax.random.key(0), 6000)
+    first, second = np.asarray(pair.obs[:, 0, 0]), np.asarray(pair.obs[:, 1, 0])
+    start = np.asarray(pair.start)
+    assert start[:, 0].all()
+    kept = ~start[:, 1]
+    # a kept row is a transition s_t -> s_{t+1} of one episode, with that transition's action
+    np.testing.assert_array_equal(second[kept], first[kept] + 1)
+    np.testing.assert_array_equal(np.asarray(pair.action[:, 0, 0])[kept], 100 + first[kept] % 10)
+    # the masked rows are exactly the draws of an episode's final state (s2 of episode 0; position 6,
+    # the newest, has no successor and is never drawn)
+    np.testing.assert_array_equal(np.unique(first[~kept]), [2])
+    counts = np.array([np.sum(first == v) for v in (0, 1, 2, 10, 11, 12)])
+    assert counts.sum() == 6000 and np.all(np.abs(counts / 6000 - 1 / 6) < 0.02), counts
+
+
+def test_transitions_come_from_the_live_part_of_a_wrapped_ring():
+    buf = tapes.init(8, 1, 1)
+    for k in range(4):  # 4 episodes of 2 transitions (3 positions each): 12 written into 8
+        buf = tapes.add(buf, *_episodes([2], first_id=k))
+    pair = tapes.sample_transitions(buf, jax.random.key(1), 2000)
+    first, second = np.asarray(pair.obs[:, 0, 0]), np.asarray(pair.obs[:, 1, 0])
+    kept = ~np.asarray(pair.start[:, 1])
+    # live positions 4..11: episode 1's s1 s2, episodes 2 and 3 whole; 11 (the newest) is never drawn
+    assert set(np.unique(first)) == {11, 12, 20, 21, 22, 30, 31}
+    np.testing.assert_array_equal(second[kept], first[kept] + 1)
+    assert set(np.unique(first[~kept])) == {12, 22}
