@@ -52,7 +52,8 @@ layout (``envs.multitask.TaskSpec`` of an ``mt:`` id: tasks, their widths, episo
                                    ``training.loop.agent_config`` before every ``init``.
 
 Plastic networks (``plasticity.api.PlasticAgent``: PLASTIC, SIGREG_NETWORKS, plastic_params,
-plastic_nets, plastic_losses) and LEAST's optional signals (``plasticity.api.LEASTAgent``,
+plastic_nets, plastic_losses; or, for metrics without interventions, ``MeasuredAgent``:
+metric_params, metric_losses) and LEAST's optional signals (``plasticity.api.LEASTAgent``,
 ``ExplorationNoiseAgent``) are declared beside these; plasticity sits below the agents, so its
 Protocols live there and are re-exported here.
 
@@ -63,9 +64,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity
+from plasticity.api import ExplorationNoiseAgent, LEASTAgent, MeasuredAgent, PlasticAgent, StaticPlasticity
 
-__all__ = ["Agent", "TaskConditionedAgent", "RecurrentAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "LEASTAgent",
+__all__ = ["Agent", "TaskConditionedAgent", "RecurrentAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "MeasuredAgent", "LEASTAgent",
            "ExplorationNoiseAgent", "StaticPlasticity", "KINDS", "OffPolicyConfig", "protocol_for"]
 
 

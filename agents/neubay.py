@@ -30,8 +30,14 @@ posterior and computes the truncation threshold; each epoch of ``updates_per_epo
 the gradient steps its collections owe (ceil(utd x transitions) each) and collects whenever they
 are paid (``train_epoch``), tapes going into a FIFO of whole trajectories (``buffers/tapes.py``)
 sampled as one tape of ``tape_len`` positions per step.  Evaluation carries the actor's memory
-(``initial_memory`` / ``act_step``).  Not built: plasticity metrics and interventions (no plastic
-networks are declared: they are refused).
+(``initial_memory`` / ``act_step``).
+
+Plasticity: the metrics (``--plasticity.metrics-every``) read all four networks, the actor's and the
+critic's recurrent encoders (``actor_encoder``, ``critic_encoder``: the pre-block and every LRU
+layer, over each tape's positions) and their heads (``actor``, ``critic``), each against its own
+training loss (``metric_losses``; ``plasticity.api.MeasuredAgent``).  Interventions are refused:
+an encoder and its head share one params field and optimizer (two learning rates), and the LRU's
+complex recurrent parameters have no per-neuron reset rule.
 
 The Markov ablation (``--markov``; one of the paper's ablations, as the reference's ``offline_markov.py``):
 the same heads on the state alone (the actor on s_t, the critics on [s_t, a_t]) with no encoder
@@ -305,7 +311,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
         raise ValueError("--network.* flags do not apply to agent 'neubay': its sizes are --head-width, "
                          "--head-depth, --d-model, --d-hidden and --lru-layers")
     if plasticity != StaticPlasticity():
-        raise ValueError("plasticity interventions do not apply to agent 'neubay' (it declares no plastic networks)")
+        raise ValueError(f"plasticity interventions do not apply to agent 'neubay': {INTERVENTIONS_REFUSED}")
     cfg = resolved(cfg)
     in_dim = obs_dim + act_dim + 1
     head = TrunkSpec(cfg.head_width, cfg.head_depth, activation="leaky_relu", layer_norm=True)
@@ -438,6 +444,43 @@ def update(state: NeuBayState, tape: TapeBatch, key):
                         log_alpha=log_alpha, actor_opt=actor_opt, critic_opt=critic_opt, alpha_opt=alpha_opt,
                         updates=state.updates + 1)
     return new, metrics
+
+
+# ----------------------------------------------------------------------------- plasticity metrics
+
+INTERVENTIONS_REFUSED = ("its networks take plasticity metrics only (each recurrent encoder shares a params "
+                         "field and optimizer with its head, and the LRU's recurrent parameters have no "
+                         "per-neuron reset rule)")
+_PARTS = {"actor_encoder": ("actor", "encoder"), "actor": ("actor", "head"),
+          "critic_encoder": ("critic", "encoder"), "critic": ("critic", "heads")}
+
+
+def _measured_parts(state: NeuBayState) -> dict:
+    """{metric network: (actor | critic, key in its params)}: the heads, and the encoders unless Markov."""
+    return {n: part for n, part in _PARTS.items() if not (state.cfg.markov and n.endswith("_encoder"))}
+
+
+def metric_params(state: NeuBayState) -> dict:
+    """The params of each network the plasticity metrics read, keyed by the network's name."""
+    params = {"actor": state.actor_params, "critic": state.critic_params}
+    return {n: params[owner][key] for n, (owner, key) in _measured_parts(state).items()}
+
+
+def metric_losses(state: NeuBayState, tape: TapeBatch, key):
+    """Each measured network's training loss as a function of its own params (the rest of its
+    owner's params held at their values): the critic loss for the critic's encoder and heads, the
+    actor loss (against the current critics) for the actor's."""
+    alpha = jnp.exp(state.log_alpha)
+    k_critic, k_actor = jax.random.split(key)
+
+    def loss_of(owner: str, part: str):
+        def loss(p):
+            if owner == "critic":
+                return critic_loss({**state.critic_params, part: p}, state, tape, alpha, k_critic)[0]
+            return actor_loss({**state.actor_params, part: p}, state, state.critic_params, tape, alpha, k_actor)[0]
+        return loss
+
+    return {n: loss_of(owner, part) for n, (owner, part) in _measured_parts(state).items()}
 
 
 # ----------------------------------------------------------------------------- acting

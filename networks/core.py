@@ -68,7 +68,7 @@ class Net:
         rec = instrument.active()
         if rec is not None and rec.wants(self.name):
             out, taps = self.apply(params, *inputs, probes=rec.probe_for(self.name), member_inputs=member_inputs)
-            rec.store(self.name, taps)
+            rec.store(self.name, taps, members=self.ensemble > 0)
             return out
         return self.apply(params, *inputs, member_inputs=member_inputs)[0]
 

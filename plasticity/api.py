@@ -8,6 +8,10 @@ Plasticity sits below the agents, so the agent contract (``agents/api.py``) buil
   ``plastic_losses(state, batch, key)`` each network's training loss as a function of its params
   (metrics, ReDo / ReGraMa scores and NE gradients come from it).  ``SIGREG_NETWORKS`` lists the
   networks whose losses are wrapped with ``plasticity.sigreg.regularized`` (empty: SIGReg refused).
+- ``MeasuredAgent``: networks the plasticity metrics read but no intervention rewrites (e.g. a
+  recurrent encoder and the heads on it sharing one params field and optimizer):
+  ``metric_params(state)`` and ``metric_losses(state, batch, key)``, shaped like ``plastic_params``
+  and ``plastic_losses``.  ``measured_params`` / ``measured_losses`` read either declaration.
 - ``LEASTAgent``: LEAST's per-transition signals (Q and TD loss) for early episode termination.
 - ``ExplorationNoiseAgent``: an explicit exploration noise that LEAST's noise increase can raise.
 
@@ -47,6 +51,30 @@ class PlasticAgent(Protocol):
     def plastic_nets(self, state) -> dict: ...
 
     def plastic_losses(self, state, batch, key) -> Mapping[str, Callable[[Any], Any]]: ...
+
+
+@runtime_checkable
+class MeasuredAgent(Protocol):
+    def metric_params(self, state) -> dict: ...
+
+    def metric_losses(self, state, batch, key) -> Mapping[str, Callable[[Any], Any]]: ...
+
+
+def measured(agent) -> bool:
+    """Whether the plasticity metrics apply: the agent declares plastic or measured networks."""
+    return isinstance(agent, (PlasticAgent, MeasuredAgent))
+
+
+def measured_params(agent, state) -> dict:
+    """{network: params} the metrics read: ``metric_params`` where declared, else ``plastic_params``."""
+    return agent.metric_params(state) if isinstance(agent, MeasuredAgent) else agent.plastic_params(state)
+
+
+def measured_losses(agent, state, batch, key) -> dict:
+    """{network: loss(params)} the metrics read, keyed like ``measured_params``."""
+    if isinstance(agent, MeasuredAgent):
+        return agent.metric_losses(state, batch, key)
+    return agent.plastic_losses(state, batch, key)
 
 
 @runtime_checkable

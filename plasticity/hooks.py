@@ -29,7 +29,8 @@ from plasticity import expansion
 from plasticity import metrics as metrics_lib
 from plasticity import optim as optim_lib
 from plasticity import resets
-from plasticity.api import ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity, declared_params  # noqa: F401
+from plasticity.api import (ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity,  # noqa: F401
+                            declared_params, measured, measured_losses, measured_params)
 from plasticity.sigreg import SIGRegSpec
 from plasticity.config import PlasticityConfig
 
@@ -37,13 +38,16 @@ from plasticity.config import PlasticityConfig
 def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     """Raise a clear error for any requested intervention the agent cannot take."""
     cfg.validate()
-    wanted = [flag for flag, on in (("--plasticity.metrics-every", cfg.metrics_every > 0),
-                                    ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
+    if cfg.metrics_every > 0 and not measured(agent):
+        raise ValueError(f"--plasticity.metrics-every does not apply to agent {agent_name!r}: it declares no "
+                         "plastic networks (plasticity.api.PlasticAgent)")
+    wanted = [flag for flag, on in (("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
                                     ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
                                     ("--plasticity.ne", cfg.ne), ("--plasticity.kron", cfg.kron)) if on]
     if wanted and not isinstance(agent, PlasticAgent):
-        raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: it declares no plastic "
-                         "networks (plasticity.api.PlasticAgent)")
+        why = (getattr(agent, "INTERVENTIONS_REFUSED", None)
+               or "it declares no plastic networks (plasticity.api.PlasticAgent)")
+        raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: {why}")
     if cfg.least and (agent.KIND != "offpolicy" or not isinstance(agent, LEASTAgent)):
         raise ValueError(f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "
                          "online off-policy agents from their Q and TD-loss histories (not on-policy or offline)")
@@ -186,8 +190,8 @@ def _mask_params(agent, state):
 
 
 def metrics_step(agent, state, batch, init_params, key):
-    """Plasticity metrics of every plastic network for one seed on ``batch``."""
-    return metrics_lib.compute(agent.plastic_losses(state, batch, key), agent.plastic_params(state), init_params)
+    """Plasticity metrics of every plastic (or measured) network for one seed on ``batch``."""
+    return metrics_lib.compute(measured_losses(agent, state, batch, key), measured_params(agent, state), init_params)
 
 
 class Hooks:
@@ -237,7 +241,7 @@ class Hooks:
                 self.replay_control = expansion.ReplayControl(jnp.zeros(seeds, jnp.float32) if cfg.ne_review else None,
                                                     jnp.zeros(seeds, bool) if auto_batch_on(cfg, self.agent) else None)
         if cfg.metrics_every:
-            self.init_params = jax.tree.map(jnp.copy, self.agent.plastic_params(state))
+            self.init_params = jax.tree.map(jnp.copy, measured_params(self.agent, state))
         return state
 
     def after_updates(self, before: int, after: int, state, buffer, key):

@@ -144,6 +144,18 @@ def test_offline_agent_samples_its_data_and_updates():
     assert _finite(metrics)
 
 
+@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "neubay"])
+def test_every_agent_takes_the_plasticity_metrics(name):
+    """Each registered agent declares networks the metrics read: plastic ones (which interventions may
+    rewrite) or, failing that, measured ones (``MeasuredAgent``) with a reason interventions are refused."""
+    from plasticity.api import measured
+
+    agent = agents.get(name)
+    assert measured(agent)
+    if not isinstance(agent, api.PlasticAgent):
+        assert isinstance(agent, api.MeasuredAgent) and agent.INTERVENTIONS_REFUSED
+
+
 def test_recurrent_agent_acts_step_by_step_with_its_memory():
     """``agents.api.RecurrentAgent``: the names and signatures, and one step from a zero memory
     equals the memoryless ``act`` (an episode's first step)."""

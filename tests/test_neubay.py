@@ -191,10 +191,44 @@ def test_the_markov_ablation_acts_on_the_state_alone(tape):
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
 
 
+@pytest.mark.parametrize("markov", [False, True])
+def test_plasticity_metrics_read_the_encoders_and_the_heads(tape, markov):
+    from plasticity import hooks
+    from plasticity.api import MeasuredAgent, PlasticAgent
+    from plasticity.config import PlasticityConfig
+
+    assert isinstance(neubay, MeasuredAgent) and not isinstance(neubay, PlasticAgent)
+    hooks.check_applicable(PlasticityConfig(metrics_every=10), neubay, "neubay")  # metrics: accepted
+    with pytest.raises(ValueError, match="regrama does not apply to agent 'neubay': its networks take plasticity "
+                                         "metrics only"):
+        hooks.check_applicable(PlasticityConfig(regrama=True), neubay, "neubay")
+    cfg = MARKOV if markov else SMALL
+    state = neubay.init(jax.random.key(3), OBS, ACT, cfg)
+    batch = neubay.tape_batch(tape)
+    params = neubay.metric_params(state)
+    nets = ["actor", "critic"] if markov else ["actor", "actor_encoder", "critic", "critic_encoder"]
+    assert sorted(params) == nets
+    losses = neubay.metric_losses(state, batch, jax.random.key(4))
+    # each loss is its owner's training loss, the network's params swapped in
+    critic_full = neubay.critic_loss(state.critic_params, state, batch, jnp.exp(state.log_alpha),
+                                     jax.random.split(jax.random.key(4))[0])[0]
+    np.testing.assert_allclose(float(losses["critic"](params["critic"])), float(critic_full), rtol=1e-6)
+    out = jax.jit(lambda s, b, k: hooks.metrics_step(neubay, s, b, params, k))(state, batch, jax.random.key(4))
+    assert all(np.isfinite(float(v)) for v in out.values())
+    for n in nets:
+        assert 0.0 <= float(out[f"plasticity/{n}/dormant_0.025"]) <= 1.0
+        assert float(out[f"plasticity/{n}/weight_norm_ratio"]) == pytest.approx(1.0)
+        assert float(out[f"plasticity/{n}/grad_norm"]) > 0
+    if not markov:  # the LRU layers are measured over the tape's positions (rows = positions)
+        assert {"plasticity/actor_encoder/pre/srank", "plasticity/critic_encoder/layer0/grama_0.01"} <= set(out)
+        assert 1 <= float(out["plasticity/critic_encoder/features/feature_rank"]) <= SMALL.d_model
+
+
 # ----------------------------------------------------------------------------- the offline run end to end
 
 
 def _run_config(dataset, run_dir, total=400, **kw):
+    from plasticity.config import PlasticityConfig
     from training.config import RunConfig
 
     world = dyn.neubay_config(members=4, elites=3, width=32, depth=2, max_epochs=30, batch_size=128)
@@ -203,7 +237,7 @@ def _run_config(dataset, run_dir, total=400, **kw):
                                 planning_members=3, updates_per_epoch=100, dynamics=world)
     return RunConfig(**{"env": None, "total_steps": total, "eval_every": 200, "eval_episodes": 4, "log_every": 100,
                         "checkpoint_every": 200, "progress": False, "run_dir": str(run_dir), "agent_name": "neubay",
-                        "agent": agent, **kw})
+                        "agent": agent, "plasticity": PlasticityConfig(metrics_every=200, metrics_batch=64), **kw})
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +276,8 @@ def test_a_short_run_beats_its_untrained_policy(finished_run, toy_dataset):
     # config.json holds the settings the run trained with: the cosine over the run, ToyReach's 20-step limit
     assert (saved["updates"], saved["max_horizon"], saved["fixed_alpha"]) == (400, 20, False)
     metrics = (run_dir / "metrics.csv").read_text().splitlines()[0]
-    for name in ("rollout/horizon_p50", "rollout/ended_uncertainty", "buffer/trajectories", "losses/critic_real"):
+    for name in ("rollout/horizon_p50", "rollout/ended_uncertainty", "buffer/trajectories", "losses/critic_real",
+                 "plasticity/critic_encoder/dormant_0.025", "plasticity/actor/active_fraction"):
         assert name in metrics
     assert Path(neubay.model_path(toy_dataset, 0)).exists()  # the world model is cached beside the dataset
 

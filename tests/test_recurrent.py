@@ -126,10 +126,17 @@ def test_the_core_reports_its_layers_and_takes_gradients():
     assert all(v > 0 for k, v in norms.items() if "nu_log" in k or "theta_log" in k or "B_re" in k)
     acts, act_grads = jax.jit(lambda p: instrument.activation_grads(lambda: loss(p), ["core"], at="both"))(params)
     assert sorted(acts["core"]) == ["layer0", "layer1", "pre"]
-    assert acts["core"]["layer0"].shape == (4, 6, SMALL.d_model)
+    # a batch of sequences comes back as rows (batch x time, units), the layout the metrics read
+    assert acts["core"]["layer0"].shape == act_grads["core"]["layer0"]["pre"].shape == (4 * 6, SMALL.d_model)
+    ys = net(params, x, net.initial_state((4,)), start)[0]
     assert float(jnp.abs(act_grads["core"]["layer1"]["pre"]).sum()) > 0
+    # one side of the probes: the same taps, the core's own tap named "pre" included
+    _, pre_grads = instrument.activation_grads(lambda: loss(params), ["core"], at="pre")
+    assert sorted(pre_grads["core"]) == ["layer0", "layer1", "pre"]
+    np.testing.assert_allclose(np.asarray(pre_grads["core"]["pre"]), np.asarray(act_grads["core"]["pre"]["pre"]),
+                               rtol=1e-5, atol=1e-8)
     feats = instrument.features(lambda: loss(params), ["core"])
-    assert feats["core"].shape == (4, 6, SMALL.d_model)
+    np.testing.assert_allclose(np.asarray(feats["core"]), np.asarray(ys).reshape(24, -1), rtol=1e-6)
 
 
 def test_seeds_differ_and_repeat():

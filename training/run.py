@@ -245,11 +245,11 @@ def default_metrics(cfg: RunConfig, agent, log=print) -> RunConfig:
     """The default plasticity metrics (``--plasticity.metrics-every`` left at its default) switched off,
     saying so, for an agent that declares no plastic networks; an explicit other value is refused
     by ``preflight`` as before."""
-    from plasticity.api import PlasticAgent
+    from plasticity.api import measured
     from plasticity.config import PlasticityConfig
 
     default = PlasticityConfig().metrics_every
-    if isinstance(agent, PlasticAgent) or cfg.plasticity.metrics_every != default:
+    if measured(agent) or cfg.plasticity.metrics_every != default:
         return cfg
     log(f"plasticity metrics: off (agent {cfg.agent_name!r} declares no plastic networks)")
     return dataclasses.replace(cfg, plasticity=dataclasses.replace(cfg.plasticity, metrics_every=0))
