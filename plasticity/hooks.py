@@ -38,15 +38,14 @@ from plasticity.config import PlasticityConfig
 def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     """Raise a clear error for any requested intervention the agent cannot take."""
     cfg.validate()
-    if cfg.metrics_every > 0 and not measured(agent):
-        raise ValueError(f"--plasticity.metrics-every does not apply to agent {agent_name!r}: it declares no "
-                         "plastic networks (plasticity.api.PlasticAgent)")
-    wanted = [flag for flag, on in (("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
+    # metrics need plastic or measured networks (MeasuredAgent), interventions plastic ones
+    wanted = [flag for flag, on in (("--plasticity.metrics-every", cfg.metrics_every > 0 and not measured(agent)),
+                                    ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
                                     ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
                                     ("--plasticity.ne", cfg.ne), ("--plasticity.kron", cfg.kron)) if on]
     if wanted and not isinstance(agent, PlasticAgent):
-        why = (getattr(agent, "INTERVENTIONS_REFUSED", None)
-               or "it declares no plastic networks (plasticity.api.PlasticAgent)")
+        why = (getattr(agent, "INTERVENTIONS_REFUSED", None) if measured(agent) else None) \
+            or "it declares no plastic networks (plasticity.api.PlasticAgent)"
         raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: {why}")
     if cfg.least and (agent.KIND != "offpolicy" or not isinstance(agent, LEASTAgent)):
         raise ValueError(f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "

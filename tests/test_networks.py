@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from pathlib import Path
 import pytest
 
 from networks import GaussianPolicyHead, MLPHead, TrunkSpec, build, instrument
@@ -101,20 +102,30 @@ def test_edac_output_init_range():
 
 
 def test_threefry_unrolled_on_cpu_gives_the_same_bits_as_jaxs_rolled_loop():
-    """networks.runtime registers JAX's unrolled Threefry lowering on CPU: same hash, no loop."""
+    """networks.runtime registers JAX's unrolled Threefry lowering on CPU: same hash, no loop.
+
+    The suite itself runs with JAX's rolled loop (``RLZOO_ROLLED_THREEFRY=1`` in conftest: faster to
+    compile), so the two lowerings are compared here as functions, and the zoo's default is checked
+    in a process without that setting."""
+    import os
+    import subprocess
+    import sys
+
     from jax._src.random import threefry2x32 as threefry
 
-    from networks import runtime
-
-    assert runtime.THREEFRY_UNROLLED
     rng = np.random.default_rng(0)
     k1, k2 = (jnp.asarray(rng.integers(0, 2**32, (), dtype=np.uint32)) for _ in range(2))
     x1, x2 = (jnp.asarray(rng.integers(0, 2**32, 4096, dtype=np.uint32)) for _ in range(2))
-    unrolled = jax.jit(lambda *a: threefry.threefry2x32_p.bind(*a))
+    unrolled = jax.jit(lambda *a: threefry._threefry2x32_lowering(*a, use_rolled_loops=False))
     rolled = jax.jit(lambda *a: threefry._threefry2x32_lowering(*a, use_rolled_loops=True))
     assert "while" not in unrolled.lower(k1, k2, x1, x2).as_text()
     assert "while" in rolled.lower(k1, k2, x1, x2).as_text()
     for a, b in zip(unrolled(k1, k2, x1, x2), rolled(k1, k2, x1, x2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    draw = jax.jit(lambda key: jax.random.normal(key, (256, 16)))
-    assert "while" not in draw.lower(jax.random.key(0)).compile().as_text()
+    check = ("import jax; from networks import runtime; assert runtime.THREEFRY_UNROLLED; "
+             "draw = jax.jit(lambda key: jax.random.normal(key, (256, 16))); "
+             "assert 'while' not in draw.lower(jax.random.key(0)).compile().as_text()")
+    env = {k: v for k, v in os.environ.items() if k != "RLZOO_ROLLED_THREEFRY"}
+    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr
