@@ -20,8 +20,9 @@ demo: $(STAMP)
 	    --eval-every 1000 --eval-episodes 5 --run-dir runs/demo-sac-pendulum --overwrite
 	$(BIN)/python scripts/plot.py runs/demo-sac-pendulum --out runs/demo-sac-pendulum/curve.png
 
+# Two worker processes (pytest-xdist), each taking whole test files: a file's module fixtures run once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmark.py

@@ -15,6 +15,7 @@ to keep JAX's rolled loop (the test suite does, for that reason).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -33,3 +34,24 @@ def unroll_threefry_on_cpu() -> bool:
 
 
 THREEFRY_UNROLLED = unroll_threefry_on_cpu()
+
+
+def cached_per_config(build):
+    """``functools.lru_cache`` (16 entries) for a builder of jitted programs, ``build(agent, config, ...)``.
+
+    A jitted function made afresh is traced (and looked up in the compilation cache) afresh, which
+    for MR.Q's step program takes seconds; cached on its hashable arguments (the agent module, frozen
+    configs, ints), runs in one process (a resumed run, a sweep's trials, the tests) reuse the traced
+    and compiled programs.  Arguments that cannot be hashed (a config holding a dict) build afresh."""
+    cached = functools.lru_cache(maxsize=16)(build)
+
+    @functools.wraps(build)
+    def builder(*args, **kwargs):
+        try:
+            hash((args, tuple(sorted(kwargs.items()))))
+        except TypeError:
+            return build(*args, **kwargs)
+        return cached(*args, **kwargs)
+
+    builder.cache_clear = cached.cache_clear
+    return builder

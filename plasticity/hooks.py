@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from networks import instrument
+from networks.runtime import cached_per_config
 from plasticity import expansion
 from plasticity import metrics as metrics_lib
 from plasticity import optim as optim_lib
@@ -193,6 +194,19 @@ def metrics_step(agent, state, batch, init_params, key):
     return metrics_lib.compute(measured_losses(agent, state, batch, key), measured_params(agent, state), init_params)
 
 
+@cached_per_config
+def _reset_program(agent, cfg: PlasticityConfig):
+    """ReDo / ReGraMa over the seed axis, jitted; cached so runs in one process share the program."""
+    return jax.jit(jax.vmap(partial(reset_step, agent, cfg)), donate_argnums=(0,))
+
+
+@cached_per_config
+def _metrics_programs(agent, batch_size: int):
+    """(metrics(state, batch, init_params, key), sample(state, buffer, key)) over the seed axis, jitted and cached."""
+    return (jax.jit(jax.vmap(partial(metrics_step, agent))),
+            jax.jit(jax.vmap(lambda s, b, k: agent.sample_batch(s, b, k, batch_size))))
+
+
 class Hooks:
     """Host-side scheduling of the plasticity events, for N vmapped seeds."""
 
@@ -207,10 +221,9 @@ class Hooks:
         self.metrics_batch = None
         self.init_params = None
         if self.resetting:
-            self._reset = jax.jit(jax.vmap(partial(reset_step, agent, cfg)), donate_argnums=(0,))
+            self._reset = _reset_program(agent, cfg)
         if cfg.metrics_every:
-            self._metrics = jax.jit(jax.vmap(partial(metrics_step, agent)))
-            self._sample = jax.jit(jax.vmap(lambda s, b, k: agent.sample_batch(s, b, k, cfg.metrics_batch)))
+            self._metrics, self._sample = _metrics_programs(agent, cfg.metrics_batch)
         if cfg.ne:
             if not total_updates:
                 raise ValueError("NE's growth schedule needs the run's total number of updates")

@@ -54,6 +54,11 @@ def _config(agent, **kw):
     return agent.CONFIG(**kw)
 
 
+def _init(agent, cfg, net=TINY, *extra):
+    """``agent.init`` jitted, as the loops run it (op by op it compiles every random draw on its own)."""
+    return jax.jit(lambda k: agent.init(k, OBS, ACT, cfg, net, *extra))(jax.random.key(0))
+
+
 def _finite(metrics):
     return all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(metrics))
 
@@ -79,7 +84,7 @@ def test_agent_exports_the_contract_of_its_kind(name, registry):
 def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name, registry):
     agent = agents.get(name)
     assert isinstance(agent, api.PlasticAgent)
-    state = agent.init(jax.random.key(0), OBS, ACT, _config(agent), TINY)
+    state = _init(agent, _config(agent))
     params, nets = agent.plastic_params(state), agent.plastic_nets(state)
     assert set(params) == set(nets) == set(agent.PLASTIC)
     assert set(agent.SIGREG_NETWORKS) <= set(agent.PLASTIC)
@@ -92,16 +97,17 @@ def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name
 def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry):
     agent = agents.get(name)
     cfg = _config(agent, batch_size=8)
-    state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY)
+    state = _init(agent, cfg)
     buffer = agent.buffer_init(64, OBS, ACT, _config(agent))
+    add = jax.jit(agent.buffer_add)
     for t in range(12):  # one env: 12 consecutive transitions (MR.Q's windows need several)
-        buffer = agent.buffer_add(buffer, _transitions(1, seed=t))
+        buffer = add(buffer, _transitions(1, seed=t))
     obs = jnp.zeros((4, OBS))
     for explore, key in ((True, jax.random.key(1)), (False, None)):
-        action = agent.act(state, obs, key, explore)
+        action = jax.jit(lambda s, o, k: agent.act(s, o, k, explore))(state, obs, key)
         assert action.shape == (4, ACT) and bool(jnp.all(jnp.abs(action) <= 1.0))
-    batch = agent.sample_batch(state, buffer, jax.random.key(2), 8)
-    new, metrics = agent.update(state, batch, jax.random.key(3))
+    batch = jax.jit(lambda s, b, k: agent.sample_batch(s, b, k, 8))(state, buffer, jax.random.key(2))
+    new, metrics = jax.jit(agent.update)(state, batch, jax.random.key(3))
     assert _finite(metrics) and jax.tree.structure(new) == jax.tree.structure(state)
     new, buffer, metrics = jax.jit(lambda s, b, k: agent.train_block(s, b, k, 2, None))(state, buffer,
                                                                                        jax.random.key(4))
@@ -109,9 +115,10 @@ def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry)
     moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(agent.plastic_params(new)),
                                                    jax.tree.leaves(agent.plastic_params(state)))]
     assert any(moved)
-    losses = agent.plastic_losses(state, batch, jax.random.key(5))
-    for net_name, loss in losses.items():
-        assert jnp.shape(loss(agent.plastic_params(state)[net_name])) == ()
+    shapes = jax.eval_shape(lambda s, b, k: {n: loss(agent.plastic_params(s)[n])
+                                             for n, loss in agent.plastic_losses(s, b, k).items()},
+                            state, batch, jax.random.key(5))
+    assert shapes and set(shapes) <= set(agent.PLASTIC) and all(x.shape == () for x in shapes.values())
 
 
 def test_on_policy_agent_runs_a_rollout_update():
@@ -119,28 +126,28 @@ def test_on_policy_agent_runs_a_rollout_update():
 
     agent = agents.get("ppo")
     cfg = agent.CONFIG(num_steps=8, num_minibatches=2, update_epochs=1)
-    state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY).replace(num_iterations=jnp.int32(1))
-    state, obs_n = agent.observe(state, jnp.ones((2, OBS)))
-    action, logp, value = agent.sample_action(state, obs_n, jax.random.key(1))
+    state = _init(agent, cfg).replace(num_iterations=jnp.int32(1))
+    state, obs_n = jax.jit(agent.observe)(state, jnp.ones((2, OBS)))
+    action, logp, value = jax.jit(agent.sample_action)(state, obs_n, jax.random.key(1))
     assert action.shape == (2, ACT) and logp.shape == value.shape == (2,)
     loop = empty_loop(agent, 8, 2, OBS, ACT)
     rng = np.random.default_rng(0)
     rollout = loop.buffer._replace(obs=jnp.asarray(rng.normal(size=loop.buffer.obs.shape), jnp.float32),
                                    rewards=jnp.asarray(rng.normal(size=loop.buffer.rewards.shape), jnp.float32))
-    new, metrics = agent.update(state, rollout, jax.random.key(2))
+    new, metrics = jax.jit(agent.update)(state, rollout, jax.random.key(2))
     assert _finite({k: v for k, v in metrics.items() if k.startswith("losses/")})  # what the loop checks
-    mb = agent.sample_batch(state, rollout, jax.random.key(3), 4)
+    mb = jax.jit(lambda s, r, k: agent.sample_batch(s, r, k, 4))(state, rollout, jax.random.key(3))
     assert mb.obs.shape == (4, OBS)
 
 
 def test_offline_agent_samples_its_data_and_updates():
     agent = agents.get("ravl")
     cfg = agent.CONFIG(batch_size=8, critics=3, dataset_ratio=0.25)
-    state = agent.init(jax.random.key(0), OBS, ACT, cfg, TINY)
+    state = _init(agent, cfg)
     data = agent.data_init(_transitions(50), cfg)
-    batch = agent.sample_batch(state, data, jax.random.key(1), 8)
+    batch = jax.jit(lambda s, d, k: agent.sample_batch(s, d, k, 8))(state, data, jax.random.key(1))
     assert batch.obs.shape == (8, OBS)
-    _, metrics = agent.update(state, batch, jax.random.key(2))
+    _, metrics = jax.jit(agent.update)(state, batch, jax.random.key(2))
     assert _finite(metrics)
 
 
@@ -165,13 +172,15 @@ def test_recurrent_agent_acts_step_by_step_with_its_memory():
         need, allow = _positional(getattr(agent, method))
         assert need <= _positional(fn)[1] - 1 <= allow
     cfg = agent.CONFIG(critics=2, head_width=8, d_model=8, d_hidden=4, lru_layers=1)
-    state = agent.init(jax.random.key(0), OBS, ACT, cfg)
+    state = jax.jit(lambda k: agent.init(k, OBS, ACT, cfg))(jax.random.key(0))
     obs = jnp.ones((4, OBS))
-    action, memory = agent.act_step(state, agent.initial_memory(state, 4), obs, jnp.ones((4, ACT)), jnp.ones(4),
-                                    jnp.ones(4, bool), None, False)
+    step = jax.jit(lambda s, m, o, a, r, st: agent.act_step(s, m, o, a, r, st, None, False))
+    action, memory = step(state, agent.initial_memory(state, 4), obs, jnp.ones((4, ACT)), jnp.ones(4),
+                          jnp.ones(4, bool))
     assert action.shape == (4, ACT) and bool(jnp.all(jnp.abs(action) <= 1.0))
-    np.testing.assert_allclose(np.asarray(action), np.asarray(agent.act(state, obs, None, False)), rtol=1e-6)
-    later, _ = agent.act_step(state, memory, obs, jnp.ones((4, ACT)), jnp.ones(4), jnp.zeros(4, bool), None, False)
+    act = jax.jit(lambda s, o: agent.act(s, o, None, False))(state, obs)
+    np.testing.assert_allclose(np.asarray(action), np.asarray(act), rtol=1e-6)
+    later, _ = step(state, memory, obs, jnp.ones((4, ACT)), jnp.ones(4), jnp.zeros(4, bool))
     assert not np.allclose(np.asarray(later), np.asarray(action))  # the memory changes what it does
     assert not isinstance(agents.get("sac"), api.RecurrentAgent)
 
@@ -204,8 +213,8 @@ def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, 
 
     agent = agents.get(name)
     spec = StaticPlasticity(optim.OptimSpec(ne=optim.NESpec(0.8), ne_networks=tuple(agent.PLASTIC)), SIGRegSpec(0.2))
-    plain = agent.init(jax.random.key(0), OBS, ACT, _config(agent), TINY)
-    built = agent.init(jax.random.key(0), OBS, ACT, _config(agent), TINY, spec)
+    plain = _init(agent, _config(agent))
+    built = _init(agent, _config(agent), TINY, spec)
     assert plain.plasticity == StaticPlasticity() and built.plasticity == spec
     assert jax.tree.structure(plain) != jax.tree.structure(built)  # the static choice is in the treedef
     for _, o_field in agent.PLASTIC.values():

@@ -46,3 +46,43 @@ def test_several_seeds_are_vmapped_and_each_seed_equals_its_own_one_seed_run():
         alone = over_seeds(_update, in_axes=(0, 0, 0, None))(*one)
         for g, a in zip(jax.tree.leaves(got), jax.tree.leaves(alone)):
             np.testing.assert_allclose(np.asarray(g[j]), np.asarray(a[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_the_seeds_initial_states_are_one_program_with_the_op_by_op_values():
+    """init_over_seeds: jitted, the same bits as jax.vmap(agent.init) run op by op, one seed's
+    state per key (the seeds differ), and the program is built once per configuration."""
+    import agents
+    from agents.sac import SACConfig
+    from networks.config import NetworkConfig
+    from plasticity.api import StaticPlasticity
+    from training import seeds
+
+    sac, cfg, net = agents.get("sac"), SACConfig(), NetworkConfig(width=8, depth=1)
+    keys = jax.random.split(jax.random.key(0), 2)
+    jitted = seeds.init_over_seeds(sac, keys, 3, 1, cfg, net, StaticPlasticity())
+    eager = jax.vmap(lambda k: sac.init(k, 3, 1, cfg, net, StaticPlasticity()))(keys)
+    floats = lambda tree: [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]  # noqa: E731
+    for x, y in zip(floats(jitted), floats(eager), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(*x) for x in jax.tree.leaves(jitted.actor_params))  # the seeds differ
+    again = seeds._jitted_init(sac, 3, 1, SACConfig(), NetworkConfig(width=8, depth=1), StaticPlasticity())
+    assert again is seeds._jitted_init(sac, 3, 1, cfg, net, StaticPlasticity())  # equal configs: one program
+
+
+def test_program_builders_are_cached_on_hashable_arguments_and_rebuild_otherwise():
+    from networks.runtime import cached_per_config
+
+    calls = []
+
+    @cached_per_config
+    def build(agent, cfg, n=1):
+        calls.append((agent, cfg, n))
+        return object()
+
+    assert build("sac", (1, 2)) is build("sac", (1, 2)) and len(calls) == 1
+    assert build("sac", (1, 3)) is not build("sac", (1, 2)) and len(calls) == 2
+    assert build("sac", (1, 2), n=2) is build("sac", (1, 2), n=2) and len(calls) == 3
+    assert build("sac", {"a": 1}) is not build("sac", {"a": 1}) and len(calls) == 5  # a dict: built each time
+    build.cache_clear()
+    build("sac", (1, 2))
+    assert len(calls) == 6

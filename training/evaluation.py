@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import make_vector_env
+from networks.runtime import cached_per_config
 from envs.multitask import is_multitask, member_ids
 from training.logger import AGGREGATE_TASK
 
@@ -138,6 +139,7 @@ def env_impl(cfg) -> str:
     return getattr(cfg, "env_impl", "jax")
 
 
+@cached_per_config
 def deterministic_act(agent):
     """``act(states, obs)``: the agent's deterministic action, vmapped over the seed axis (as ``Driver.evaluate``)."""
     return jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
@@ -150,6 +152,7 @@ def is_recurrent(agent) -> bool:
     return isinstance(agent, RecurrentAgent)
 
 
+@cached_per_config
 def recurrent_fns(agent):
     """(memory(states, n), step(states, memory, obs, prev_action, prev_reward, start), action_shape(states,
     obs)): the recurrent agent's zero memory and deterministic step, vmapped over the seed axis and

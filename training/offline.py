@@ -34,7 +34,8 @@ import numpy as np
 from envs import datasets
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training.config import RunConfig
-from training.seeds import over_seeds
+from networks.runtime import cached_per_config
+from training.seeds import init_over_seeds, over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import check_positive, run_counts
@@ -96,11 +97,16 @@ def fingerprint(dataset) -> dict:
             "obs_sum": float(np.sum(dataset.observations, dtype=np.float64))}
 
 
+@cached_per_config
+def epoch_program(agent, agent_cfg, env_id: str):
+    """``agent.make_epoch`` over the seed axis, jitted; cached so runs in one process share the program."""
+    return jax.jit(over_seeds(agent.make_epoch(agent_cfg, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
+
+
 def initial_state(cfg: RunConfig, agent, dataset, init_keys):
     """Fresh agent states (one per key, vmapped) and per-seed data (the dataset plus the agent's buffers)."""
     static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
-    state = jax.vmap(lambda k: agent.init(k, dataset.obs_dim, dataset.act_dim, cfg.agent, cfg.network, static))(
-        init_keys)
+    state = init_over_seeds(agent, init_keys, dataset.obs_dim, dataset.act_dim, cfg.agent, cfg.network, static)
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     real = jax.tree.map(jnp.asarray, dataset.transitions(unit_actions=True))  # the agent acts in [-1, 1]
     data = jax.vmap(lambda _: agent.data_init(real, cfg.agent))(jnp.arange(len(init_keys)))  # copied per seed
@@ -155,7 +161,7 @@ class OfflineIteration:
         self.state, self.data = initial_state(cfg, agent, dataset, keys[2:])
         self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name, total_updates=cfg.total_steps)
         self.state = self.hooks.start(self.state)
-        self.epoch_fn = jax.jit(over_seeds(agent.make_epoch(a, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
+        self.epoch_fn = epoch_program(agent, a, env_id)
         self.meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
 
     def fresh(self):

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from envs import make_vector_env, nonstationary
+from networks.runtime import cached_per_config
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity.least import LEAST
 from buffers import replay
 from training.config import RunConfig
-from training.seeds import over_seeds
+from training.seeds import init_over_seeds, over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
@@ -39,8 +40,12 @@ def buffer_fns(agent):
     return agent.buffer_init, agent.buffer_add
 
 
+@cached_per_config
 def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     """Two jitted calls per env step: store transitions, then learn and choose the next actions.
+
+    Cached per (agent, agent config, updates, action width), so runs in one process (a resumed
+    run, a sweep's trials, tests) reuse the traced and compiled programs.
 
     ``sigreg`` (a ``SIGRegSpec``) switches SIGReg on in the agent's regularised losses, ``optim``
     (an ``OptimSpec``) Kron / NE masks in its optimizers; ``replay_control`` (a per-seed
@@ -84,7 +89,7 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
     static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
     agent_cfg = agent_config(agent, cfg)  # a multitask agent's config carries the env's task layout
-    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, agent_cfg, cfg.network, static))(keys[1:])
+    state = init_over_seeds(agent, keys[1:], obs_dim, act_dim, agent_cfg, cfg.network, static)
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim, cfg.agent))(jnp.arange(cfg.seeds))
     return state, buffer, keys[0]

@@ -36,7 +36,7 @@ import numpy as np
 from envs import make_vector_env
 from envs import nonstationary
 from training.config import RunConfig
-from training.seeds import over_seeds
+from training.seeds import init_over_seeds, over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
@@ -58,7 +58,7 @@ def empty_loop(agent, T: int, E: int, obs_dim: int, act_dim: int) -> LoopState:
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 1)
     static = static_plasticity(cfg.plasticity, agent)  # Kron / NE masks, SIGReg: built into the agent
-    state = jax.vmap(lambda k: agent.init(k, obs_dim, act_dim, cfg.agent, cfg.network, static))(keys[1:])
+    state = init_over_seeds(agent, keys[1:], obs_dim, act_dim, cfg.agent, cfg.network, static)
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     loop = jax.vmap(lambda _: empty_loop(agent, cfg.agent.num_steps, cfg.num_envs, obs_dim, act_dim))(
         jnp.arange(cfg.seeds))
