@@ -245,7 +245,8 @@ def env_keys(seeds) -> jax.Array:
 # Host interface
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=32)
-def _jitted(pg: Playground):
+def jitted(pg: Playground):
+    """(reset, step) of ``pg`` jitted, one pair per env (so every run in a process shares the programs)."""
     return jax.jit(pg.reset), jax.jit(pg.step)
 
 
@@ -284,12 +285,12 @@ class PlaygroundVectorEnv:
 
     def reset(self, seeds=None) -> np.ndarray:
         seeds = [self.seed + i for i in range(self.num_envs)] if seeds is None else list(seeds)
-        self.state = _jitted(self.pg)[0](env_keys(seeds))
+        self.state = jitted(self.pg)[0](env_keys(seeds))
         return np.asarray(self.state.inner.obs, np.float32)
 
     def step(self, actions):
         actions = jnp.asarray(np.asarray(actions, np.float32).reshape(self.num_envs, self.act_dim))
-        self.state, out = _jitted(self.pg)[1](self.state, actions)
+        self.state, out = jitted(self.pg)[1](self.state, actions)
         out = jax.device_get(out)
         for i in np.nonzero(out.terminated | out.truncated)[0]:
             self.finished.append((int(i), float(out.ep_return[i]), int(out.ep_length[i])))

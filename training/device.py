@@ -131,7 +131,7 @@ def _onpolicy_start(agent, env, carry, env_keys, S: int, E: int, T: int):
 
 def _offpolicy_start(env, carry, env_keys, S: int, E: int):
     """Reset the envs; the first actions uniform (keys as ``OffPolicyIteration.fresh``)."""
-    env_state = jax.jit(env.reset)(env_keys)
+    env_state = playground.jitted(env)[0](env_keys)
     key, k0 = jax.random.split(carry.key)
     action = jax.random.uniform(k0, (S, E, env.act_dim), minval=-1.0, maxval=1.0)
     return OffPolicyCarry(carry.state, carry.buffer, env_state, env_state.inner.obs.reshape(S, E, -1), action, key)
