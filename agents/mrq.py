@@ -601,11 +601,17 @@ def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, key) -> MRQSt
     return state.replace(encoder_metrics=dict(zip(_ENCODER_METRICS, logs)))
 
 
-def _run_if(pred, fn, x):
-    """``fn(x)`` if ``pred`` else ``x``, as a 0/1-trip while-loop (stays lazy under vmap; see module doc)."""
+def _run_if(pred, fn, x, operand):
+    """``fn(x, operand)`` if ``pred`` else ``x``, as a 0/1-trip while-loop (stays lazy under vmap; see
+    module doc).
+
+    ``operand`` (the replay) reaches ``fn`` through an optimisation barrier together with the trip
+    counter: otherwise XLA hoists work on it that does not depend on the loop (the O(capacity)
+    reward scale of ``sync``) out of the loop, and runs it on every call whether the loop runs or not."""
     def body(carry):
         i, x = carry
-        return i + 1, fn(x)
+        _, operand_now = jax.lax.optimization_barrier((i, operand))
+        return i + 1, fn(x, operand_now)
 
     n = pred.astype(jnp.int32)
     return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), jnp.int32), x))[1]
@@ -628,7 +634,7 @@ def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, r
         state, buffer = carry
         k_sync, k_sample, k_rl = jax.random.split(key, 3)
         state = _run_if(state.updates % cfg.target_update_freq == 0,
-                        lambda s: sync_and_train_encoder(s, buffer, k_sync), state)
+                        lambda s, b: sync_and_train_encoder(s, b, k_sync), state, buffer)
         idx = lap.draw_tree(buffer.weights if cfg.prioritized else buffer.counts, k_sample, cfg.batch_size)
         state, priorities, metrics = rl_update(state, lap.window(buffer, idx, cfg.q_horizon), k_rl)
         if cfg.prioritized:

@@ -183,15 +183,21 @@ def draw_tree(tree: jax.Array, key, n: int) -> jax.Array:
     """``n`` slots drawn with probability proportional to the tree's leaves, O(n log capacity).
 
     The uniform numbers are ``draw``'s (same key, same values); a descent never enters a subtree
-    whose sum is 0, so a rounding error cannot land on a slot of weight 0."""
+    whose sum is 0, so a rounding error cannot land on a slot of weight 0.
+
+    The descent is a ``fori_loop``, not unrolled: unrolled, XLA on CPU copied the whole tree
+    before the priority update that follows a draw (``update_priorities`` writes the tree in
+    place), 8 bytes per slot on every training step."""
     leaves = tree.shape[0] // 2
     u = jax.random.uniform(key, (n,), tree.dtype) * tree[1]
-    node = jnp.ones(n, jnp.int32)
-    for _ in range(leaves.bit_length() - 1):
+
+    def level(_, carry):
+        u, node = carry
         left, right = tree[2 * node], tree[2 * node + 1]
         go_right = (u >= left) & (right > 0)
-        u = jnp.where(go_right, u - left, u)
-        node = 2 * node + go_right.astype(jnp.int32)
+        return jnp.where(go_right, u - left, u), 2 * node + go_right.astype(jnp.int32)
+
+    _, node = jax.lax.fori_loop(0, leaves.bit_length() - 1, level, (u, jnp.ones(n, jnp.int32)))
     return node - leaves
 
 
@@ -234,9 +240,15 @@ def update_priorities(buffer: LAPBuffer, idx, new_priority) -> LAPBuffer:
 
 
 def reward_scale(buffer: LAPBuffer, eps: float = 1e-8) -> jax.Array:
-    """Mean |reward| over every stored transition (at least ``eps``)."""
-    written = buffer.step >= 0
-    total = jnp.sum(jnp.where(written, jnp.abs(buffer.data.reward), 0.0))
+    """Mean |reward| over every stored transition (at least ``eps``).
+
+    One variadic reduction over (|reward|, written): ``jnp.sum(jnp.where(...))`` made XLA on CPU
+    write the masked rewards out first, a temporary of 4 bytes per slot."""
+    def add_written(x, y):
+        return jnp.where(x[1], x[0], 0.0) + jnp.where(y[1], y[0], 0.0), jnp.bool_(True)
+
+    total = jax.lax.reduce((jnp.abs(buffer.data.reward), buffer.step >= 0), (jnp.float32(0), jnp.bool_(True)),
+                           add_written, (buffer.step.ndim - 1,))[0]
     return jnp.maximum(total / jnp.maximum(buffer.size, 1), eps)
 
 

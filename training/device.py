@@ -40,7 +40,7 @@ import numpy as np
 
 from envs import playground
 from training.config import RunConfig
-from training.seeds import over_seeds
+from training.seeds import add_over_seeds, over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training import offpolicy, onpolicy
@@ -373,7 +373,7 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
         per_seed = lambda x: x.reshape(S, E, *x.shape[1:])  # noqa: E731
         transition = replay.Transition(carry.obs, carry.action, per_seed(out.reward), per_seed(out.next_obs),
                                        per_seed(out.terminated), per_seed(out.truncated))
-        buffer = over_seeds(agent.buffer_add)(carry.buffer, transition)
+        buffer = add_over_seeds(agent.buffer_add)(carry.buffer, transition)
         obs = per_seed(out.obs)
         key, k = jax.random.split(carry.key)
         k_train, k_act = jax.random.split(k)

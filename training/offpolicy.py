@@ -21,7 +21,7 @@ from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity.least import LEAST
 from buffers import replay
 from training.config import RunConfig
-from training.seeds import init_over_seeds, over_seeds
+from training.seeds import add_over_seeds, init_over_seeds, over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
@@ -60,7 +60,7 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     def store(buffer, transition, obs):
         seeds, envs = obs.shape[:2]
         flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
-        return over_seeds(agent.buffer_add)(buffer, flat)
+        return add_over_seeds(agent.buffer_add)(buffer, flat)
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
     def learn_and_act(state, buffer, obs, key, random_actions: bool, train: bool, replay_control=None):
