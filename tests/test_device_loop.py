@@ -12,12 +12,19 @@ import pytest
 
 from agents import ppo
 from plasticity.config import PlasticityConfig
+from tests import device_toy
 from training.config import NetworkConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_playground = pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is None,
                                       reason="MuJoCo Playground (extra .[mjx]) is not installed")
 ENV = "playground:CartpoleBalance"  # the cheapest task to compile on CPU
+TOY = device_toy.ENV  # the loop's mechanics, on Playground's wrapper around two-line physics (tests/device_toy.py)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    device_toy.use_toy(monkeypatch)
 
 
 def tiny(**kw):
@@ -171,7 +178,7 @@ class _NoHostWork:
 
 
 @needs_playground
-def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_transitions():
+def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_transitions(toy):
     """Two iterations of 2 seeds x 2 envs with episodes of 5 steps (truncations inside the rollouts):
     the host loop stepping the same envs from Python and the device loop agree on every stored
     transition (final values at truncations included) and on the updated agents."""
@@ -179,10 +186,10 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     from training.device import DeviceOnPolicyIteration, make_chunk
     from training.onpolicy import OnPolicyIteration
 
-    cfg = tiny()
-    env = short_episodes(5)
+    cfg = tiny(env=TOY)
+    env = short_episodes(5, device_toy.NAME)
     host = OnPolicyIteration(cfg, ppo, 4)
-    host.env = PlaygroundVectorEnv(ENV, 4, cfg.seed * 10_000)
+    host.env = PlaygroundVectorEnv(TOY, 4, cfg.seed * 10_000)
     host.env.pg = env
     host.counter = None  # (set by begin(): the shared clock of ns: envs)
     host.fresh()
@@ -211,10 +218,10 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
 
 
 @needs_playground
-def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(tmp_path, assert_same_logs):
+def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(tmp_path, assert_same_logs, toy):
     from training import device
 
-    cfg = tiny()
+    cfg = tiny(env=TOY)
     full = device.train(cfg, ppo, tmp_path / "full")
     part = device.train(cfg, ppo, tmp_path / "part", stop_at=30)
     assert part["step"] == 32  # the first iteration boundary at or past 30
@@ -235,7 +242,7 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
     for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(restored.state)):
         np.testing.assert_array_equal(x, y)
     # one program for every chunk length, fresh or resumed (a weakly typed reset state would add one)
-    assert device.make_chunk(ppo, make(ENV, action_mode=cfg.agent.action_mode), 2, 2, 8)._cache_size() == 1
+    assert device.make_chunk(ppo, make(TOY, action_mode=cfg.agent.action_mode), 2, 2, 8)._cache_size() == 1
     import csv
 
     rows = list(csv.DictReader(open(tmp_path / "full" / "metrics.csv")))
@@ -248,7 +255,7 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
 
 
 @needs_playground
-def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path):
+def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path, toy):
     """PPO, 4 updates per iteration of 16 env steps: metrics and ReDo every 8 updates fall after
     iterations 2 and 4 (steps 32 and 64); the device chunks end there, and the events' columns reach
     the log rows at those steps."""
@@ -256,7 +263,7 @@ def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path):
 
     from training import device
 
-    cfg = tiny(plasticity=PlasticityConfig(metrics_every=8, redo=True, reset_every=8), eval_every=1000,
+    cfg = tiny(env=TOY, plasticity=PlasticityConfig(metrics_every=8, redo=True, reset_every=8), eval_every=1000,
                checkpoint_every=1000)
     device.train(cfg, ppo, tmp_path / "run")
     rows = [r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r["seed"] == "0"]
@@ -268,7 +275,7 @@ def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path):
 
 
 @needs_playground
-def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_config):
+def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_config, toy):
     """SAC, 2 seeds x 2 envs, episodes of 5 steps, learning from env step 12: 10 vector steps of the
     host loop (env stepped from Python, ``store`` and ``learn_and_act`` per step) and one device
     chunk of 10 agree on every replay row (truncations included) and on the updated agents."""
@@ -276,11 +283,11 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
     from training.device import DeviceOffPolicyIteration, make_offpolicy_chunk
     from training.offpolicy import OffPolicyIteration
 
-    cfg = tiny_sac_config(env=ENV, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64,
+    cfg = tiny_sac_config(env=TOY, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64,
                           total_steps=40)
-    env = short_episodes(5)
+    env = short_episodes(5, device_toy.NAME)
     host = OffPolicyIteration(cfg, __import__("agents.sac").sac)
-    host.env = PlaygroundVectorEnv(ENV, 4, cfg.seed * 10_000)
+    host.env = PlaygroundVectorEnv(TOY, 4, cfg.seed * 10_000)
     host.env.pg = env
     host.fresh()
     drv = _NoHostWork()
@@ -306,17 +313,17 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
 @needs_playground
 @pytest.mark.parametrize("agent_name", ["sac", "mrq"])
 def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupted_run(
-        agent_name, tmp_path, tiny_sac_config, assert_same_logs):
+        agent_name, tmp_path, tiny_sac_config, assert_same_logs, toy):
     import agents
     from training import device
 
     if agent_name == "sac":
-        cfg = tiny_sac_config(env=ENV, seeds=2, num_envs=2, total_steps=48, learning_starts=16, eval_every=24,
+        cfg = tiny_sac_config(env=TOY, seeds=2, num_envs=2, total_steps=48, learning_starts=16, eval_every=24,
                               eval_episodes=1, log_every=8, checkpoint_every=24)
     else:
         from agents.mrq import MRQConfig
 
-        cfg = RunConfig(env=ENV, seeds=2, num_envs=2, total_steps=48, eval_every=24, eval_episodes=1, log_every=8,
+        cfg = RunConfig(env=TOY, seeds=2, num_envs=2, total_steps=48, eval_every=24, eval_episodes=1, log_every=8,
                         checkpoint_every=24, progress=False, network=NetworkConfig(width=16), agent_name="mrq",
                         agent=MRQConfig(buffer_size=256, batch_size=8, learning_starts=16, target_update_freq=4))
     agent = agents.get(agent_name)
@@ -335,12 +342,12 @@ def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupt
 
     rows = [r for r in csv.DictReader(open(tmp_path / "full" / "metrics.csv")) if r["seed"] == "0"]
     assert [int(r["step"]) for r in rows] == list(range(8, 49, 8))
-    assert all(r.get("charts/episodic_return", "") == "" for r in rows)  # no episode of 1000 steps ended
+    assert all(r.get("charts/episodic_return", "") == "" for r in rows)  # no episode of 100 steps ended
     assert np.isfinite(float(rows[-1][next(k for k in rows[-1] if k.startswith("losses/"))]))
 
 
 @needs_playground
-def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_capacity(tiny_sac_config):
+def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_capacity(tiny_sac_config, toy):
     """The replay is carried through the chunk's loop and written in place: XLA's memory analysis of
     the compiled chunk must not depend on the capacity (a copy of the buffer per step would)."""
     import agents
@@ -348,7 +355,7 @@ def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_c
 
     temps = []
     for capacity in (4_096, 65_536):
-        cfg = tiny_sac_config(env=ENV, seeds=1, num_envs=2, buffer_size=capacity, batch_size=32,
+        cfg = tiny_sac_config(env=TOY, seeds=1, num_envs=2, buffer_size=capacity, batch_size=32,
                               network=NetworkConfig(width=16, depth=1))
         it = DeviceOffPolicyIteration(cfg, agents.get("sac"))
         it.fresh()
