@@ -21,8 +21,10 @@ demo: $(STAMP)
 	$(BIN)/python scripts/plot.py runs/demo-sac-pendulum --out runs/demo-sac-pendulum/curve.png
 
 # Two worker processes (pytest-xdist), each taking whole test files: a file's module fixtures run once.
+# A worker that crashes (or that pytest-timeout ends) is not replaced: xdist would run the rest of its
+# file again in a new worker, the crashing test included, up to 8 times.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmark.py

@@ -35,6 +35,10 @@ from plasticity.api import (ExplorationNoiseAgent, LEASTAgent, PlasticAgent, Sta
 from plasticity.sigreg import SIGRegSpec
 from plasticity.config import PlasticityConfig
 
+# distinct buffers (the loop donates the state it measures later), in one dispatch: op by op, a
+# copy per leaf, each its own in-flight computation
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
 
 def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     """Raise a clear error for any requested intervention the agent cannot take."""
@@ -253,7 +257,7 @@ class Hooks:
                 self.replay_control = expansion.ReplayControl(jnp.zeros(seeds, jnp.float32) if cfg.ne_review else None,
                                                     jnp.zeros(seeds, bool) if auto_batch_on(cfg, self.agent) else None)
         if cfg.metrics_every:
-            self.init_params = jax.tree.map(jnp.copy, measured_params(self.agent, state))
+            self.init_params = _copy(measured_params(self.agent, state))
         return state
 
     def after_updates(self, before: int, after: int, state, buffer, key):

@@ -4,6 +4,17 @@ import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# XLA's CPU runtime can wedge with its thread pools idle and the main thread waiting forever for a
+# free slot among the in-flight computations (xla::Semaphore::Acquire in CpuPjRtRawLoadedExecutable::
+# Execute, seen by gdb in a suite run here: the Playground PPO learning test, after about 600 tests in
+# one worker; a CI run timed out at the same place).  The suite's two workers share two cores, so it
+# gives nothing up by running each computation on its calling thread: one Eigen thread, no
+# asynchronous dispatch in the suite's own processes (set below, before JAX makes its CPU client;
+# the train.py children inherit the single Eigen thread).  The same programs run; a matmul's last
+# bits may differ from a multi-threaded one (another blocking), as between CPUs, which the golden
+# fingerprints' tolerances allow.  (train.py keeps XLA's defaults: a single run uses every core.)
+if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as scripts/train.py: LAPACK's threads fight XLA's
 # JAX's own rolled Threefry loop in the suite (and the train.py subprocesses it starts), not the zoo's
@@ -26,6 +37,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import csv
 
 import gymnasium as gym
+import jax
+
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # see XLA_FLAGS above
 import numpy as np
 import pytest
 
