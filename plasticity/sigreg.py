@@ -64,6 +64,18 @@ def _grid(variant: str, num_points: int | None):
     return base, ks, weights
 
 
+def _computed_once(fn, x):
+    """``fn(x)`` held in buffers of its own.
+
+    XLA's CPU fusion evaluates an elementwise producer again inside each of its consumers: here cos
+    and sin once per k and per output (90 us for K = 4 on 256 x 16 projections against 32 us
+    computed once).  A loop's results are buffers; this one runs once, and XLA cannot prove that
+    (twice if the first element is NaN, giving the same values), so it keeps the loop."""
+    trips = 1 + jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, x))
+    return jax.lax.fori_loop(0, trips, lambda i, out: fn(x), init)
+
+
 def _powers(theta, ks):
     """cos(k theta), sin(k theta) for each k in ``ks``, stacked at axis -3: two (..., K, N, S) arrays.
 
@@ -71,7 +83,7 @@ def _powers(theta, ks):
     e^{i theta} (the grid points are integer multiples of one base), which matters because the
     transcendentals were most of SIGReg's cost on CPU.
     """
-    one = (jnp.cos(theta), jnp.sin(theta))
+    one = _computed_once(lambda t: (jnp.cos(t), jnp.sin(t)), theta)
 
     def mul(u, v):
         return u[0] * v[0] - u[1] * v[1], u[0] * v[1] + u[1] * v[0]
