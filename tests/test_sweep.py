@@ -171,9 +171,13 @@ def test_a_sweep_interrupted_midway_resumes_the_interrupted_trial_and_skips_the_
     args = [sys.executable, str(SWEEP), str(spec), "--dir", str(d), "--num-cpus", "2", "--max-concurrent", "1",
             "--refresh", "1"]
     # Ctrl-C's default action in the sweep, whatever this process inherited: a suite started in the
-    # background from a non-interactive shell runs with SIGINT ignored, and children keep that
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # background from a non-interactive shell runs with SIGINT ignored, and children keep that.  The
+    # child sets it itself before running the script: a preexec_fn would run Python between fork and
+    # exec of this multithreaded process (JAX's threads), which can deadlock.
+    interruptible = [sys.executable, "-c", "import runpy, signal, sys; "
+                     "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = sys.argv[1:]; "
+                     "runpy.run_path(sys.argv[0], run_name='__main__')", *args[1:]]
+    proc = subprocess.Popen(interruptible, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     short, long = "Pendulum-v1__sac__a__seed0", "Pendulum-v1__sac__b__seed0"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
