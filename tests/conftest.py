@@ -38,10 +38,10 @@ import csv
 
 import gymnasium as gym
 import jax
-
-jax.config.update("jax_cpu_enable_async_dispatch", False)  # see XLA_FLAGS above
 import numpy as np
 import pytest
+
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # see XLA_FLAGS above (before JAX's CPU client exists)
 
 
 class ToyChain(gym.Env):
