@@ -129,6 +129,22 @@ def test_sigreg_matches_numpy_and_separates_gaussian_from_collapsed(variant):
     assert collapsed > 20 * gaussian and anisotropic > 20 * gaussian
 
 
+def test_sigregs_cos_and_sin_match_numpy_in_every_quadrant_up_to_1e5():
+    """SIGReg's own argument-reduced cos / sin (one elementwise pass) against float64 numpy."""
+    from plasticity.sigreg import _cos_sin
+
+    quarter = np.pi / 2
+    edges = np.array([q * quarter + d for q in range(-8, 9) for d in (-1e-3, 0.0, 1e-3)])  # around each quadrant switch
+    rng = np.random.default_rng(0)
+    x = np.concatenate([edges, *(rng.normal(size=2000) * scale for scale in (1, 30, 1e3)),
+                        rng.uniform(-1e5, 1e5, 2000)]).astype(np.float32)
+    exact = x.astype(np.float64)
+    for fn in (_cos_sin, jax.jit(_cos_sin)):  # op by op, and fused as in the update (where XLA may contract to FMAs)
+        cos, sin = fn(jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(cos), np.cos(exact), rtol=0, atol=2e-7)
+        np.testing.assert_allclose(np.asarray(sin), np.sin(exact), rtol=0, atol=2e-7)
+
+
 def test_regularized_loss_adds_coef_times_sigreg_of_the_first_call_features():
     spec = TrunkSpec(width=8, depth=2)
     net, p = build("critic", lambda r: MLPHead(3, 1, spec, rngs=r), jax.random.key(0))
