@@ -55,3 +55,28 @@ def cached_per_config(build):
 
     builder.cache_clear = cached.cache_clear
     return builder
+
+
+# XLA CPU hands dots, elementwise ops and reductions to its YNNPACK library fusions.  Its reductions
+# over a leading axis are slow: in NeuBay's update (10 critic heads on a 2048-step tape) the bias
+# gradients, sums of (10, 2047, 256) over the tape, took 85 ms each, and the whole update 0.61 s
+# against 0.32 s with single dots only (docs/benchmarks.md, session 22).  SAC's and MR.Q's steps,
+# on batches of 256, ran the same with either setting.
+DOTS_ONLY_LIBRARY_FUSION = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+@functools.cache
+def dots_only_library_fusion() -> dict | None:
+    """``jax.jit``'s ``compiler_options`` that keep XLA CPU's library fusions to single dots, or None
+    where they do not apply: another backend, or a jaxlib that does not know the option (checked by
+    compiling a one-op program once per process)."""
+    import jax
+    import numpy as np
+
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=DOTS_ONLY_LIBRARY_FUSION).lower(np.zeros(1, np.float32)).compile()
+    except Exception:  # an XLA without the option (it was added as experimental): keep the defaults
+        return None
+    return dict(DOTS_ONLY_LIBRARY_FUSION)

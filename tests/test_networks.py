@@ -129,3 +129,32 @@ def test_threefry_unrolled_on_cpu_gives_the_same_bits_as_jaxs_rolled_loop():
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
+    """The offline epoch programs' compiler options: on CPU with a jaxlib that knows the option, a
+    reduction over a leading axis is no longer a YNNPACK fusion (a dot still is) and gives the same sums."""
+    from networks.runtime import DOTS_ONLY_LIBRARY_FUSION, dots_only_library_fusion
+
+    x = np.random.default_rng(0).normal(size=(2048, 256)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(256, 64)).astype(np.float32)
+    options = dots_only_library_fusion()
+    if jax.default_backend() != "cpu":
+        assert options is None
+        return
+    if options is None:  # this jaxlib refuses the option: the fallback must be because of that
+        with pytest.raises(Exception):
+            jax.jit(lambda a: a.sum(0), compiler_options=DOTS_ONLY_LIBRARY_FUSION).lower(x).compile()
+        return
+
+    def hlo(fn, *args, opts=None):
+        return jax.jit(fn, compiler_options=opts).lower(*args).compile().as_text()
+
+    def ynn_fusions(text):
+        return [line for line in text.splitlines() if "__ynn_fusion" in line and " fusion(" in line]
+
+    reduce_sum = lambda a: a.sum(0)  # noqa: E731
+    assert not ynn_fusions(hlo(reduce_sum, x, opts=options))
+    assert ynn_fusions(hlo(lambda a, b: a @ b, x, w, opts=options))  # dots still go to the library
+    np.testing.assert_allclose(np.asarray(jax.jit(reduce_sum, compiler_options=options)(x)), x.sum(0, dtype=np.float64),
+                               rtol=1e-4, atol=1e-3)

@@ -34,7 +34,7 @@ import numpy as np
 from envs import datasets
 from plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from training.config import RunConfig
-from networks.runtime import cached_per_config
+from networks.runtime import cached_per_config, dots_only_library_fusion
 from training.seeds import init_over_seeds, over_seeds
 from training.driver import Driver
 from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
@@ -99,8 +99,12 @@ def fingerprint(dataset) -> dict:
 
 @cached_per_config
 def epoch_program(agent, agent_cfg, env_id: str):
-    """``agent.make_epoch`` over the seed axis, jitted; cached so runs in one process share the program."""
-    return jax.jit(over_seeds(agent.make_epoch(agent_cfg, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1))
+    """``agent.make_epoch`` over the seed axis, jitted; cached so runs in one process share the program.
+
+    On CPU it is compiled with single-dot library fusions (``networks.runtime.dots_only_library_fusion``):
+    the offline agents' updates on long batches reduce large arrays over their leading axis."""
+    return jax.jit(over_seeds(agent.make_epoch(agent_cfg, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1),
+                   compiler_options=dots_only_library_fusion())
 
 
 def initial_state(cfg: RunConfig, agent, dataset, init_keys):
