@@ -69,8 +69,9 @@ def _computed_once(fn, x):
 
     XLA's CPU fusion evaluates an elementwise producer again inside each of its consumers: here cos
     and sin once per k and per output (with XLA's own cos and sin: 90 us for K = 4 on 256 x 16
-    projections against 32 us computed once).  A loop's results are buffers; this one runs once, and XLA cannot prove that
-    (twice if the first element is NaN, giving the same values), so it keeps the loop."""
+    projections against 32 us computed once).  A loop's results are buffers; this one runs once, and
+    XLA cannot prove that (twice if the first element is NaN, giving the same values), so it keeps
+    the loop."""
     trips = 1 + jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32)
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, x))
     return jax.lax.fori_loop(0, trips, lambda i, out: fn(x), init)
