@@ -842,6 +842,30 @@ def load(path) -> DynamicsModel:
 # ============================================================================ a run's model
 
 
+def epoch_progress(log: Callable[[str], None], max_epochs: int, every: int = 25, interval_s: float = 60.0,
+                   clock: Callable[[], float] = time.monotonic) -> Callable[[int, dict], None]:
+    """A ``train(log=...)`` callback that reports an epoch line to ``log``: the first epoch, every
+    ``every``-th, any epoch whose action is not "continue" (stop, lr cut), and any epoch ending
+    ``interval_s`` or more after the last line, so a slow fit (a 128-member NeuBay posterior on 40k
+    rows takes 30-40 s an epoch on a 2-core CPU) is never silent for long.  Each line gives the seconds per
+    epoch so far and the epoch cap (early stopping usually ends sooner)."""
+    start = last = clock()
+
+    def progress(epoch: int, row: dict) -> None:
+        nonlocal last
+        now = clock()
+        action = row.get("action") or ""
+        if not (epoch == 1 or epoch % every == 0 or action not in ("", "continue") or now - last >= interval_s):
+            return
+        last = now
+        cap = "no cap" if max_epochs >= NO_EPOCH_CAP else f"cap {max_epochs}"
+        log(f"  dynamics epoch {epoch} ({cap}; {(now - start) / epoch:.1f} s/epoch): train loss "
+            f"{row['train_loss']:.4f}, best validation MSE {np.min(row['best_val_mse']):.5f}"
+            + ("" if action in ("", "continue") else f" ({action})"))
+
+    return progress
+
+
 def load_or_train(key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: Optional[str] = None,
                   log=print) -> DynamicsModel:
     """The dynamics model an offline run uses: ``explicit_path`` (``--model``), else the model cached
@@ -868,12 +892,7 @@ def load_or_train(key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: 
     log(f"training the dynamics ensemble on {len(dataset)} transitions (cached at {path}) ...")
     t = dataset.transitions(unit_actions=True)
 
-    def progress(epoch, row):
-        if epoch % 25 == 0 or row.get("action") not in (None, "", "continue"):
-            log(f"  dynamics epoch {epoch}: train loss {row['train_loss']:.4f}, "
-                f"best validation MSE {np.min(row['best_val_mse']):.5f} {row.get('action') or ''}")
-
-    model, info = train(key, t.obs, t.action, t.reward, t.next_obs, cfg, log=progress)
+    model, info = train(key, t.obs, t.action, t.reward, t.next_obs, cfg, log=epoch_progress(log, cfg.max_epochs))
     save(path, model)
     val = np.asarray(info["val_mse"])
     log(f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "

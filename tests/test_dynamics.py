@@ -215,6 +215,31 @@ def test_early_stopping_rule():
     assert [stop.update(e, [1.0])[1] for e in range(12)] == ["continue"] * 10 + ["stop", "stop"]
 
 
+def test_epoch_progress_reports_first_periodic_slow_and_final_epochs():
+    lines, now = [], [0.0]
+    progress = dyn.epoch_progress(lines.append, max_epochs=dyn.NO_EPOCH_CAP, every=5, interval_s=60.0,
+                                  clock=lambda: now[0])
+    row = lambda action="continue": {"train_loss": -1.5, "best_val_mse": np.array([0.3, 0.2]),  # noqa: E731
+                                     "action": action}
+    reported = []
+    for epoch, (seconds, action) in enumerate([(10, "continue"), (10, "continue"), (70, "continue"),
+                                               (10, "continue"), (10, "continue"), (10, "continue"),
+                                               (10, "stop")], start=1):
+        now[0] += seconds
+        before = len(lines)
+        progress(epoch, row(action))
+        if len(lines) > before:
+            reported.append(epoch)
+    # epoch 1; epoch 3 ended 80 s after epoch 1's line; epoch 5 (every 5th); epoch 7 stops
+    assert reported == [1, 3, 5, 7]
+    assert lines[0] == "  dynamics epoch 1 (no cap; 10.0 s/epoch): train loss -1.5000, best validation MSE 0.20000"
+    assert lines[1].startswith("  dynamics epoch 3 (no cap; 30.0 s/epoch)")
+    assert lines[-1].endswith(" (stop)") and "(no cap; 18.6 s/epoch)" in lines[-1]
+    capped = []
+    dyn.epoch_progress(capped.append, max_epochs=40, clock=lambda: 0.0)(1, row())
+    assert "(cap 40; 0.0 s/epoch)" in capped[0]
+
+
 # ----------------------------------------------------------------------------- rollouts
 
 
