@@ -514,6 +514,19 @@ def act(state: NeuBayState, obs, key, explore: bool):
     return action
 
 
+def history_values(state: NeuBayState, obs, action, reward):
+    """Every critic head's Q(h_t, a_t) along one episode from its start (diagnostics): obs (T, O),
+    action (T, A) and reward (T,) of transitions t = 0 .. T-1 -> (N, T), where h_t reads the
+    inputs x_0 .. x_t = [s, a_prev, r_prev] as in training."""
+    obs, action, reward = (jnp.asarray(x, jnp.float32) for x in (obs, action, reward))
+    inputs = imagination.agent_inputs(obs, action[:-1], reward[:-1])[None]
+    start = jnp.arange(inputs.shape[1])[None] == 0
+    zeros = jnp.zeros(inputs.shape[:2], bool)
+    tape = TapeBatch(inputs, start, action[None], reward[None], zeros, zeros)
+    h = _encode(state.critic_encoder, state.critic_params["encoder"], tape)
+    return _q(state, state.critic_params["heads"], h, action[None])[:, 0]
+
+
 def rollout_policy(state: NeuBayState, explore: bool = True):
     """The stochastic actor as ``imagination.imagine`` calls it: (memory, inputs (B, T, I), start (B, T),
     key) -> (the action at the last position, memory)."""

@@ -5,7 +5,10 @@
 Prints the critics' values and spreads at dataset / policy / random actions against the dataset's
 discounted returns-to-go, the value drift along model rollouts, and the policy's real episodes with
 the dynamics model's error and spread and the distance to the nearest dataset state along them;
-writes RUN_DIR/diagnostics.json.
+for a NeuBay run, imagination from start states and real prefixes beside the real episodes, with
+the critics' Q against the return that followed and the world-model posterior's error,
+uncertainty and open-loop replay along them (``training/offline_diagnostics.py:
+diagnose_posterior``); writes RUN_DIR/diagnostics.json.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from training import offline_diagnostics  # noqa: E402
 @dataclass
 class Args:
     run_dir: tyro.conf.Positional[str]
-    """an offline run directory (written by scripts/train.py ravl ...)"""
+    """an offline run directory (written by scripts/train.py ravl|neubay ...)"""
     episodes: int = 3
     """deterministic real-env episodes of the policy per seed"""
     samples: int = 4096

@@ -382,3 +382,78 @@ def test_refusals_name_what_does_not_apply(toy_dataset, tmp_path):
     with pytest.raises(ValueError, match="planning-members 200 is more than"):
         main(["neubay", "--dataset", str(toy_dataset), "--planning-members", "200", "--run-dir", str(tmp_path / "c")])
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+# ----------------------------------------------------------------------------- diagnostics (scripts/diagnose_offline.py)
+
+
+def test_history_values_are_the_training_critics_and_read_only_the_past():
+    state = neubay.init(jax.random.key(3), OBS, ACT, SMALL)
+    rng = np.random.default_rng(1)
+    obs, action = rng.normal(size=(7, OBS)).astype(np.float32), rng.uniform(-1, 1, (7, ACT)).astype(np.float32)
+    reward = rng.normal(size=7).astype(np.float32)
+    q = np.asarray(neubay.history_values(state, obs, action, reward))
+    assert q.shape == (SMALL.critics, 7)
+    # the same episode as a training tape: inputs [s_t, a_{t-1}, r_{t-1}], zeros before the start
+    inputs = np.concatenate([obs, np.vstack([np.zeros((1, ACT)), action[:-1]]),
+                             np.concatenate([[0.0], reward[:-1]])[:, None]], axis=1)[None].astype(np.float32)
+    start = np.arange(7)[None] == 0
+    h = neubay._encode(state.critic_encoder, state.critic_params["encoder"],
+                       neubay.TapeBatch(inputs, start, action[None], reward[None], start, start))
+    np.testing.assert_allclose(q, np.asarray(neubay._q(state, state.critic_params["heads"], h, action[None]))[:, 0],
+                               rtol=1e-5, atol=1e-6)
+    # changing step 4 leaves the values of steps 0-3 and changes the later ones
+    obs2 = obs.copy()
+    obs2[4] += 1.0
+    q2 = np.asarray(neubay.history_values(state, obs2, action, reward))
+    np.testing.assert_allclose(q2[:, :4], q[:, :4], rtol=1e-6, atol=1e-6)
+    assert np.all(np.abs(q2[:, 4:] - q[:, 4:]).max(axis=0) > 1e-6)
+
+
+def test_first_true_and_open_loop_replay_against_a_step_by_step_loop():
+    from training.offline_diagnostics import first_true, open_loop_ends
+
+    assert first_true([[False, True, True], [False, False, False], [True, False, True]]).tolist() == [2, 0, 1]
+    model = dyn.init_model(jax.random.key(4), OBS, ACT, dyn.neubay_config(members=5, elites=4, width=8, depth=1))
+    model = model.replace(elites=jnp.array([3, 0, 4, 1]))
+    rng = np.random.default_rng(2)
+    s0, actions = rng.normal(size=OBS).astype(np.float32), rng.uniform(-1, 1, (30, ACT)).astype(np.float32)
+    # the reference: each elite alone, its own mean prediction fed back; ends where |s_0| first exceeds 2
+    expected = []
+    for e in np.asarray(model.elites):
+        s, end = s0[None], 0
+        for t, a in enumerate(actions):
+            mean, _ = dyn.predict(model, jnp.asarray(s), jnp.asarray(a[None]))
+            s = s + np.asarray(mean)[e, :, :OBS]
+            if end == 0 and abs(s[0, 0]) > 2.0:
+                end = t + 1
+        expected.append(end)
+    got = open_loop_ends(model, s0, actions, lambda s: jnp.abs(s[..., 0]) > 2.0)
+    assert got.tolist() == expected
+    assert all(expected) and len(set(expected)) > 1  # the case: every elite ends, not all at one step
+
+
+@pytest.mark.slow
+def test_diagnostics_compare_imagination_with_the_real_episodes(finished_run, capsys):
+    import json
+
+    from scripts.diagnose_offline import main
+
+    _, run_dir = finished_run
+    d = main([str(run_dir), "--episodes", "2", "--samples", "256"])
+    assert "world-model posterior of 3 elites" in capsys.readouterr().out
+    assert json.loads((run_dir / "diagnostics.json").read_text()) == json.loads(json.dumps(d))
+    assert d["kind"] == "posterior" and d["step"] == 400 and d["threshold"] > 0
+    # quantile 1: the threshold is the largest uncertainty over the dataset, these rows are a sample of it
+    m = d["model_on_data"]
+    assert m["uncertainty_median"] < m["uncertainty_max"] <= d["threshold"] * (1 + 1e-6)
+    s = d["seeds"][0]
+    start = s["imagination"]["from_start_deterministic"]
+    assert start["horizon_p10"] <= start["horizon_p50"] <= start["horizon_p90"] <= start["horizon_max"] <= 20
+    # from the start states no prefix is a whole trajectory: every tape ends one way
+    assert start["ended_terminated"] + start["ended_uncertainty"] + start["ended_horizon"] == pytest.approx(1.0)
+    for e in s["episodes"]:
+        assert e["length"] == 20 and not e["terminated"]  # ToyReach: 20 steps, never terminal
+        assert e["reward_per_step"] == pytest.approx(e["return"] / 20)
+        assert np.isfinite(e["q_first"]) and e["q_std"] > 0 and e["state_mse_median"] > 0
+        assert e["open_loop_ended"] == 0.0  # ToyReach's termination function never fires

@@ -1,6 +1,8 @@
 """Why an offline actor-critic run works or fails: value and dynamics checks on its last checkpoint.
 
 ``scripts/diagnose_offline.py RUN_DIR`` prints these and writes ``RUN_DIR/diagnostics.json``.
+A recurrent agent on a world-model posterior (NeuBay) gets its own checks instead
+(``diagnose_posterior``: imagination beside the real episodes).
 For SAC-family offline agents (RAVL: a state with ``critic``, ``critic_params``,
 ``target_critic_params`` and ``actor``), per seed:
 
@@ -34,13 +36,14 @@ import numpy as np
 
 import agents
 from agents import dynamics as dynamics_lib
-from agents import sac
+from agents import imagination
 from envs import datasets, termination
 from envs.make import VectorEnv
 from networks.distributions import tanh_gaussian_sample
 from buffers import replay
 from training import checkpoint
 from training.offline import initial_state, resolve_dataset, _buffers
+from training.evaluation import is_recurrent, policy_maker, restore_policy
 from training.run import load_config
 
 
@@ -70,21 +73,22 @@ def load_run(run_dir):
     agent = agents.get(cfg.agent_name)
     if agent.KIND != "offline":
         raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}, not an offline agent")
-    from training.evaluation import is_recurrent
-
-    if is_recurrent(agent):
-        raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}: the diagnostics read Markov critics Q(s, a) "
-                         "(RAVL's); a recurrent agent's critics read whole histories")
+    if is_recurrent(agent) and not (hasattr(agent, "history_values") and hasattr(agent, "rollout_policy")):
+        raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}: its critics read whole histories and the "
+                         "agent has no history_values / rollout_policy to read them along an episode")
     path, dataset, env_id = resolve_dataset(cfg)
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
     aux = agent.prepare(keys[0], dataset, path, cfg.agent, cfg.seed, log=lambda *_: None)
+    base = {"run_dir": run_dir, "cfg": cfg, "agent": agent, "dataset": dataset, "env_id": env_id, "aux": aux}
+    if is_recurrent(agent):  # the agent alone (its tape buffer, up to 40M positions, is not read)
+        restored = restore_policy(run_dir)
+        return {**base, "state": restored.state, "data": None, "step": restored.step}
     state, data = initial_state(cfg, agent, dataset, keys[2:])
     found = checkpoint.latest(run_dir)
     if found is None:
         raise SystemExit(f"{run_dir} has no checkpoint yet")
     (state, buffers, _), host, _ = checkpoint.load(found, (state, _buffers(data), keys[1]))
-    return {"cfg": cfg, "agent": agent, "dataset": dataset, "env_id": env_id, "aux": aux,
-            "state": state, "data": buffers._replace(real=data.real), "step": int(host["step"])}
+    return {**base, "state": state, "data": buffers._replace(real=data.real), "step": int(host["step"])}
 
 
 def nearest_distances(points, reference, scale, exclude=None, point_groups=None, chunk: int = 65_536) -> np.ndarray:
@@ -137,21 +141,38 @@ def _model_checks(model, obs, action, next_obs) -> dict:
             "model_spread": float(elite.std(0).mean()), "pred_next_obs": pred}
 
 
-def _real_episodes(state, env_id, episodes: int, seed: int):
-    """Deterministic episodes of the policy: per episode the (obs, action, reward, next_obs, terminated) arrays."""
+def _real_episodes(policy, env_id, episodes: int, seed: int):
+    """Deterministic episodes of ``policy`` (obs (n, O) -> actions (n, A); a recurrent one also has
+    ``observe(rewards (n,))``): per episode the (obs, action, reward, next_obs, terminated) arrays."""
     env = VectorEnv(env_id, episodes, seed)
     obs = env.reset()
-    act = jax.jit(lambda o: sac.act(state, o, None, explore=False))
     rows = [[] for _ in range(episodes)]
     done = np.zeros(episodes, bool)
     while not done.all():
-        action = np.asarray(act(jnp.asarray(obs, jnp.float32)))
+        action = np.asarray(policy(obs))
         new_obs, reward, terminated, truncated, next_obs = env.step(action)
+        if hasattr(policy, "observe"):
+            policy.observe(reward)
         for i in np.flatnonzero(~done):
             rows[i].append((obs[i], action[i], reward[i], next_obs[i], terminated[i]))
         done |= terminated | truncated
         obs = new_obs
     return [tuple(np.stack(c) for c in zip(*r)) for r in rows]
+
+
+class _SeedPolicy:
+    """Seed ``j``'s deterministic policy (``training.evaluation.policy_maker``: a recurrent agent's
+    carries each episode's memory, previous action and reward) on observations (n, O)."""
+
+    def __init__(self, agent, states, j: int):
+        self.policy = policy_maker(agent)(jax.tree.map(lambda x: x[j:j + 1], states))
+
+    def __call__(self, obs):
+        return np.asarray(self.policy(jnp.asarray(obs, jnp.float32)[None]))[0]
+
+    def observe(self, reward):
+        if hasattr(self.policy, "observe"):
+            self.policy.observe(jnp.asarray(reward, jnp.float32)[None])
 
 
 def episode_values(q) -> dict:
@@ -166,6 +187,8 @@ def episode_values(q) -> dict:
 def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> dict:
     """The checks above for every seed of the run's last checkpoint -> a JSON-ready dict."""
     run = load_run(run_dir)
+    if is_recurrent(run["agent"]):
+        return diagnose_posterior(run, episodes, samples, seed)
     cfg, dataset, model = run["cfg"], run["dataset"], run["aux"]
     if not hasattr(run["state"], "critic"):
         raise SystemExit(f"diagnostics need a SAC-family state (critics and actor); {cfg.agent_name!r} has none")
@@ -204,8 +227,9 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
             b = replay.sample(jax.tree.map(lambda x: x[j], buffer), k_model, samples)
             row["drift_model"] = _drift(state, b, k_drift_model)
         row["episodes"] = []
-        for obs, action, reward, next_obs, terminated in _real_episodes(state, run["env_id"], episodes,
-                                                                         seed * 1000 + 10_000 + 100 * j):
+        episodes_j = _real_episodes(_SeedPolicy(run["agent"], run["state"], j), run["env_id"], episodes,
+                                    seed * 1000 + 10_000 + 100 * j)
+        for obs, action, reward, next_obs, terminated in episodes_j:
             q = _q(state, state.critic_params, obs, action)
             ep = {"return": float(reward.sum()), "length": int(len(reward)), "terminated": bool(terminated[-1]),
                   **episode_values(q), **episode_coverage(nearest_distances(obs, data_obs, scale))}
@@ -219,8 +243,167 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
     return out
 
 
+# ----------------------------------------------------------------------------- a world-model posterior (NeuBay)
+
+
+def first_true(flags) -> np.ndarray:
+    """(E, T) booleans -> (E,) the 1-based index of each row's first True, 0 where there is none."""
+    flags = np.asarray(flags, bool)
+    return np.where(flags.any(1), flags.argmax(1) + 1, 0)
+
+
+def open_loop_ends(model, obs0, actions, done_fn) -> np.ndarray:
+    """Replay a real episode's actions open loop in each elite (its mean prediction, no noise) from the
+    episode's first state -> (E,) the step at which the member's termination function first fires
+    (1-based), 0 where it never does within the episode's length."""
+    elites = model.elites
+    rows = jnp.arange(elites.shape[0])
+
+    def one(s, a):
+        mean, _ = dynamics_lib.predict(model, s, jnp.broadcast_to(a, (s.shape[0], a.shape[0])))
+        s = s + mean[elites, rows, : model.obs_dim]
+        return s, done_fn(s)
+
+    s0 = jnp.broadcast_to(jnp.asarray(obs0, jnp.float32), (elites.shape[0], obs0.shape[-1]))
+    _, done = jax.lax.scan(one, s0, jnp.asarray(actions, jnp.float32))
+    return first_true(np.asarray(done).T)
+
+
+def _one_step(model, obs, action, reward, next_obs, done_fn) -> dict:
+    """Per transition: the elites' mean one-step squared error in the state (mean over dimensions) and the
+    reward, the epistemic uncertainty (``dynamics.epistemic_uncertainty``), and the fraction of elites
+    whose predicted next state is terminal."""
+    obs, action = jnp.asarray(obs, jnp.float32), jnp.asarray(action, jnp.float32)
+    mean, _ = dynamics_lib.predict(model, obs, action)
+    elite = np.asarray(mean)[np.asarray(model.elites)]  # (E, T, O + 1)
+    pred = np.asarray(obs)[None] + elite[..., : model.obs_dim]
+    return {"state_mse": ((pred - np.asarray(next_obs)[None]) ** 2).mean(-1).mean(0),
+            "reward_mse": ((elite[..., model.obs_dim] - np.asarray(reward)[None]) ** 2).mean(0),
+            "uncertainty": np.asarray(dynamics_lib.epistemic_uncertainty(model, obs, action)),
+            "done_fraction": np.asarray(done_fn(jnp.asarray(pred))).mean(0)}
+
+
+def imagination_stats(stats, tape) -> dict:
+    """One collection's ``imagination.imagine`` stats -> horizons (mean, p10, p50, p90, max), the imagined
+    reward per step and return, and the fractions ended by termination, uncertainty and t = max."""
+    h = np.asarray(stats["horizon"])
+    imagined = np.asarray(tape.valid) & ~np.asarray(tape.real)
+    rewards = float(np.where(imagined, np.asarray(tape.reward), 0.0).sum())
+    out = {"horizon_mean": float(h.mean()), "horizon_max": int(h.max())}
+    out.update({f"horizon_p{q}": float(np.percentile(h, q)) for q in (10, 50, 90)})
+    out.update(reward_per_step=rewards / max(int(imagined.sum()), 1),
+               imagined_return=float(np.asarray(stats["imagined_return"]).mean()),
+               **{k: float(np.asarray(stats[k]).mean()) for k in ("ended_terminated", "ended_uncertainty",
+                                                                  "ended_horizon")})
+    return out
+
+
+def diagnose_posterior(run: dict, episodes: int, samples: int, seed: int) -> dict:
+    """Why a NeuBay-style run (a recurrent agent on a world-model posterior) does or does not transfer
+    to the real env, per seed of its last checkpoint:
+
+    - **imagination** with the deterministic actor from the dataset's start states (an evaluation
+      episode as the posterior sees it: compare its return and length with the real ones) and with
+      the stochastic actor from real prefixes (the training collections): horizons, reward per
+      imagined step, and how the trajectories ended;
+    - **the real episodes** (deterministic, with memory): return, length, reward per step; the
+      critics' mean Q(h_t, a_t) over heads against the discounted return that followed (a lower
+      bound where the episode hit the time limit); along the episode the posterior's one-step error
+      and epistemic uncertainty against the same on dataset rows and the truncation threshold
+      (the policy's states off the data, with the cut not firing, is where it exploits the model);
+      the fraction of elites that predict the real terminal step; and the episode's actions
+      replayed open loop in each elite (how long the model keeps the real policy up).
+    """
+    cfg, dataset, world, agent = run["cfg"], run["dataset"], run["aux"], run["agent"]
+    model, a = world.model, cfg.agent
+    done_fn = termination.termination_fn(run["env_id"])
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(dataset), min(samples, len(dataset)), replace=False)
+    real = jax.tree.map(lambda x: np.asarray(x)[idx], dataset.transitions(unit_actions=True))
+    on_data = _one_step(model, real.obs, real.action, real.reward, real.next_obs, done_fn)
+    data_mse = float(np.median(on_data["state_mse"]))
+    out = {"run_dir": str(run["run_dir"]), "step": run["step"], "env_id": run["env_id"], "kind": "posterior",
+           "threshold": float(world.threshold), "elites": int(model.elites.shape[0]),
+           "model_on_data": {"state_mse_median": data_mse,
+                             "reward_mse_median": float(np.median(on_data["reward_mse"])),
+                             "uncertainty_median": float(np.median(on_data["uncertainty"])),
+                             "uncertainty_max": float(on_data["uncertainty"].max())},
+           "seeds": []}
+    for j in range(cfg.seeds):
+        state = jax.tree.map(lambda x: x[j], run["state"])
+        key = jax.random.fold_in(jax.random.key(seed), j)
+        row = {"seed": j, "imagination": {}}
+        for name, from_start, explore in (("from_start_deterministic", True, False),
+                                          ("from_prefix_stochastic", False, True)):
+            key, k = jax.random.split(key)
+            imagine = jax.jit(lambda k, fs=from_start, ex=explore: imagination.imagine(
+                model, world.histories, agent.rollout_policy(state, ex), agent.initial_memory(state, a.rollout_batch),
+                k, batch=a.rollout_batch, max_horizon=a.max_horizon, threshold=world.threshold, done_fn=done_fn,
+                penalty=world.penalty, from_start=fs))
+            tape, stats = imagine(k)
+            row["imagination"][name] = imagination_stats(stats, tape)
+        row["episodes"] = []
+        values = jax.jit(lambda o, ac, r: agent.history_values(state, o, ac, r))
+        for obs, action, reward, next_obs, terminated in _real_episodes(
+                _SeedPolicy(agent, run["state"], j), run["env_id"], episodes, seed * 1000 + 10_000 + 100 * j):
+            n = len(reward)
+            ends = np.zeros(n, bool)
+            ends[-1] = True
+            g = returns_to_go(reward, ends, a.gamma)
+            q = np.asarray(values(obs, action, reward))  # (N, T)
+            m = _one_step(model, obs, action, reward, next_obs, done_fn)
+            replay = open_loop_ends(model, obs[0], action, done_fn)
+            ep = {"return": float(reward.sum()), "length": n, "terminated": bool(terminated[-1]),
+                  "reward_per_step": float(reward.mean()),
+                  "q_first": float(q[:, 0].mean()), "return_to_go_first": float(g[0]),
+                  "q_minus_return_to_go": float((q.mean(0) - g).mean()), "q_std": float(q.std(0).mean()),
+                  "state_mse_median": float(np.median(m["state_mse"])),
+                  "state_mse_over_data": float(np.median(m["state_mse"]) / max(data_mse, 1e-12)),
+                  "uncertainty_median": float(np.median(m["uncertainty"])),
+                  "uncertainty_max": float(m["uncertainty"].max()),
+                  "steps_over_threshold": int((m["uncertainty"] > float(world.threshold)).sum()),
+                  "open_loop_ended": float((replay > 0).mean()),
+                  "open_loop_end_median": float(np.median(replay[replay > 0])) if (replay > 0).any() else None}
+            if terminated[-1]:
+                ep["elites_predicting_the_fall"] = float(m["done_fraction"][-1])
+            row["episodes"].append(ep)
+        out["seeds"].append(row)
+    return out
+
+
+def _report_posterior(d: dict) -> list[str]:
+    m = d["model_on_data"]
+    lines = [f"{d['run_dir']} at update {d['step']} ({d['env_id']}): world-model posterior of {d['elites']} elites; "
+             f"on dataset rows one-step state MSE {m['state_mse_median']:.3g} (median), reward MSE "
+             f"{m['reward_mse_median']:.3g}, uncertainty {m['uncertainty_median']:.3g} (median), max "
+             f"{m['uncertainty_max']:.3g}; truncation threshold {d['threshold']:.3g}"]
+    for s in d["seeds"]:
+        lines.append(f"  seed {s['seed']}:")
+        for name, i in s["imagination"].items():
+            lines.append(f"    imagined, {name.replace('_', ' ')}: horizon {i['horizon_mean']:.1f} "
+                         f"(p10 {i['horizon_p10']:.0f}, p50 {i['horizon_p50']:.0f}, p90 {i['horizon_p90']:.0f}, "
+                         f"max {i['horizon_max']}), return {i['imagined_return']:.1f}, reward per step "
+                         f"{i['reward_per_step']:.2f}; ended by termination {i['ended_terminated']:.0%}, "
+                         f"uncertainty {i['ended_uncertainty']:.0%}, horizon {i['ended_horizon']:.0%}")
+        for e in s["episodes"]:
+            text = (f"    real episode: return {e['return']:.1f}, length {e['length']}, reward per step "
+                    f"{e['reward_per_step']:.2f}; Q first {e['q_first']:.1f} against the return-to-go "
+                    f"{e['return_to_go_first']:.1f} (mean Q - return-to-go {e['q_minus_return_to_go']:+.1f}, "
+                    f"head spread {e['q_std']:.2f}); one-step state MSE {e['state_mse_median']:.3g} "
+                    f"({e['state_mse_over_data']:.1f}x the data's), uncertainty {e['uncertainty_median']:.3g} median, "
+                    f"max {e['uncertainty_max']:.3g}, {e['steps_over_threshold']} steps over the threshold")
+            if "elites_predicting_the_fall" in e:
+                text += f"; {e['elites_predicting_the_fall']:.0%} of elites predict the fall"
+            end = "" if e["open_loop_end_median"] is None else f", at step {e['open_loop_end_median']:.0f} (median)"
+            text += f"; its actions open loop: {e['open_loop_ended']:.0%} of elites end the episode{end}"
+            lines.append(text)
+    return lines
+
+
 def report(d: dict) -> str:
     """A short human-readable summary of ``diagnose``'s output."""
+    if d.get("kind") == "posterior":
+        return "\n".join(_report_posterior(d))
     lines = [f"{d['run_dir']} at update {d['step']} ({d['env_id']}): dataset discounted return-to-go "
              f"{d['mc_return']:.1f}; a dataset state's distance to the nearest state of another episode "
              f"{d['data_distance']:.2f} (median)"]
