@@ -132,10 +132,17 @@ def _drift(state, batch, key) -> float:
     return float(gain[live].mean()) if live.any() else float("nan")
 
 
+def _elite_predictions(model, obs, action):
+    """The elites' mean (Δs, r) predictions (E, B, O + 1) and their next states obs + Δs (E, B, O), numpy."""
+    mean, _ = dynamics_lib.predict(model, jnp.asarray(obs, jnp.float32), jnp.asarray(action, jnp.float32))
+    elite = np.asarray(mean)[np.asarray(model.elites)]
+    return elite, np.asarray(obs)[None] + elite[..., : model.obs_dim]
+
+
 def _model_checks(model, obs, action, next_obs) -> dict:
     """The elites' mean one-step error (mean |s'_pred - s'|) and their spread (std over elites of the mean Δs)."""
-    mean, _ = dynamics_lib.predict(model, jnp.asarray(obs), jnp.asarray(action))
-    elite = np.asarray(mean)[np.asarray(model.elites)][..., : model.obs_dim]  # (E, B, O)
+    elite, _ = _elite_predictions(model, obs, action)
+    elite = elite[..., : model.obs_dim]  # (E, B, O)
     pred = np.asarray(obs) + elite.mean(0)
     return {"model_error": float(np.abs(pred - np.asarray(next_obs)).mean()),
             "model_spread": float(elite.std(0).mean()), "pred_next_obs": pred}
@@ -273,10 +280,8 @@ def _one_step(model, obs, action, reward, next_obs, done_fn) -> dict:
     """Per transition: the elites' mean one-step squared error in the state (mean over dimensions) and the
     reward, the epistemic uncertainty (``dynamics.epistemic_uncertainty``), and the fraction of elites
     whose predicted next state is terminal."""
+    elite, pred = _elite_predictions(model, obs, action)  # (E, T, O + 1), (E, T, O)
     obs, action = jnp.asarray(obs, jnp.float32), jnp.asarray(action, jnp.float32)
-    mean, _ = dynamics_lib.predict(model, obs, action)
-    elite = np.asarray(mean)[np.asarray(model.elites)]  # (E, T, O + 1)
-    pred = np.asarray(obs)[None] + elite[..., : model.obs_dim]
     return {"state_mse": ((pred - np.asarray(next_obs)[None]) ** 2).mean(-1).mean(0),
             "reward_mse": ((elite[..., model.obs_dim] - np.asarray(reward)[None]) ** 2).mean(0),
             "uncertainty": np.asarray(dynamics_lib.epistemic_uncertainty(model, obs, action)),
