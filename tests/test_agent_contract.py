@@ -93,7 +93,8 @@ def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name
         assert nets[net_name].name  # a networks.Net: resets and NE re-initialise through it
 
 
-@pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "example"])
+@pytest.mark.parametrize("name", ["sac", pytest.param("mrq", marks=pytest.mark.slow),
+                                  pytest.param("mrq-mt", marks=pytest.mark.slow), "example"])
 def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry):
     agent = agents.get(name)
     cfg = _config(agent, batch_size=8)

@@ -184,6 +184,7 @@ def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, 
 
 
 # ------------------------------------------------------------------------------------------- a real run
+@pytest.mark.slow
 def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identical(tiny_sac_config, tmp_path, capfd,
                                                                                   assert_same_logs):
     """1M-row replay buffer, 400 steps: checkpoints are small; a truncated arrays.npz or a bit-flipped

@@ -181,6 +181,7 @@ def outcomes(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_user_error_is_one_message_without_a_traceback_or_run_dir(outcomes, case):
     code, output, run_dir = outcomes[case]
@@ -193,11 +194,13 @@ def test_user_error_is_one_message_without_a_traceback_or_run_dir(outcomes, case
         assert code == 2 and "\nerror: " in "\n" + output, output
 
 
+@pytest.mark.slow
 def test_run_directories_named_by_the_command_are_left_alone(outcomes):
     """Bytes and modification times of every file (and folder) of each directory given to --resume or --run-dir."""
     assert outcomes["_unchanged"] == {name: True for name in DIRS}
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(outcomes):
     for case, error in (("debug-flag", "ValueError: --seeds must be >= 1"), ("debug-env-var", "unknown agent 'dqn'")):
         code, output, run_dir = outcomes[case]
@@ -205,6 +208,7 @@ def test_debug_shows_the_traceback(outcomes):
         assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_help_exits_zero_and_names_the_agents(outcomes):
     code, output, _ = outcomes["help"]
     assert code == 0, output

@@ -335,6 +335,7 @@ def made(tmp_path_factory):
     return make_dataset, out, paths
 
 
+@pytest.mark.slow
 def test_make_dataset_files_load_validate_and_are_real_transitions(made):
     _, out, paths = made
     assert paths == {"medium": out / "hopper-medium-v5.hdf5", "medium-replay": out / "hopper-medium-replay-v5.hdf5"}

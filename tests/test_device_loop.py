@@ -53,6 +53,7 @@ def short_episodes(limit: int, name: str = "CartpoleBalance"):
 # ----------------------------------------------------------------------------------------------
 # The env
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_playground
 def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_same_step():
     from envs.playground import env_keys
@@ -100,6 +101,7 @@ def test_actions_reach_the_physics_inside_the_control_range(mode):
     assert np.all(np.asarray(env.to_env_action(a)) >= low) and np.all(np.asarray(env.to_env_action(a)) <= high)
 
 
+@pytest.mark.slow
 @needs_playground
 def test_the_host_vector_env_pickles_exactly_and_reports_finished_episodes():
     import pickle
@@ -177,6 +179,7 @@ class _NoHostWork:
         return state
 
 
+@pytest.mark.slow
 @needs_playground
 def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_transitions(toy):
     """Two iterations of 2 seeds x 2 envs with episodes of 5 steps (truncations inside the rollouts):
@@ -274,6 +277,7 @@ def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path, toy):
     assert [bool(r[reset]) for r in rows] == [False, True, False, True]
 
 
+@pytest.mark.slow
 @needs_playground
 def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_config, toy):
     """SAC, 2 seeds x 2 envs, episodes of 5 steps, learning from env step 12: 10 vector steps of the
@@ -310,6 +314,7 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @needs_playground
 @pytest.mark.parametrize("agent_name", ["sac", "mrq"])
 def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupted_run(
@@ -346,6 +351,7 @@ def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupt
     assert np.isfinite(float(rows[-1][next(k for k in rows[-1] if k.startswith("losses/"))]))
 
 
+@pytest.mark.slow
 @needs_playground
 def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_capacity(tiny_sac_config, toy):
     """The replay is carried through the chunk's loop and written in place: XLA's memory analysis of

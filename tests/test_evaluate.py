@@ -84,6 +84,7 @@ def evaluate_steps(d):
 
 
 # ------------------------------------------------------------------------------------------- the returns
+@pytest.mark.slow
 def test_returns_are_the_runs_own_final_evaluation_and_the_run_is_not_written(sac_run, tmp_path, capsys):
     before = _digest(sac_run)
     out = evaluate.main([str(sac_run), "--out", str(tmp_path / "e.csv")])
@@ -140,6 +141,7 @@ def test_ppo_evaluates_with_its_observation_normaliser_and_clipped_actions(tmp_p
     assert out["step"] == 512 and out["returns"] == [_own_eval(tmp_path / "ppo")[0]]
 
 
+@pytest.mark.slow
 def test_offline_ravl_evaluates_on_the_datasets_env(tmp_path):
     from tests import golden
     from training.run import run
@@ -199,6 +201,7 @@ def _rendered(done) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_video_of_a_nonstationary_dmc_run_follows_its_schedule(tmp_path):
     """cartpole with an action repeat of 8: 1000 control steps are 125 agent steps (126 frames); the
     reward flips every 100 steps, and the run's last evaluation (step 300, phase 3) is flipped."""
@@ -221,6 +224,7 @@ def test_video_of_a_nonstationary_dmc_run_follows_its_schedule(tmp_path):
     assert _digest(d) == before
 
 
+@pytest.mark.slow
 def test_video_of_a_gymnasium_mujoco_env(tmp_path):
     from training.run import run
 

@@ -204,6 +204,7 @@ def test_auto_batch_halves_the_batch_while_the_critics_fau_is_below_036():
     assert expansion.AUTO_BATCH_FAU == pytest.approx(0.36)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fau,half", [(0.30, True), (0.35, True), (0.37, False), (0.9, False)])
 def test_an_ne_event_sets_the_half_batch_flag_from_the_critics_fau(monkeypatch, tiny_sac_config, fau, half):
     from agents import sac
@@ -287,6 +288,7 @@ def counted_train(monkeypatch):
     return offpolicy, seen
 
 
+@pytest.mark.slow
 def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(tiny_sac_config, tmp_path,
                                                                                counted_train, compile_counts):
     """One SAC run with --plasticity.ne --plasticity.kron (one run: Kron's XLA compile is the slow part).
@@ -350,6 +352,7 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     assert len(losses) >= 14 and np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 def test_an_ne_run_with_review_and_auto_batch_resumes_bit_identically(tiny_sac_config, tmp_path, assert_same_logs):
     """The schedule, masks and replay controls (review probability, half-batch flag) are checkpointed."""
     from agents import sac

@@ -225,6 +225,7 @@ def test_tree_draws_never_land_on_an_invalid_window_and_follow_the_weights():
     assert chi2 < 26.1, (chi2, counts, expected)  # 7 degrees of freedom, p = 0.0005
 
 
+@pytest.mark.slow
 def test_a_replay_steps_work_does_not_grow_with_the_capacity():
     """Issue #18's regression check, without timing: XLA's flop count of one add + draw + priority
     update grows with the tree depth (about 3x for 256x the capacity here; XLA counts a gather's index

@@ -56,6 +56,7 @@ def test_history_window_is_a_ring():
     assert sorted(h.q[:, 0].tolist()) == [1.0, 2.0]
 
 
+@pytest.mark.slow
 def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_path):
     import csv
 

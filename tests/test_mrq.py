@@ -189,6 +189,7 @@ def test_paper_size_parameter_count_width_scaling_and_act(tiny):
 # ----------------------------------------------------------------------------- schedule, seeds
 
 
+@pytest.mark.slow
 def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and_seeds_differ():
     from training.offpolicy import init_state, make_train_block, seed_slice
 

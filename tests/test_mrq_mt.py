@@ -111,6 +111,7 @@ def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two
                for p in others)
 
 
+@pytest.mark.slow
 def test_the_task_embedding_gradient_reaches_only_the_rows_of_tasks_in_the_batch():
     state = _state()
     grad = np.asarray(jax.jit(mrq_mt.task_embedding_grad)(state, _windows([0, 2, 2, 0])))
@@ -163,6 +164,7 @@ def _filled_buffer(cfg, n=64):
     return buf
 
 
+@pytest.mark.slow
 def test_updates_follow_the_utd_credit_exactly_and_the_same_seed_reproduces():
     cfg = _cfg(utd=0.3)
     state = jax.jit(lambda k: mrq_mt.init(k, SPEC.obs_dim, SPEC.act_dim, cfg, TINY))(jax.random.key(0))

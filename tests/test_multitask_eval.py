@@ -143,6 +143,7 @@ def test_run_evaluator_strides_by_the_runs_block_of_k_times_t_episodes(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ a run
+@pytest.mark.slow
 def test_an_mt_run_writes_a_row_per_task_and_the_mean_over_tasks(mt_run):
     d, out = mt_run
     with open(d / "eval.csv", newline="") as f:
@@ -166,6 +167,7 @@ def test_an_mt_run_writes_a_row_per_task_and_the_mean_over_tasks(mt_run):
     assert out["last_eval"] == pytest.approx(np.mean(finals))  # the run's figure: the aggregate
 
 
+@pytest.mark.slow
 def test_a_resumed_mt_run_writes_the_same_eval_csv(mt_run, tmp_path, assert_same_logs):
     """Stopped at 200 and resumed from the checkpoint at 150, which precedes the evaluation at 150:
     resuming drops that evaluation's task and aggregate rows and writes them again."""
@@ -183,6 +185,7 @@ def test_a_resumed_mt_run_writes_the_same_eval_csv(mt_run, tmp_path, assert_same
     assert_same_logs(mt_run[0], d)
 
 
+@pytest.mark.slow
 def test_evaluate_py_reports_per_task_returns_equal_to_the_runs_own(mt_run, tmp_path, capsys):
     evaluate = _script("evaluate")
     d = mt_run[0]
@@ -207,6 +210,7 @@ def test_a_single_task_run_keeps_its_eval_columns(tiny_sac_config, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ plots, reports
+@pytest.mark.slow
 def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(mt_run, tmp_path, capsys):
     plot = _script("plot")
     d = mt_run[0]
@@ -235,6 +239,7 @@ def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(
     assert [p[0] for p in panels] == [f"{MT} (all tasks)", *(f"{MT}: {t}" for t in TASKS), f"{MT}: losses/critic"]
 
 
+@pytest.mark.slow
 def test_reports_and_sweeps_read_the_aggregate_rows(mt_run, tmp_path):
     from training import aggregate as agg
     from training.sweep import latest_return

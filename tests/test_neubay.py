@@ -163,6 +163,7 @@ def test_stepping_the_actor_equals_running_it_over_the_sequence():
 MARKOV = neubay.NeuBayConfig(**{**SMALL.__dict__, "markov": True})
 
 
+@pytest.mark.slow
 def test_the_markov_ablation_acts_on_the_state_alone(tape):
     state = neubay.init(jax.random.key(7), OBS, ACT, MARKOV)
     assert state.actor_params["encoder"] == {} and state.critic_params["encoder"] == {}
@@ -191,6 +192,7 @@ def test_the_markov_ablation_acts_on_the_state_alone(tape):
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("markov", [False, True])
 def test_plasticity_metrics_read_the_encoders_and_the_heads(tape, markov):
     from plasticity import hooks
@@ -333,6 +335,7 @@ def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
     assert not np.allclose(forgetful, returns)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("markov", [False, True])
 def test_one_collection_owes_utd_times_its_transitions(markov):
     from envs import termination

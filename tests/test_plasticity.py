@@ -174,6 +174,7 @@ def test_interventions_are_refused_where_they_do_not_apply():
         PlasticityConfig(redo=True, regrama=True).validate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [dict(redo=True, redo_tau=0.1), dict(regrama=True, sigreg_coef=0.2)])
 def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
     from agents import sac
@@ -193,6 +194,7 @@ def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
     assert np.all(np.isfinite(jax.tree.leaves(out["state"].critic_params)[0]))
 
 
+@pytest.mark.slow
 def test_flags_work_on_ppo_and_least_is_refused(tmp_path):
     import dataclasses
 

@@ -43,6 +43,7 @@ def _mrq_cfg(plasticity, env="Pendulum-v1", total_steps=120, **agent):
                      plasticity=plasticity, agent_name="mrq", agent=agent_cfg)
 
 
+@pytest.mark.slow
 def test_mrq_least_sigreg_and_metrics(tmp_path):
     from agents import mrq
     from training.offpolicy import train
@@ -66,6 +67,7 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
     assert all(np.isfinite(float(r["losses/encoder"])) for r in _rows(tmp_path / "r", "losses/encoder"))
 
 
+@pytest.mark.slow
 def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
     from agents import mrq
     from plasticity.api import StaticPlasticity
@@ -91,6 +93,7 @@ def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
     np.testing.assert_allclose(reg[1:], plain[1:], rtol=1e-6)  # its parts do not
 
 
+@pytest.mark.slow
 def test_mrq_regrama_and_ne(tmp_path):
     from agents import mrq
     from training.offpolicy import train
@@ -107,6 +110,7 @@ def test_mrq_regrama_and_ne(tmp_path):
                           for n in mrq.PLASTIC)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_KRON, reason="needs psgdax (the kron extra)")
 @pytest.mark.usefixtures("no_compilation_cache_writes")  # see the fixture: a cache write segfaulted here in CI
 def test_mrq_kron_with_ne_masks_one_encoder_and_rl_step():
@@ -168,6 +172,7 @@ def test_ne_replay_controls_are_refused_the_same_way_for_every_kind_without_unif
     assert auto_batch_on(PlasticityConfig(ne=True), sac) and not auto_batch_on(PlasticityConfig(), sac)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_compilation_cache_writes")  # Kron: see test_mrq_kron_with_ne_masks_one_encoder_and_rl_step
 def test_ppo_ne_kron(tmp_path):
     from agents import ppo

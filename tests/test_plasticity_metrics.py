@@ -201,6 +201,7 @@ def test_compute_on_sac_under_jit(sac_setup):
     assert float(out["plasticity/critic/grad_norm"]) == pytest.approx(float(M.grad_norm(g)), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_compute_under_vmap_over_seeds():
     states = jax.jit(jax.vmap(_init))(jax.random.split(jax.random.key(3), 2))
     batch = _batch(seed=1)

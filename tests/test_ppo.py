@@ -165,6 +165,7 @@ def _update(cfg, n=2):
     return state, metrics
 
 
+@pytest.mark.slow
 def test_gtr_with_zero_beta_is_plain_ppo_and_target_kl_stops_early():
     base = dict(num_steps=16, num_minibatches=4, update_epochs=3, target_kl=1e-9)
     ppo_state, m_ppo = _update(ppo.PPOConfig(**base))

@@ -120,6 +120,7 @@ def test_short_ravl_run_beats_its_untrained_policy(toy_dataset, tmp_path):
     assert np.all(np.asarray(out["state"].updates) == 2000)
 
 
+@pytest.mark.slow
 def test_offline_resume_equals_uninterrupted(toy_dataset, tmp_path):
     from training.run import run
 
@@ -221,6 +222,7 @@ def test_nearest_distances_scale_chunk_and_skip_the_points_own_episode():
                                                  "data_distance_last": 1.0}
 
 
+@pytest.mark.slow
 def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, tmp_path, capsys):
     import json
 

@@ -111,6 +111,7 @@ def test_warming_up_on_a_prefix_gives_the_state_of_the_whole_sequence():
     assert not np.allclose(np.asarray(cold), np.asarray(tail), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_the_core_reports_its_layers_and_takes_gradients():
     net, params = build_recurrent("core", 3, SMALL, jax.random.key(3))
     x = jax.random.normal(jax.random.key(4), (4, 6, 3))

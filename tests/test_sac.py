@@ -91,6 +91,7 @@ def test_eta_needs_two_critics():
         sac.init(jax.random.key(0), 3, 2, sac.SACConfig(critics=1, eta=1.0))
 
 
+@pytest.mark.slow
 def test_ensemble_spread_metrics_are_zero_for_identical_critics_and_positive_otherwise():
     """values/q_std_policy and values/q_std_random: the critics' spread at policy / random actions."""
     state = _state(critics=3)

@@ -178,6 +178,7 @@ def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
     assert cfg_json["agent"]["critics"] == 2 and out["step"] == 6000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sac_uniform", "sac_ne_review_and_half_batch", "mrq_lap"])
 def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(case):
     """Issue: with a 1M buffer XLA copied every buffer array once per env step (the batch gathers
