@@ -387,10 +387,11 @@ def critic_loss(critic_params, state: NeuBayState, tape: TapeBatch, alpha, key):
     mean, log_std = _policy(state, state.actor_params, tape)
     next_action, next_log_prob = tanh_gaussian_sample(k_next, mean, log_std)
     target_h = _encode(state.critic_encoder, state.target_critic_params["encoder"], tape)
-    next_qs = _q(state, state.target_critic_params["heads"], target_h[:, 1:], next_action[:, 1:])
     heads = jax.random.choice(k_heads, cfg.critics, (cfg.sampled_critics,), replace=False)
-    y = jax.lax.stop_gradient(redq_target(next_qs, heads, tape.reward[:, :-1], tape.terminated[:, :-1],
-                                          next_log_prob[:, 1:], alpha, cfg.gamma))
+    drawn = jax.tree.map(lambda p: p[heads], state.target_critic_params["heads"])  # only the M drawn heads run
+    next_qs = _q(state, drawn, target_h[:, 1:], next_action[:, 1:])  # (M, B, T-1)
+    y = jax.lax.stop_gradient(redq_target(next_qs, jnp.arange(cfg.sampled_critics), tape.reward[:, :-1],
+                                          tape.terminated[:, :-1], next_log_prob[:, 1:], alpha, cfg.gamma))
     per_step = huber(q - y[None]).mean(axis=0)
     loss, (real, imag) = real_imagined_mean(per_step, transition_mask(tape), tape.real[:, :-1], cfg.real_weight)
     return loss, (q, real, imag)
