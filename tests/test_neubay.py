@@ -38,6 +38,44 @@ def test_redq_target_hand_case():
     np.testing.assert_allclose(np.asarray(y), [1.0 + 0.9 * (3.0 + 0.5 * 2.0), -1.0], rtol=1e-6)
 
 
+def test_the_critic_loss_targets_the_drawn_heads_of_all_the_target_heads():
+    """critic_loss runs only the drawn target heads: its loss equals a reference that evaluates every
+    target head and takes the min over the same drawn pair (and differs for another pair)."""
+    state = neubay.init(jax.random.key(3), OBS, ACT, SMALL)
+    noise = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(4), x.shape), state.target_critic_params)
+    state = state.replace(target_critic_params=jax.tree.map(jnp.add, state.target_critic_params, noise))
+    r = np.random.default_rng(0)
+    b, t = 2, 12
+    start = np.zeros((b, t), bool)
+    start[:, 0] = start[0, 7] = True
+    tape = neubay.TapeBatch(jnp.asarray(r.normal(size=(b, t, OBS + ACT + 1)), jnp.float32), jnp.asarray(start),
+                            jnp.asarray(r.uniform(-1, 1, (b, t, ACT)), jnp.float32),
+                            jnp.asarray(r.normal(size=(b, t)), jnp.float32), jnp.asarray(r.uniform(size=(b, t)) < 0.2),
+                            jnp.asarray(r.uniform(size=(b, t)) < 0.5))
+    alpha, key = 0.2, jax.random.key(5)
+    loss = neubay.critic_loss(state.critic_params, state, tape, alpha, key)[0]
+
+    def reference(pick):
+        k_next, k_heads = jax.random.split(key)
+        h = neubay._encode(state.critic_encoder, state.critic_params["encoder"], tape)
+        q = neubay._q(state, state.critic_params["heads"], h[:, :-1], tape.action[:, :-1])
+        mean, log_std = neubay._policy(state, state.actor_params, tape)
+        next_action, next_log_prob = neubay.tanh_gaussian_sample(k_next, mean, log_std)
+        target_h = neubay._encode(state.critic_encoder, state.target_critic_params["encoder"], tape)
+        all_heads = neubay._q(state, state.target_critic_params["heads"], target_h[:, 1:], next_action[:, 1:])
+        assert all_heads.shape[0] == SMALL.critics
+        heads = pick(jax.random.choice(k_heads, SMALL.critics, (SMALL.sampled_critics,), replace=False))
+        y = neubay.redq_target(all_heads, heads, tape.reward[:, :-1], tape.terminated[:, :-1],
+                               next_log_prob[:, 1:], alpha, SMALL.gamma)
+        per_step = neubay.huber(q - y[None]).mean(axis=0)
+        return neubay.real_imagined_mean(per_step, neubay.transition_mask(tape), tape.real[:, :-1],
+                                         SMALL.real_weight)[0]
+
+    np.testing.assert_allclose(float(loss), float(reference(lambda heads: heads)), rtol=1e-5)
+    others = lambda heads: jnp.setdiff1d(jnp.arange(SMALL.critics), heads, size=SMALL.sampled_critics)  # noqa: E731
+    assert abs(float(loss) - float(reference(others))) > 1e-4
+
+
 def test_huber():
     np.testing.assert_allclose(np.asarray(neubay.huber(jnp.array([-3.0, -0.5, 0.0, 0.9, 2.0]))),
                                [2.5, 0.125, 0.0, 0.405, 1.5], rtol=1e-6)
