@@ -17,9 +17,11 @@ worlds.  One collection (section 4, "rollouts"; the reference's ``ContCollector`
   4. store the tape: real prefix then imagined suffix, a real/imagined flag per transition
 
 Agent inputs are [s_t, a_{t-1}, r_{t-1}] (zeros at t = 0; ``agent_inputs``), with the model's
-sampled reward as r_{t-1}; the stored reward is that reward minus ``penalty * uncertainty``
-(NeuBay uses no penalty; the coefficient is one of the paper's ablations: the caller
-passes it already divided by the dataset's mean uncertainty, as the reference does).
+sampled reward as r_{t-1}.  The tape stores that reward and each step's uncertainty; a reward
+penalty (one of the paper's ablations, MOPO-style: NeuBay uses none) is the learner's to apply to
+its targets, c * uncertainty off the reward, while its inputs keep the reward the agent saw when
+acting (as in the reference code, twni2016/neubay, where observations carry the raw reward and
+only the reward the critic learns is penalised).
 
 The whole collection is one traceable function (a ``lax.while_loop`` that stops when every
 trajectory has ended): call it inside the caller's ``jax.jit`` with the policy and done function
@@ -59,7 +61,8 @@ class Tape(NamedTuple):
 
     ``obs`` (B, H + 1, O): slot t holds s_t, the state step t acts in (slot ``length`` the last
     next state).  ``action`` / ``reward`` / ``terminated`` / ``truncated`` / ``real`` / ``valid`` /
-    ``uncertainty``: (B, H, ...) per transition; ``uncertainty`` is 0 on real steps.  ``member``
+    ``uncertainty``: (B, H, ...) per transition; ``reward`` is the dataset's or the model's sampled
+    one (never penalised); ``uncertainty`` is 0 on real steps.  ``member``
     (B,): the world-model member of the imagined part; ``prefix`` (B,): real transitions.
     """
 
@@ -154,14 +157,15 @@ def _left_padded(inputs, t0):
 
 
 def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int, max_horizon: int,
-            threshold, done_fn: Callable, penalty: float = 0.0, from_start: bool = False, active=True):
+            threshold, done_fn: Callable, from_start: bool = False, active=True):
     """One collection of ``batch`` tapes (steps 1-4 of the module docstring) -> (Tape, stats).
 
     ``policy(carry, inputs (B, T, I), start (B, T), key) -> (action (B, A) at the last step, carry)``
     runs the agent's (recurrent) actor over T steps; ``carry`` is its initial state for B rows.
     ``threshold``: the epistemic-uncertainty cut (``dynamics.uncertainty_threshold``; inf: none).
     ``done_fn(next_obs (B, O)) -> bool (B,)``: the env's termination function.
-    ``stats``: imagined steps per tape (``horizon``), how each ended, the imagined return.
+    ``stats``: imagined steps per tape (``horizon``), how each ended, the imagined return (the
+    model's rewards, unpenalised).
     ``active`` (a traced bool): False imagines nothing (every tape is its real prefix and the loop
     takes no step), so a caller under ``vmap`` can skip a collection without a ``cond``.
     """
@@ -194,7 +198,7 @@ def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int,
             keep = alive.reshape((-1,) + (1,) * (value.ndim - 1))
             return field.at[rows, at].set(jnp.where(keep, value.astype(field.dtype), old))
 
-        tape = tape._replace(action=put(tape.action, a), reward=put(tape.reward, r - penalty * unc),
+        tape = tape._replace(action=put(tape.action, a), reward=put(tape.reward, r),
                              terminated=put(tape.terminated, term), truncated=put(tape.truncated, trunc),
                              valid=put(tape.valid, jnp.ones_like(alive)), uncertainty=put(tape.uncertainty, unc),
                              obs=put(tape.obs, s2, pos + 1), length=jnp.where(alive, pos + 1, tape.length))

@@ -138,7 +138,8 @@ class NeuBayConfig(OfflineDataConfig):
     uncertainty_quantile: Optional[float] = 1.0
     """the truncation threshold's quantile of the dataset's uncertainties (None: no truncation)"""
     penalty: float = 0.0
-    """MOPO-style reward penalty on the uncertainty (divided by its dataset mean); NeuBay: 0"""
+    """MOPO-style reward penalty on the uncertainty (divided by its dataset mean); NeuBay: 0.  It comes
+    off the rewards the critic learns; the agent's inputs keep the model's rewards, as when acting"""
     planning_members: int = 100
     """elites the imagination draws from, best first (the paper's ablation: 5, 20, 100)"""
     max_horizon: Optional[int] = None
@@ -228,7 +229,9 @@ def with_dataset(cfg: NeuBayConfig, env_id: str, metadata: dict, total_updates: 
 class TapeBatch(NamedTuple):
     """Training tapes (B, T, ...): position t holds the input x_t = [s_t, a_{t-1}, r_{t-1}], whether
     it starts a trajectory, and transition t's action, reward, termination and real flag.  The last
-    position of a trajectory carries its final state and a dummy transition (masked out)."""
+    position of a trajectory carries its final state and a dummy transition (masked out).  With a
+    reward penalty (``--penalty``), ``reward`` is the penalised one the critic learns, while the
+    inputs' r_{t-1} stay the rewards the agent saw when acting (the reference's split)."""
 
     inputs: jax.Array
     start: jax.Array
@@ -238,10 +241,11 @@ class TapeBatch(NamedTuple):
     real: jax.Array
 
 
-def tape_batch(tape: imagination.Tape) -> TapeBatch:
+def tape_batch(tape: imagination.Tape, penalty=0.0) -> TapeBatch:
     """Imagination's fixed-capacity tapes as training tapes: positions 0 .. length hold the
     trajectory (position ``length`` its final state), later ones are padding marked as starts, so
-    ``transition_mask`` drops them and the dummy transition at ``length``."""
+    ``transition_mask`` drops them and the dummy transition at ``length``.  ``penalty``: the reward
+    penalty per unit of uncertainty (``World.penalty``), taken off the rewards learned, not the inputs."""
     inputs = imagination.agent_inputs(tape.obs, tape.action, tape.reward)
     pos = jnp.arange(inputs.shape[1])
     start = (pos[None] == 0) | (pos[None] > tape.length[:, None])
@@ -249,7 +253,8 @@ def tape_batch(tape: imagination.Tape) -> TapeBatch:
     def pad(x):  # one dummy transition for the last position
         return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
 
-    return TapeBatch(inputs, start, pad(tape.action), pad(tape.reward), pad(tape.terminated), pad(tape.real))
+    reward = tape.reward - penalty * tape.uncertainty
+    return TapeBatch(inputs, start, pad(tape.action), pad(reward), pad(tape.terminated), pad(tape.real))
 
 
 @struct.dataclass
@@ -599,7 +604,8 @@ def _empty_stats():
 
 def data_init(real, cfg: NeuBayConfig) -> Data:
     obs_dim, act_dim = real.obs.shape[-1], real.action.shape[-1]
-    return Data((), tapes_lib.init(tape_capacity(cfg), obs_dim, act_dim), jnp.zeros((), jnp.int32), _empty_stats())
+    buffer = tapes_lib.init(tape_capacity(cfg), obs_dim, act_dim, penalized=cfg.penalty > 0)
+    return Data((), buffer, jnp.zeros((), jnp.int32), _empty_stats())
 
 
 def model_path(dataset_path, seed: int) -> str:
@@ -629,10 +635,12 @@ def prepare(key, dataset, dataset_path, cfg: NeuBayConfig, seed: int, log=print)
 
 
 def buffer_tape(tape: tapes_lib.Tape) -> TapeBatch:
-    """A tape from the buffer as a training batch of one row: inputs [s_t, a_{t-1}, r_{t-1}]."""
+    """A tape from the buffer as a training batch of one row: inputs [s_t, a_{t-1}, r_{t-1}] with the
+    rewards the agent saw, and the rewards to learn less their penalty (a ``penalized`` buffer)."""
     inputs = jnp.concatenate([tape.obs, tapes_lib.previous(tape.action, tape.start),
                               tapes_lib.previous(tape.reward, tape.start)[:, None]], axis=-1)
-    return TapeBatch(*(x[None] for x in (inputs, tape.start, tape.action, tape.reward, tape.terminated, tape.real)))
+    reward = tape.reward if tape.penalty is None else tape.reward - tape.penalty
+    return TapeBatch(*(x[None] for x in (inputs, tape.start, tape.action, reward, tape.terminated, tape.real)))
 
 
 def sample_batch(state: NeuBayState, data: Data, key, batch_size: int) -> TapeBatch:
@@ -650,9 +658,10 @@ def collect(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayConfig
     tape, stats = imagination.imagine(world.model, world.histories, rollout_policy(state, explore=True),
                                       initial_memory(state, cfg.rollout_batch), key, batch=cfg.rollout_batch,
                                       max_horizon=cfg.max_horizon, threshold=world.threshold, done_fn=done_fn,
-                                      penalty=world.penalty, active=active)
+                                      active=active)
+    penalty = world.penalty * tape.uncertainty if data.tapes.steps.penalty is not None else None
     tapes = tapes_lib.add(data.tapes, tape.obs, tape.action, tape.reward, tape.terminated, tape.real, tape.length,
-                          keep=jnp.broadcast_to(active, tape.length.shape))
+                          keep=jnp.broadcast_to(active, tape.length.shape), penalty=penalty)
     owed = jnp.ceil(cfg.utd * tape.length.sum()).astype(jnp.int32)
     last = jax.tree.map(lambda new, old: jnp.where(active, new, old), _collection_stats(stats, tape),
                         data.last_collection)

@@ -16,7 +16,7 @@ buffer takes at most 2**31 positions over its life.  Every function is jit- and 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ class Steps(NamedTuple):
     terminated: jax.Array  # (C,) bool
     real: jax.Array  # (C,) bool: the transition is from the dataset (not imagined)
     has_next: jax.Array  # (C,) bool: a transition starts here (False at an episode's last position)
+    penalty: Optional[jax.Array] = None
+    """(C,) what the learner subtracts from ``reward`` (a reward penalty); None in a buffer made without
+    one (no array, so such a buffer's leaves and checkpoints are those of a buffer without the field)"""
 
 
 class TapeBuffer(NamedTuple):
@@ -51,15 +54,17 @@ class Tape(NamedTuple):
     terminated: jax.Array
     real: jax.Array
     start: jax.Array
+    penalty: Optional[jax.Array] = None
 
 
-def init(capacity: int, obs_dim: int, act_dim: int) -> TapeBuffer:
-    """An empty buffer of ``capacity`` positions (an episode of L transitions takes L + 1)."""
+def init(capacity: int, obs_dim: int, act_dim: int, penalized: bool = False) -> TapeBuffer:
+    """An empty buffer of ``capacity`` positions (an episode of L transitions takes L + 1);
+    ``penalized``: it also stores a reward penalty per transition (``Steps.penalty``)."""
     if capacity < 2:
         raise ValueError(f"a tape buffer needs at least 2 positions, got {capacity}")
     f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
     no = lambda: jnp.zeros(capacity, bool)  # noqa: E731
-    steps = Steps(f(obs_dim), f(act_dim), f(), no(), no(), no())
+    steps = Steps(f(obs_dim), f(act_dim), f(), no(), no(), no(), f() if penalized else None)
     episodes = capacity // 2 + 1  # whole episodes take >= 2 positions each
     zero = jnp.zeros((), jnp.int32)
     return TapeBuffer(steps, jnp.zeros(episodes, jnp.int32), jnp.zeros(episodes, jnp.int32), zero, zero, zero)
@@ -77,12 +82,15 @@ def stored_positions(buffer: TapeBuffer):
     return jnp.minimum(buffer.written, capacity(buffer))
 
 
-def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=None) -> TapeBuffer:
+def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=None, penalty=None) -> TapeBuffer:
     """Append B episodes in order: obs (B, H + 1, O), action (B, H, A), reward / terminated / real
     (B, H), ``length`` (B,) transitions per episode (slots past it are ignored); ``keep`` (B,) bool
-    leaves out the others (and every episode of length 0).  One call may add at most ``capacity``
-    positions."""
+    leaves out the others (and every episode of length 0).  ``penalty`` (B, H): each transition's
+    reward penalty, for a buffer made ``penalized`` (None there: zeros).  One call may add at most
+    ``capacity`` positions."""
     cap, n_ep = capacity(buffer), buffer.episode_start.shape[0]
+    if buffer.steps.penalty is None and penalty is not None:
+        raise ValueError("this tape buffer stores no reward penalty: make it with init(..., penalized=True)")
     b, horizon = reward.shape
     if b * (horizon + 1) > cap:
         raise ValueError(f"{b} episodes of up to {horizon} transitions need up to {b * (horizon + 1)} positions; "
@@ -99,8 +107,10 @@ def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=
         x = jnp.where(moving.reshape(moving.shape + (1,) * (x.ndim - 2)), x, jnp.zeros_like(x))
         return jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
 
+    if buffer.steps.penalty is not None:
+        penalty = transitions(jnp.zeros_like(reward) if penalty is None else jnp.asarray(penalty))
     new = Steps(obs, transitions(action), transitions(reward), transitions(terminated), transitions(real),
-                transitions(jnp.ones_like(terminated, bool)))
+                transitions(jnp.ones_like(terminated, bool)), penalty)
     steps = jax.tree.map(lambda d, x: d.at[dest].set(x.reshape((-1,) + d.shape[1:]).astype(d.dtype), mode="drop"),
                          buffer.steps, new)
     k = buffer.episodes + jnp.cumsum(keep) - 1
@@ -131,7 +141,7 @@ def sample(buffer: TapeBuffer, key, length: int) -> Tape:
     within = j - (ends[which] - sizes[which])
     pos = (buffer.episode_start[k[which]] + within) % cap
     s = jax.tree.map(lambda x: x[pos], buffer.steps)
-    return Tape(s.obs, s.action, s.reward, s.terminated, s.real, within == 0)
+    return Tape(s.obs, s.action, s.reward, s.terminated, s.real, within == 0, s.penalty)
 
 
 def sample_transitions(buffer: TapeBuffer, key, n: int) -> Tape:
@@ -147,7 +157,7 @@ def sample_transitions(buffer: TapeBuffer, key, n: int) -> Tape:
     pos = jnp.stack([p, p + 1], axis=1) % cap
     s = jax.tree.map(lambda x: x[pos], buffer.steps)
     start = jnp.stack([jnp.ones(n, bool), ~s.has_next[:, 0] | (p + 1 >= buffer.written)], axis=1)
-    return Tape(s.obs, s.action, s.reward, s.terminated, s.real, start)
+    return Tape(s.obs, s.action, s.reward, s.terminated, s.real, start, s.penalty)
 
 
 def previous(x, start):

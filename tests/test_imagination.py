@@ -180,17 +180,19 @@ def test_warm_up_and_stepping_equal_one_pass_of_the_recurrence_over_the_tape():
         np.testing.assert_allclose(np.asarray(warm[b]), np.asarray(direct[0]), rtol=1e-5, atol=1e-5)
 
 
-def test_uncertainty_penalty_lowers_the_stored_reward():
+def test_tapes_keep_the_model_reward_and_each_step_uncertainty():
+    """The tape's reward is the model's (a reward penalty is the learner's: agents/neubay.py), and
+    each imagined step records its epistemic uncertainty; real steps record none."""
     means = np.array([[0.1, 0.0, 1.0], [0.2, 0.0, 2.0]], np.float32)
     model = constant_world(means, members=2)
     h = im.histories(*dataset(), max_horizon=10)
     zero = lambda c, x, s, k: (jnp.zeros((x.shape[0], ACT)), c)  # noqa: E731
-    kw = dict(batch=8, max_horizon=10, threshold=jnp.inf, done_fn=lambda s: jnp.zeros(len(s), bool))
-    plain, _ = im.imagine(model, h, zero, jnp.zeros(8), jax.random.key(0), **kw)
-    pen, _ = im.imagine(model, h, zero, jnp.zeros(8), jax.random.key(0), penalty=0.5, **kw)
-    imagined = np.asarray(plain.valid & ~plain.real)
+    tape, _ = im.imagine(model, h, zero, jnp.zeros(8), jax.random.key(0), batch=8, max_horizon=10,
+                         threshold=jnp.inf, done_fn=lambda s: jnp.zeros(len(s), bool))
+    imagined = np.asarray(tape.valid & ~tape.real)
     assert imagined.any()
     unc = np.sqrt(means.var(0).mean())  # constant members: the same uncertainty everywhere
-    np.testing.assert_allclose(np.asarray(pen.reward)[imagined], np.asarray(plain.reward)[imagined] - 0.5 * unc,
-                               rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(pen.reward)[~imagined], np.asarray(plain.reward)[~imagined])
+    np.testing.assert_allclose(np.asarray(tape.uncertainty)[imagined], unc, rtol=1e-5)
+    assert (np.asarray(tape.uncertainty)[~imagined] == 0).all()
+    member_reward = means[np.asarray(tape.member), 2][:, None].repeat(10, 1)
+    np.testing.assert_allclose(np.asarray(tape.reward)[imagined], member_reward[imagined], atol=1e-4)

@@ -400,6 +400,60 @@ def test_one_collection_owes_utd_times_its_transitions(markov):
     assert int(data2.tapes.episodes) >= 4 and np.isfinite(float(metrics["losses/critic"]))
 
 
+@pytest.mark.slow
+def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
+    """--penalty (the paper's ablation): the buffer stores the model's rewards and c * uncertainty per
+    transition; a training tape's inputs r_{t-1} are the rewards the agent saw when acting, its
+    rewards to learn those less the penalty.  Without a penalty the buffer holds no penalty array,
+    so its checkpoints keep their layout."""
+    from envs import termination
+
+    plain = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12}))
+    penalised = dataclasses_replace(plain, penalty=0.5)
+    model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
+    rng = np.random.default_rng(0)
+    n = 30
+    obs = rng.normal(size=(n, OBS)).astype(np.float32)
+    hist = im.histories(obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool),
+                        np.arange(n) % 10 == 9, 12)
+    coef = 0.7  # World.penalty: --penalty over the dataset's mean uncertainty
+    world = neubay.World(model, hist, jnp.float32(np.inf), jnp.float32(coef))
+    state = neubay.init(jax.random.key(1), OBS, ACT, plain)
+    key = jax.random.key(2)
+    tape, _ = im.imagine(model, hist, neubay.rollout_policy(state), neubay.initial_memory(state, 4), key, batch=4,
+                         max_horizon=12, threshold=jnp.inf, done_fn=termination.never_done)
+    bufs = {}
+    for name, cfg in (("plain", plain), ("penalised", penalised)):
+        data = neubay.collect(state, neubay.data_init(types_real(n), cfg), world, key, cfg, termination.never_done)
+        bufs[name] = data.tapes
+    assert bufs["plain"].steps.penalty is None and len(jax.tree.leaves(bufs["plain"].steps)) == 6
+    # the buffer's layout: each tape's transitions, then its final state with a zero transition
+    length = np.asarray(tape.length)
+    expected = np.concatenate([np.append(coef * np.asarray(tape.uncertainty)[b, :length[b]], 0.0)
+                               for b in range(4) if length[b] >= 1])
+    written = int(bufs["penalised"].written)
+    imagined = ~np.asarray(bufs["penalised"].steps.real[:written]) & np.asarray(bufs["penalised"].steps.has_next[:written])
+    assert written == len(expected) and imagined.any() and (expected[imagined] > 0).all()
+    np.testing.assert_allclose(np.asarray(bufs["penalised"].steps.penalty[:written]), expected, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(bufs["penalised"].steps.reward), np.asarray(bufs["plain"].steps.reward))
+    k = jax.random.key(3)
+    batches = {name: neubay.sample_batch(state, neubay.Data((), buf, jnp.zeros((), jnp.int32), {}), k, 32)
+               for name, buf in bufs.items()}
+    np.testing.assert_array_equal(np.asarray(batches["penalised"].inputs), np.asarray(batches["plain"].inputs))
+    sampled = neubay.tapes_lib.sample(bufs["penalised"], k, 32).penalty
+    np.testing.assert_allclose(np.asarray(batches["penalised"].reward[0]),
+                               np.asarray(batches["plain"].reward[0]) - np.asarray(sampled), rtol=1e-6)
+    assert float(jnp.abs(sampled).sum()) > 0
+    # imagination's tapes as training tapes: the same split
+    direct, off = neubay.tape_batch(tape), neubay.tape_batch(tape, coef)
+    np.testing.assert_array_equal(np.asarray(off.inputs), np.asarray(direct.inputs))
+    np.testing.assert_allclose(np.asarray(off.reward[:, :-1]),
+                               np.asarray(direct.reward[:, :-1]) - coef * np.asarray(tape.uncertainty), rtol=1e-6)
+    with pytest.raises(ValueError, match="stores no reward penalty"):
+        neubay.tapes_lib.add(bufs["plain"], tape.obs, tape.action, tape.reward, tape.terminated, tape.real,
+                             tape.length, penalty=tape.uncertainty)
+
+
 def types_real(n):
     from buffers.replay import Transition
 

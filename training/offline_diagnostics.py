@@ -344,7 +344,7 @@ def diagnose_posterior(run: dict, episodes: int, samples: int, seed: int) -> dic
             imagine = jax.jit(lambda k, fs=from_start, ex=explore: imagination.imagine(
                 model, world.histories, agent.rollout_policy(state, ex), agent.initial_memory(state, a.rollout_batch),
                 k, batch=a.rollout_batch, max_horizon=a.max_horizon, threshold=world.threshold, done_fn=done_fn,
-                penalty=world.penalty, from_start=fs))
+                from_start=fs))
             tape, stats = imagine(k)
             row["imagination"][name] = imagination_stats(stats, tape)
         row["episodes"] = []
