@@ -45,6 +45,20 @@ the same heads on the state alone (the actor on s_t, the critics on [s_t, a_t]) 
 transitions drawn uniformly from the same tape buffer (``tapes.sample_transitions``), not on tapes.
 Collection is unchanged (real prefix then imagined suffix, the first imagined action from the
 prefix's last state); the encoder lr is unused, every other setting is shared.
+
+Checked against the reference code (twni2016/neubay at 5604bad: ``offline_cont.py``,
+``online_rl/ac_*.py``, ``memory/lru.py``, ``experience/{collector,world_buffer,agent_buffer}.py``,
+``offline_world/*.py``): the losses, their real/imagined weighting and masks, the optimisers and
+their per-part lrs, the heads' and the LRU's layout (and the LRU's init), the tape sampling, the UTD count
+(whole tapes, real prefix included), the rollouts' member binding, sampling and cuts, and the world
+model's training, elites and threshold agree.  Differences, all deliberate: the world model also
+trains on the dataset's timeout transitions (the reference drops them, a ``qlearning_dataset``
+habit; their next observations are real here), its holdout is drawn by the run's seed (the
+reference's is fixed), the NLL lacks the reference's factor 1/2 (same minimiser and Adam steps),
+a NaN loss stops the run (the reference's optimisers zero NaN gradients), termination follows
+Gymnasium v5's rules (the same conditions as the reference's D4RL functions for hopper), and the
+Linear layers other than the critic's output start from Flax's default (LeCun-normal, zero bias)
+where the reference's Equinox layers draw U(+-1/sqrt(fan_in)) for weights and biases.
 """
 from __future__ import annotations
 
