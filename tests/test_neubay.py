@@ -373,6 +373,16 @@ def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
     assert not np.allclose(forgetful, returns)
 
 
+def toy_world(n=30):
+    """A random 4-member posterior and a dataset of ``n`` rows in trajectories of 10 (cut at 12)."""
+    model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(n, OBS)).astype(np.float32)
+    hist = im.histories(obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool),
+                        np.arange(n) % 10 == 9, 12)
+    return model, hist, n
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("markov", [False, True])
 def test_one_collection_owes_utd_times_its_transitions(markov):
@@ -380,12 +390,7 @@ def test_one_collection_owes_utd_times_its_transitions(markov):
 
     cfg = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12,
                                                  "utd": 0.25, "updates": 100, "markov": markov}))
-    model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
-    rng = np.random.default_rng(0)
-    n = 30
-    obs = rng.normal(size=(n, OBS)).astype(np.float32)
-    hist = im.histories(obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool),
-                        np.arange(n) % 10 == 9, 12)
+    model, hist, n = toy_world()
     world = neubay.World(model, hist, jnp.float32(np.inf), jnp.float32(0.0))
     state = neubay.init(jax.random.key(1), OBS, ACT, cfg)
     data = neubay.data_init(types_real(n), cfg)
@@ -410,12 +415,7 @@ def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
 
     plain = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12}))
     penalised = dataclasses_replace(plain, penalty=0.5)
-    model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
-    rng = np.random.default_rng(0)
-    n = 30
-    obs = rng.normal(size=(n, OBS)).astype(np.float32)
-    hist = im.histories(obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool),
-                        np.arange(n) % 10 == 9, 12)
+    model, hist, n = toy_world()
     coef = 0.7  # World.penalty: --penalty over the dataset's mean uncertainty
     world = neubay.World(model, hist, jnp.float32(np.inf), jnp.float32(coef))
     state = neubay.init(jax.random.key(1), OBS, ACT, plain)
