@@ -42,6 +42,8 @@ import optax
 from flax import nnx, struct
 
 from networks import Net, Trunk, TrunkSpec
+from networks.core import uniform_fan_in
+from networks.core import path_names
 from networks.blocks import ACTIVATIONS
 from buffers.replay import Transition
 
@@ -216,18 +218,12 @@ def _trunc_normal(key, shape, fan_in):
     return std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
 
 
-def _fan_in_uniform(key, shape, fan_in):
-    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): PyTorch's and Equinox's default for Linear weights and biases."""
-    bound = 1.0 / math.sqrt(fan_in)
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
-
-
 def _init_linear(layer, cfg: "DynamicsConfig", rngs: nnx.Rngs):
     """Re-draw one Linear layer's params by ``cfg.init``."""
     fan_in = layer.kernel[...].shape[0]
     if cfg.init == "uniform":
-        layer.kernel[...] = _fan_in_uniform(rngs.params(), layer.kernel[...].shape, fan_in)
-        layer.bias[...] = _fan_in_uniform(rngs.params(), layer.bias[...].shape, fan_in)
+        layer.kernel[...] = uniform_fan_in(rngs.params(), layer.kernel[...].shape, fan_in)
+        layer.bias[...] = uniform_fan_in(rngs.params(), layer.bias[...].shape, fan_in)
     else:
         layer.kernel[...] = _trunc_normal(rngs.params(), layer.kernel[...].shape, fan_in)
         layer.bias[...] = jnp.zeros_like(layer.bias[...])
@@ -298,15 +294,11 @@ def _build(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig):
     return net, init(key)
 
 
-def _path_names(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
-
-
 def decay_coefficients(params, cfg: DynamicsConfig):
     """A pytree like ``params``: each Linear kernel's coefficient (hidden layer i: wd[i]; both heads:
     wd[-1]), 0 for biases, LayerNorm and the log-variance bounds."""
     def coef(path, _):
-        names = _path_names(path)
+        names = path_names(path)
         if names[-1] != "kernel":
             return 0.0
         if names[0] == "trunk":
@@ -318,7 +310,7 @@ def decay_coefficients(params, cfg: DynamicsConfig):
 def _leaf(params, name):
     """The (M, D) array of a top-level parameter (``max_logvar`` / ``min_logvar``)."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if _path_names(path) == (name,):
+        if path_names(path) == (name,):
             return x
     raise KeyError(name)
 
@@ -395,7 +387,7 @@ class EarlyStopping:
 def _decayed(params):
     """AdamW's mask when the log-variance bounds are fixed: every parameter but the bounds."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: _path_names(path)[-1] not in ("max_logvar", "min_logvar"), params)
+        lambda path, _: path_names(path)[-1] not in ("max_logvar", "min_logvar"), params)
 
 
 def _optimizer(cfg: DynamicsConfig):
@@ -780,7 +772,7 @@ def flatten(batch: Transition, valid):
 
 
 def _named_leaves(params) -> dict:
-    return {"/".join(str(k) for k in _path_names(p)): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {"/".join(str(k) for k in path_names(p)): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def save(path, model: DynamicsModel) -> None:

@@ -22,8 +22,8 @@ One gradient step on a batch of tapes (positions t = 0 .. T-1; input x_t = [s_t,
 Optimisers: Adam with gradients clipped at global norm 1000; encoders at a tiny per-task lr
 (3e-7 .. 3e-5), heads at 1e-4; the actor's lrs follow a cosine decay to 0 over ``updates`` steps,
 the critic's stay constant.  Heads are 2 x 256 (Linear, LayerNorm, leaky-ReLU); the critic's output
-layer starts at U(+-0.1 / sqrt(256)) (the reference's scale 0.01 on the fan-in variance, our reading
-of "small") with a zero bias; the actor's log-std is clipped to [-5, 2].
+layer starts at U(+-0.1 / sqrt(256)) (the reference's ``final_linear``: scale 0.01 on the fan-in
+bound's square) with a zero bias; the actor's log-std is clipped to [-5, 2].
 
 The run (section 7.2 and the reference's main loop): ``prepare`` fits or loads the world-model
 posterior and computes the truncation threshold; each epoch of ``updates_per_epoch`` steps pays
@@ -56,9 +56,10 @@ trains on the dataset's timeout transitions (the reference drops them, a ``qlear
 habit; their next observations are real here), its holdout is drawn by the run's seed (the
 reference's is fixed), the NLL lacks the reference's factor 1/2 (same minimiser and Adam steps),
 a NaN loss stops the run (the reference's optimisers zero NaN gradients), termination follows
-Gymnasium v5's rules (the same conditions as the reference's D4RL functions for hopper), and the
-Linear layers other than the critic's output start from Flax's default (LeCun-normal, zero bias)
-where the reference's Equinox layers draw U(+-1/sqrt(fan_in)) for weights and biases.
+Gymnasium v5's rules (the same conditions as the reference's D4RL functions for hopper).  Every
+Linear layer (pre-blocks, the LRU layers' GLU, heads) starts as the reference's Equinox layers do,
+weights and biases U(+-1/sqrt(fan_in)) (``EQUINOX_LINEAR``), the critics' output layer then at
+scale 0.01 as above; the LRU's own parameters keep Orvieto et al.'s initialisation, as there.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ from buffers import tapes as tapes_lib
 from envs import datasets, termination
 from networks.config import NetworkConfig
 from plasticity.api import StaticPlasticity
-from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
+from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build, fan_in_uniform_init
+from networks.core import path_names
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from networks.recurrent import Memoryless, RecurrentNet, RecurrentSpec, build_recurrent
 
@@ -292,10 +294,17 @@ class NeuBayState:
 # ----------------------------------------------------------------------------- networks and optimisers
 
 
-def _critic_out_init(params, key):
-    """The critic heads' output layer: U(+-sqrt(0.01 / fan_in)) weights, zero bias (reference scale 0.01)."""
+EQUINOX_LINEAR = fan_in_uniform_init  # the reference's Linear layers: Equinox's default init
+
+
+def _critic_init(params, key):
+    """A critic head: every Linear at U(+-1/sqrt(fan_in)) (weights and biases, Equinox's default), the
+    output layer then at U(+-sqrt(0.01 / fan_in)) weights and a zero bias (the reference's scale 0.01)."""
+    k_all, key = jax.random.split(key)
+    params = EQUINOX_LINEAR(params, k_all)
+
     def put(path, x):
-        names = [getattr(k, "key", None) for k in path]
+        names = path_names(path)
         if "out" in names and names[-1] == "kernel":
             lim = math.sqrt(0.01 / x.shape[0])
             return jax.random.uniform(key, x.shape, x.dtype, -lim, lim)
@@ -339,12 +348,13 @@ def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
         (actor_encoder, ae), (critic_encoder, ce) = ((Memoryless(n, obs_dim), {}) for n in ("actor_encoder",
                                                                                            "critic_encoder"))
     else:
-        actor_encoder, ae = build_recurrent("actor_encoder", in_dim, cfg.recurrent, k_ae)
-        critic_encoder, ce = build_recurrent("critic_encoder", in_dim, cfg.recurrent, k_ce)
+        actor_encoder, ae = build_recurrent("actor_encoder", in_dim, cfg.recurrent, k_ae, EQUINOX_LINEAR)
+        critic_encoder, ce = build_recurrent("critic_encoder", in_dim, cfg.recurrent, k_ce, EQUINOX_LINEAR)
     feature = obs_dim if cfg.markov else cfg.d_model
-    actor_head, ah = build("actor", lambda r: GaussianPolicyHead(feature, act_dim, head, rngs=r), k_ah)
+    actor_head, ah = build("actor", lambda r: GaussianPolicyHead(feature, act_dim, head, rngs=r), k_ah,
+                           initializer=EQUINOX_LINEAR)
     critic_heads, ch = build("critic", lambda r: MLPHead(feature + act_dim, 1, head, rngs=r), k_ch,
-                             ensemble=cfg.critics, initializer=_critic_out_init)
+                             ensemble=cfg.critics, initializer=_critic_init)
     actor_params, critic_params = {"encoder": ae, "head": ah}, {"encoder": ce, "heads": ch}
     log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
     return NeuBayState(actor_params, critic_params, jax.tree.map(jnp.copy, critic_params), log_alpha,

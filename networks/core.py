@@ -13,6 +13,7 @@ the freshly made params.  The initializer is declared with the network, so every
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -87,3 +88,36 @@ def build(name: str, make_module: Callable[[nnx.Rngs], nnx.Module], key, ensembl
     graphdef, params = nnx.split(make_module(nnx.Rngs(key)), nnx.Param)
     net = Net(name, graphdef, 0, make_module, initializer)
     return net, params if initializer is None else initializer(params, key)
+
+
+def path_names(path) -> tuple:
+    """A param's place in its tree as plain names: dict keys and indices, attribute steps (an NNX
+    Variable's trailing ``.value``) dropped, e.g. ``("trunk", "layers", 0, "kernel")``."""
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
+
+
+def uniform_fan_in(key, shape, fan_in, dtype=jnp.float32):
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): PyTorch's and Equinox's default for Linear weights and biases."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def fan_in_uniform_init(params, key):
+    """Every Linear layer's kernel and bias drawn from U(+-1/sqrt(fan_in)); other params kept.
+
+    The default Linear initialisation of PyTorch and Equinox (``nn.Linear`` in both), for agents
+    whose reference code relies on it.  A Linear layer is a node holding both a ``kernel`` and a
+    ``bias`` (a LayerNorm's bias, beside a ``scale``, is left alone); fan_in is the kernel's
+    second-to-last axis, so a tree with a leading member axis gets the same per-member law.
+    Usable as ``build(..., initializer=fan_in_uniform_init)``.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = [path_names(path) for path, _ in leaves]
+    fan_in = {name[:-1]: x.shape[-2] for name, (_, x) in zip(names, leaves) if name[-1] == "kernel"}
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, name, (_, x) in zip(keys, names, leaves):
+        if name[-1] in ("kernel", "bias") and name[:-1] in fan_in:
+            x = uniform_fan_in(k, x.shape, fan_in[name[:-1]], x.dtype)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)

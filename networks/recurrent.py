@@ -172,10 +172,13 @@ class RecurrentNet:
     graphdef: Any
     spec: RecurrentSpec
     make: Callable | None = field(default=None, compare=False, hash=False, repr=False)
+    # (params, key) -> params applied to freshly made params (e.g. ``networks.core.fan_in_uniform_init``)
+    initializer: Callable | None = field(default=None, compare=False, hash=False, repr=False)
 
     def init(self, key):
-        """Freshly initialised params."""
-        return nnx.split(self.make(nnx.Rngs(key)), nnx.Param)[1]
+        """Freshly initialised params, drawn as ``build_recurrent`` draws them."""
+        params = nnx.split(self.make(nnx.Rngs(key)), nnx.Param)[1]
+        return params if self.initializer is None else self.initializer(params, key)
 
     def initial_state(self, batch_shape: tuple = ()):
         """Zero recurrent state: (*batch_shape, layers, d_hidden) complex64."""
@@ -206,11 +209,17 @@ class RecurrentNet:
         return y[..., 0, :], state
 
 
-def build_recurrent(name: str, in_dim: int, spec: RecurrentSpec, key) -> tuple[RecurrentNet, Any]:
-    """Create a recurrent core -> (RecurrentNet, params)."""
+def build_recurrent(name: str, in_dim: int, spec: RecurrentSpec, key,
+                    initializer: Callable | None = None) -> tuple[RecurrentNet, Any]:
+    """Create a recurrent core -> (RecurrentNet, params).
+
+    ``initializer(params, key) -> params`` (optional) maps the freshly made params, e.g.
+    ``networks.core.fan_in_uniform_init`` for the Linear layers (the LRU's own parameters have no
+    ``kernel`` and keep section 3.3's initialisation)."""
     make = lambda rngs: RecurrentCore(in_dim, spec, rngs=rngs)  # noqa: E731
     graphdef, params = nnx.split(make(nnx.Rngs(key)), nnx.Param)
-    return RecurrentNet(name, graphdef, spec, make), params
+    net = RecurrentNet(name, graphdef, spec, make, initializer)
+    return net, params if initializer is None else initializer(params, key)
 
 
 @dataclass(frozen=True)

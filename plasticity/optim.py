@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from networks.core import path_names
 
 KRON_LR_DIVISOR = 3.0  # spec section 6: Kron lr = Adam lr / 3
 
@@ -98,13 +99,9 @@ class MaskedState(NamedTuple):
     inner: Any
 
 
-def _keys(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
-
-
 def maskable(path, leaf) -> bool:
     """Linear kernels (``...['kernel']``, >= 2-D) are masked; biases and LayerNorm never."""
-    keys = _keys(path)
+    keys = path_names(path)
     return bool(keys) and keys[-1] == "kernel" and len(leaf.shape) >= 2
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from networks import instrument
 from networks.core import Net
+from networks.core import path_names
 from plasticity.metrics import grama_scores, neuron_scores
 
 
@@ -39,10 +40,6 @@ def neuron_layout(net: Net, params) -> dict[str, dict[str, tuple]]:
     return layout
 
 
-def _keys(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
-
-
 def _roles(layout):
     """Param path of a Linear/LayerNorm -> [(role, tap), ...]: a hidden Linear is the incoming
     layer of its own units and the outgoing layer of the previous layer's units."""
@@ -59,7 +56,7 @@ def _map_roles(params, layout, fn):
     roles = _roles(layout)
 
     def visit(path, leaf):
-        keys = _keys(path)
+        keys = path_names(path)
         for role, tap in roles.get(keys[:-1], []):
             leaf = fn(keys, role, tap, keys[-1], leaf)
         return leaf
@@ -70,7 +67,7 @@ def _map_roles(params, layout, fn):
 def reset_neurons(net: Net, params, opt_state, masks: dict, key, reset_norm: bool = True):
     """Reset the neurons flagged in ``masks`` ({tap: bool (H,) or (members, H)}) -> (params, opt_state)."""
     layout = neuron_layout(net, params)
-    fresh = {_keys(p): x for p, x in jax.tree_util.tree_flatten_with_path(net.init(key))[0]}
+    fresh = {path_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(net.init(key))[0]}
 
     def new_value(keys, role, tap, name, leaf):
         mask = masks[tap]

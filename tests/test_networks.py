@@ -158,3 +158,28 @@ def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
     assert ynn_fusions(hlo(lambda a, b: a @ b, x, w, opts=options))  # dots still go to the library
     np.testing.assert_allclose(np.asarray(jax.jit(reduce_sum, compiler_options=options)(x)), x.sum(0, dtype=np.float64),
                                rtol=1e-4, atol=1e-3)
+
+
+def test_fan_in_uniform_redraws_linear_layers_only():
+    from networks import fan_in_uniform_init
+    from networks.core import path_names
+    spec = TrunkSpec(width=64, depth=2, layer_norm=True)
+    make = lambda r: MLPHead(40, 3, spec, rngs=r)  # noqa: E731
+    net, before = build("q", make, jax.random.key(0), ensemble=2)
+    after = fan_in_uniform_init(before, jax.random.key(1))
+    again = fan_in_uniform_init(before, jax.random.key(1))
+    seen = set()
+    for (path, x), (_, y), (_, z) in zip(*(jax.tree_util.tree_flatten_with_path(t)[0] for t in (before, after, again))):
+        names, x, y = path_names(path), np.asarray(x), np.asarray(y)
+        np.testing.assert_array_equal(y, np.asarray(z))  # same key, same draw
+        if "norms" in names:  # LayerNorm scale 1 and bias 0 untouched
+            np.testing.assert_array_equal(x, y)
+            continue
+        fan_in = {("trunk", "layers", 0): 40, ("trunk", "layers", 1): 64, ("out",): 64}[names[:-1]]
+        bound = 1 / np.sqrt(fan_in)
+        assert np.all(np.abs(y) <= bound) and not np.array_equal(x, y)
+        if y.size > 1000:  # U(-b, b): std b / sqrt(3), mean 0
+            assert abs(y.std() - bound / np.sqrt(3)) < 0.05 * bound and abs(y.mean()) < 0.02 * bound
+        assert not np.array_equal(y[0], y[1])  # members differ
+        seen.add(names)
+    assert len(seen) == 6  # 3 Linear layers x (kernel, bias)
