@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from agents import dynamics as dyn
+from networks.core import path_names
 from envs import termination
 
 OBS, ACT = 3, 2
@@ -43,7 +44,7 @@ def named(params):
 
 def edit(params, fn):
     """Map ``fn(name, array)`` over the param leaves (name like 'trunk/layers/0/kernel')."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: fn("/".join(map(str, dyn._path_names(p))), x), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn("/".join(map(str, path_names(p))), x), params)
 
 
 # ----------------------------------------------------------------------------- fitting and elites

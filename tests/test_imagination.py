@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from agents import dynamics as dyn
+from networks.core import path_names
 from agents import imagination as im
 from networks.recurrent import RecurrentSpec, build_recurrent
 
@@ -63,7 +64,7 @@ def constant_world(means, members=3):
     model = dyn.init_model(jax.random.key(0), OBS, ACT, cfg)
 
     def put(path, x):
-        name = "/".join(map(str, dyn._path_names(path)))
+        name = "/".join(map(str, path_names(path)))
         if name == "mean/kernel":
             return jnp.zeros_like(x)
         if name == "mean/bias":
