@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from networks.core import path_names
 from plasticity import optim as optim_lib
 from plasticity import resets
 from plasticity.metrics import neuron_scores
@@ -204,7 +205,7 @@ def dormant_units(net, params, acts: dict, tau: float) -> dict:
     incoming = {tuple(paths["incoming"]): tap for tap, paths in layout.items()}
     out = {}
     for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-        keys = optim_lib._keys(path)
+        keys = path_names(path)
         if optim_lib.maskable(path, x) and keys[:-1] in incoming and incoming[keys[:-1]] in acts:
             out[i] = neuron_scores(acts[incoming[keys[:-1]]]) <= tau
     return out
