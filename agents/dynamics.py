@@ -42,8 +42,7 @@ import optax
 from flax import nnx, struct
 
 from networks import Net, Trunk, TrunkSpec
-from networks.core import uniform_fan_in
-from networks.core import path_names
+from networks.core import path_names, uniform_fan_in
 from networks.blocks import ACTIVATIONS
 from buffers.replay import Transition
 

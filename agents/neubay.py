@@ -83,7 +83,7 @@ from envs import datasets, termination
 from networks.config import NetworkConfig
 from plasticity.api import StaticPlasticity
 from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build, fan_in_uniform_init
-from networks.core import path_names
+from networks.core import path_names, uniform_fan_in
 from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from networks.recurrent import Memoryless, RecurrentNet, RecurrentSpec, build_recurrent
 
@@ -306,8 +306,7 @@ def _critic_init(params, key):
     def put(path, x):
         names = path_names(path)
         if "out" in names and names[-1] == "kernel":
-            lim = math.sqrt(0.01 / x.shape[0])
-            return jax.random.uniform(key, x.shape, x.dtype, -lim, lim)
+            return uniform_fan_in(key, x.shape, x.shape[0], x.dtype, scale=0.01)
         if "out" in names and names[-1] == "bias":
             return jnp.zeros_like(x)
         return x

@@ -96,9 +96,9 @@ def path_names(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
 
 
-def uniform_fan_in(key, shape, fan_in, dtype=jnp.float32):
-    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): PyTorch's and Equinox's default for Linear weights and biases."""
-    bound = 1.0 / math.sqrt(fan_in)
+def uniform_fan_in(key, shape, fan_in, dtype=jnp.float32, scale: float = 1.0):
+    """U(+-sqrt(scale / fan_in)): at scale 1 PyTorch's and Equinox's default for Linear weights and biases."""
+    bound = math.sqrt(scale) / math.sqrt(fan_in)
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
