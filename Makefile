@@ -24,7 +24,7 @@ demo: $(STAMP)
 # A worker that crashes (or that pytest-timeout ends) is not replaced: xdist would run the rest of its
 # file again in a new worker, the crashing test included, up to 8 times.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmark.py

@@ -69,3 +69,14 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from training.replay import Transition\n    import agents.sac\n")
     assert {"training.replay", "training.replay.Transition", "agents.sac"} <= imports(src)
+
+
+def test_the_suites_file_order_puts_heavy_files_first_and_is_drawn_from_its_seed():
+    from tests.suite_guards import HEAVY, order_files
+
+    files = [f"tests/test_{i}.py" for i in range(12)] + [f"tests/{name}" for name in HEAVY[:3]]
+    first = order_files(files, seed=1)
+    assert sorted(first) == sorted(files)  # every file once
+    assert {f.split("/")[-1] for f in first[:3]} == set(HEAVY[:3])  # the heavy ones start
+    assert order_files(files, seed=1) == first  # a seed replays its order
+    assert len({tuple(order_files(files, seed=s)) for s in range(5)}) > 1  # and seeds differ
