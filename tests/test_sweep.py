@@ -131,18 +131,19 @@ def _eval_rows(run_dir):
 
 
 @pytest.mark.slow
-def test_a_2x2_sweep_runs_end_to_end_on_a_local_ray_and_a_rerun_skips_it(tmp_path):
+def test_a_sweep_runs_end_to_end_on_a_local_ray_and_a_rerun_skips_it(tmp_path):
+    """Two variants of one env, two trials side by side on a local Ray (the expansion over agents, envs,
+    variants, grid and seeds is checked above without Ray)."""
     pytest.importorskip("ray")
     spec = _write_spec(tmp_path / "s.toml", 'none = {}\nredo = { preset = "redo-sokar", '
                                             '"plasticity.reset-every" = 50 }\n',
-                       'envs = ["Pendulum-v1", "MountainCarContinuous-v0"]\ncpus_per_trial = 1')
+                       'envs = ["Pendulum-v1"]\ncpus_per_trial = 1')
     d = tmp_path / "sweep"
     out = _cli([str(spec), "--dir", str(d), "--num-cpus", "2", "--refresh", "2"], timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "all 4 trials finished" in out.stdout
+    assert "all 2 trials finished" in out.stdout
     names = sorted(p.name for p in (d / "runs").iterdir())
-    assert names == sorted(f"{e}__sac__{v}__seed0" for e in ("Pendulum-v1", "MountainCarContinuous-v0")
-                           for v in ("none", "redo"))
+    assert names == sorted(f"Pendulum-v1__sac__{v}__seed0" for v in ("none", "redo"))
     for name in names:
         cfg = json.loads((d / "runs" / name / "config.json").read_text())
         assert cfg["label"] == name.split("__")[2] and cfg["total_steps"] == 300
@@ -151,7 +152,7 @@ def test_a_2x2_sweep_runs_end_to_end_on_a_local_ray_and_a_rerun_skips_it(tmp_pat
         assert json.loads((d / "status" / f"{name}.json").read_text())["state"] == "done"
     stamps = {n: (d / "runs" / n / "eval.csv").stat().st_mtime_ns for n in names}
     again = _cli([str(spec), "--dir", str(d)], timeout=300)
-    assert again.returncode == 0 and "4 finished before, 0 to run" in again.stdout, again.stdout + again.stderr
+    assert again.returncode == 0 and "2 finished before, 0 to run" in again.stdout, again.stdout + again.stderr
     assert stamps == {n: (d / "runs" / n / "eval.csv").stat().st_mtime_ns for n in names}
     report = ROOT / "scripts" / "report.py"
     if report.exists():  # the sweep's report: one figure and table over its runs
@@ -164,7 +165,8 @@ def test_a_2x2_sweep_runs_end_to_end_on_a_local_ray_and_a_rerun_skips_it(tmp_pat
 @pytest.mark.slow
 def test_a_sweep_interrupted_midway_resumes_the_interrupted_trial_and_skips_the_finished_one(tmp_path):
     pytest.importorskip("ray")
-    flags = {**TINY, "total-steps": 8000, "checkpoint-every": 500, "eval-every": 4000}
+    # the long trial is interrupted after its first checkpoint (500 steps), 1500 steps before its end
+    flags = {**TINY, "total-steps": 2000, "checkpoint-every": 500, "eval-every": 1000}
     spec = _write_spec(tmp_path / "s.toml", 'a = { "total-steps" = 300, "checkpoint-every" = 150, '
                                             '"eval-every" = 150 }\nb = {}\n', 'envs = ["Pendulum-v1"]', flags)
     d = tmp_path / "sweep"
@@ -200,7 +202,7 @@ def test_a_sweep_interrupted_midway_resumes_the_interrupted_trial_and_skips_the_
     assert (d / "runs" / short / "eval.csv").stat().st_mtime_ns == stamp  # not run again
     log = (d / "logs" / f"{long}.log").read_text()
     assert f"train.py --resume {d / 'runs' / long}" in log and "resumed " in log
-    assert max(int(r["step"]) for r in _eval_rows(d / "runs" / long)) == 8000
+    assert max(int(r["step"]) for r in _eval_rows(d / "runs" / long)) == 2000
     assert not list((d / "runs" / long).glob(".replaced-*"))  # resumed, not started over
 
 
