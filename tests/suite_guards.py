@@ -34,15 +34,15 @@ import pytest
 
 # Files that take minutes on a 2-core machine (end-to-end subprocesses, learning runs, Ray): started
 # first so that neither worker is left with one of them at the end.  Ordered among themselves by the seed.
-HEAVY = (
+HEAVY = (  # each 2-8 minutes of one worker in a suite run (the summary's costliest files)
     "test_device_loop.py",
     "test_mrq_mt.py",
     "test_neubay.py",
-    "test_sweep.py",
-    "test_cli.py",
-    "test_multitask_eval.py",
     "test_plasticity_agents.py",
-    "test_evaluate.py",
+    "test_golden.py",
+    "test_mrq.py",
+    "test_training.py",
+    "test_sweep.py",
 )
 GDB_TIMEOUT_S = 180
 # what the controller saw (each xdist worker is its own process, with its own copy)
