@@ -1,4 +1,4 @@
-"""SAC / SAC-N / EDAC against the official code, number by number (issue 45; docs/fidelity.md).
+"""SAC / SAC-N / EDAC against the official code, number by number (docs/fidelity.md).
 
 ``tests/fixtures/sac_reference.npz`` holds weights, a batch of 8 transitions, the Gaussian draws eps of
 the sampled actions (a = tanh(mu + std * eps), one draw each for s' in the target, s in the actor loss

@@ -1,4 +1,4 @@
-"""Fixture generator: SAC losses and gradients from CleanRL, SAC-N / EDAC ones from CORL (issue 45).
+"""Fixture generator: SAC losses and gradients from CleanRL, SAC-N / EDAC ones from CORL.
 
 Runs the *official* code on fixed weights, a fixed batch and fixed Gaussian draws, and writes inputs,
 weights and outputs to ``tests/fixtures/sac_reference.npz``, which ``tests/test_fidelity_sac.py``
