@@ -45,6 +45,7 @@ HEAVY = (  # each 2-8 minutes of one worker in a suite run (the summary's costli
     "test_sweep.py",
 )
 GDB_TIMEOUT_S = 180
+HUNG_AFTER_S = 480.0  # = faulthandler_timeout in pyproject.toml (pytest-timeout ends the test at 600 s)
 # what the controller saw (each xdist worker is its own process, with its own copy)
 _STATE = {"start": time.time(), "collected": set(), "reported": set(), "file_s": defaultdict(float), "crashes": []}
 
@@ -71,6 +72,8 @@ def _seed(config) -> int | None:
 
 def pytest_configure(config):
     config._file_order_seed = _seed(config)
+    hung = float(config.getini("faulthandler_timeout") or 0.0)
+    config._hung_after_s = hung if hung > 0 else HUNG_AFTER_S
     if hasattr(config, "workerinput"):
         _allow_core_dumps()
 
@@ -151,7 +154,7 @@ def native_stack(core: Path) -> str:
     gdb = shutil.which("gdb")
     if gdb is None:
         return f"(gdb is not installed: the core file {core} is kept for inspection)"
-    cmd = [gdb, "-q", "-batch", "-ex", "bt 60", "-ex", "info threads", sys.executable, str(core)]
+    cmd = [gdb, "-q", "-batch", "-iex", "set auto-load off", "-ex", "bt 60", "-ex", "info threads", sys.executable, str(core)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S).stdout
     except subprocess.TimeoutExpired:
@@ -168,7 +171,8 @@ def describe_exit(code: int | None) -> str:
         why = (" (nothing inside a process can print a stack on SIGKILL: the kernel's OOM killer sends it)"
                if sig == signal.SIGKILL else "")
         return f"it was killed by {sig.name}{why}"
-    return f"it exited with status {code} (pytest-timeout's thread method ends a hung test's process this way)"
+    return (f"it exited with status {code} (pytest-timeout ends a hung test's process this way: its Python and "
+            f"native stacks are printed above, at faulthandler_timeout)")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -190,6 +194,54 @@ def pytest_testnodedown(node, error):
     reporter = node.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("\n".join(lines), red=True)
+
+
+def _real_stderr(config) -> int:
+    """The worker's stderr as pytest's faulthandler keeps it: outside pytest's capture (a test's own
+    fd 2 goes to a capture file, which is lost if the process then ends)."""
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        return config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):
+        return 2
+
+
+def native_stacks_of(pid: int) -> str:
+    """Every thread's native stack of the live process ``pid`` (gdb attaches, prints, detaches)."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(gdb is not installed: no native stacks)"
+    cmd = [gdb, "-q", "-batch", "-iex", "set auto-load off", "-p", str(pid), "-ex", "thread apply all bt 30"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"(gdb did not finish in {GDB_TIMEOUT_S} s)"
+    return "\n".join(line for line in (out.stdout + out.stderr).splitlines()
+                     if not line.startswith(("[New LWP", "warning:", "[Thread debugging", "Using host")))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """A test still running after faulthandler_timeout seconds has probably hung (XLA's CPU runtime has
+    deadlocked here before): pytest's faulthandler prints every thread's Python stack then, and this
+    prints their native stacks (gdb), both to the real stderr, before pytest-timeout ends the process."""
+    import threading
+
+    fd = _real_stderr(item.config)
+
+    def dump():
+        text = (f"\n+++ {item.nodeid} has run {item.config._hung_after_s:.0f} s: native stacks of pid "
+                f"{os.getpid()} +++\n{native_stacks_of(os.getpid())}\n+++ end of native stacks +++\n")
+        os.write(fd, text.encode(errors="replace"))
+
+    timer = threading.Timer(item.config._hung_after_s + 1.0, dump)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 # ------------------------------------------------------------------------------------------------
