@@ -67,7 +67,7 @@ import optax
 from flax import nnx, struct
 from jax.flatten_util import ravel_pytree
 
-from networks import Net, TrunkSpec, build
+from networks import Net, TrunkSpec, build, orthogonal
 from networks.blocks import Trunk
 from networks.distributions import gaussian_log_prob
 from plasticity import optim as optim_lib
@@ -216,7 +216,7 @@ def _orthogonal_trunk(trunk: Trunk, rngs: nnx.Rngs):
     """CleanRL's layer_init: orthogonal(sqrt 2) hidden kernels, zero biases (mlp block only)."""
     if trunk.spec.block != "mlp":
         return
-    init = nnx.initializers.orthogonal(math.sqrt(2.0))
+    init = orthogonal(math.sqrt(2.0))
     for layer in trunk.layers:
         layer.kernel[...] = init(rngs.params(), layer.kernel[...].shape)
         layer.bias[...] = jnp.zeros_like(layer.bias[...])
@@ -228,7 +228,7 @@ class PPOActor(nnx.Module):
     def __init__(self, obs_dim: int, act_dim: int, spec: TrunkSpec, *, rngs: nnx.Rngs):
         self.trunk = Trunk(obs_dim, spec, rngs=rngs)
         _orthogonal_trunk(self.trunk, rngs)
-        self.out = nnx.Linear(spec.width, act_dim, rngs=rngs, kernel_init=nnx.initializers.orthogonal(0.01),
+        self.out = nnx.Linear(spec.width, act_dim, rngs=rngs, kernel_init=orthogonal(0.01),
                               bias_init=nnx.initializers.zeros)
         self.log_std = nnx.Param(jnp.zeros((act_dim,), jnp.float32))
 
@@ -244,7 +244,7 @@ class PPOCritic(nnx.Module):
     def __init__(self, obs_dim: int, spec: TrunkSpec, *, rngs: nnx.Rngs):
         self.trunk = Trunk(obs_dim, spec, rngs=rngs)
         _orthogonal_trunk(self.trunk, rngs)
-        self.out = nnx.Linear(spec.width, 1, rngs=rngs, kernel_init=nnx.initializers.orthogonal(1.0),
+        self.out = nnx.Linear(spec.width, 1, rngs=rngs, kernel_init=orthogonal(1.0),
                               bias_init=nnx.initializers.zeros)
 
     def __call__(self, x, probes=None):

@@ -1,10 +1,10 @@
 """Instrumented network blocks shared by every agent."""
 from networks import runtime  # noqa: F401  (process-wide JAX settings: Threefry unrolled on CPU)
-from networks.blocks import Trunk, TrunkSpec
+from networks.blocks import Trunk, TrunkSpec, orthogonal
 from networks.core import Net, build, fan_in_uniform_init
 from networks.heads import DeterministicPolicyHead, GaussianPolicyHead, MLPHead
 from networks.recurrent import RecurrentNet, RecurrentSpec, build_recurrent
 
-__all__ = ["Trunk", "TrunkSpec", "Net", "build", "fan_in_uniform_init", "MLPHead", "GaussianPolicyHead",
+__all__ = ["Trunk", "TrunkSpec", "orthogonal", "Net", "build", "fan_in_uniform_init", "MLPHead", "GaussianPolicyHead",
            "DeterministicPolicyHead",
            "RecurrentNet", "RecurrentSpec", "build_recurrent"]

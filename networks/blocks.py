@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from networks.runtime import one_call_per_matrix
+
 ACTIVATIONS = {
     "relu": jax.nn.relu,
     "elu": jax.nn.elu,
@@ -48,6 +50,18 @@ class TrunkSpec:
             raise ValueError(f"network width and depth must be positive, got {self.width}, {self.depth}")
 
 
+def orthogonal(scale: float = 1.0):
+    """flax's orthogonal initializer (Saxe et al. 2014, the QR of a Gaussian matrix), its QR run one
+    matrix per call under any ``vmap`` (``networks/runtime.py: one_call_per_matrix``: jaxlib's
+    batched CPU LAPACK kernels can deadlock); the values are flax's."""
+    base = nnx.initializers.orthogonal(scale)
+
+    def init(key, shape, dtype=jnp.float32):
+        return one_call_per_matrix(lambda k: base(k, shape, dtype))(key)
+
+    return init
+
+
 def _linear(i, o, rngs, spec: TrunkSpec, kernel_init=None):
     kw = {} if kernel_init is None else {"kernel_init": kernel_init}
     return nnx.Linear(i, o, rngs=rngs, bias_init=nnx.initializers.constant(spec.hidden_bias_init), **kw)
@@ -65,7 +79,7 @@ class Trunk(nnx.Module):
             self.norms = nnx.List([ln(w) for _ in range(d)]) if spec.layer_norm else None
         elif spec.block == "simba":
             # SimBa (Lee et al. 2025): orthogonal input projection, blocks x + W2 relu(W1 LN(x)), final LN.
-            self.proj = _linear(in_dim, w, rngs, spec, nnx.initializers.orthogonal())
+            self.proj = _linear(in_dim, w, rngs, spec, orthogonal())
             he = nnx.initializers.he_normal()
             self.pre_norms = nnx.List([nnx.LayerNorm(w, rngs=rngs) for _ in range(d)])
             self.up = nnx.List([_linear(w, 4 * w, rngs, spec, he) for _ in range(d)])

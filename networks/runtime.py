@@ -36,6 +36,25 @@ def unroll_threefry_on_cpu() -> bool:
 THREEFRY_UNROLLED = unroll_threefry_on_cpu()
 
 
+def one_call_per_matrix(fn):
+    """``fn`` (a LAPACK-backed op on one matrix: QR, SVD), run one unbatched call after another under
+    any ``vmap`` (``jax.custom_batching.sequential_vmap``); the values are those of the batched call.
+
+    jaxlib 0.10's CPU LAPACK kernels split a batch (vmapped seeds, ensemble members) into chunks that
+    they schedule on XLA's intra-op thread pool, then block the pool thread they run on until the
+    chunks are done (``jax::ParallelBatchMap``).  When XLA runs as many independent batched LAPACK
+    calls at once as the pool has threads (2 on a 2-core CPU: PPO's six orthogonal initialisers,
+    vmapped over seeds, are independent), every pool thread waits for chunks no thread is free to
+    run, and the process hangs with no CPU use (gdb: each ``tf_XLAEigen`` thread in
+    ``BlockingCounter::Wait`` under ``ParallelBatchMap`` under ``lapack_sgeqrf_ffi``).  Upstream
+    stopped parallelising LAPACK kernels in open-source builds after 0.10 (jax commit 859992407d).
+    A batch of one runs inline on its thread, so nothing waits.  ``tests/test_networks.py``
+    reproduces the hang in a subprocess against the plain batched call and checks this one."""
+    import jax
+
+    return jax.custom_batching.sequential_vmap(fn)
+
+
 def cached_per_config(build):
     """``functools.lru_cache`` (16 entries) for a builder of jitted programs, ``build(agent, config, ...)``.
 

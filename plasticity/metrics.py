@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from networks import instrument
+from networks.runtime import one_call_per_matrix
 
 EPS = 1e-9
 DORMANT_TAUS = (0.0, 0.025, 0.1)  # spec section 8: log tau = 0 and 0.025 / 0.1
@@ -86,21 +87,15 @@ def active_fraction(acts):
     return jnp.mean((acts > 0).astype(jnp.float32))
 
 
-# Singular values, one matrix per LAPACK call.  jaxlib 0.10's CPU LAPACK kernels split a batched call
-# (leading axes: ensemble members, vmapped seeds) into chunks that they schedule on XLA's intra-op
-# thread pool and then block a pool thread waiting for them (``ParallelBatchMap``).  When XLA runs
-# as many independent batched SVDs at once as the pool has threads (2 on a 2-core CPU), every pool
-# thread waits for chunks that no thread is free to run: the process hangs with no CPU use (the
-# plasticity-metrics hang of docs/benchmarks.md, reproduced on full-size MR.Q with 3 seeds; fixed
-# upstream in jax commit 859992407d, "Don't try to parallelize LAPACK kernels in opensource
-# builds").  A batch of one runs inline, so every SVD here is one unbatched call in a loop, under
-# any ``vmap`` too (``sequential_vmap``); the explicit JVP keeps ``grad`` working through it.
-@jax.custom_batching.sequential_vmap
+# Singular values, one matrix per LAPACK call, under any ``vmap`` too (batched CPU LAPACK calls can
+# deadlock: ``networks/runtime.py: one_call_per_matrix``; here seen as the plasticity-metrics hang of
+# docs/benchmarks.md, on full-size MR.Q with 3 seeds); the explicit JVP keeps ``grad`` working.
+@one_call_per_matrix
 def _sv_one(x):
     return jnp.linalg.svd(x, compute_uv=False)
 
 
-@jax.custom_batching.sequential_vmap
+@one_call_per_matrix
 def _svd_one(x):
     return jnp.linalg.svd(x, full_matrices=False)
 

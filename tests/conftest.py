@@ -4,15 +4,14 @@ import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-# XLA's CPU runtime can wedge with its thread pools idle and the main thread waiting forever for a
-# free slot among the in-flight computations (xla::Semaphore::Acquire in CpuPjRtRawLoadedExecutable::
-# Execute, seen by gdb in a suite run here: the Playground PPO learning test, after about 600 tests in
-# one worker; a CI run timed out at the same place).  The suite's two workers share two cores, so it
-# gives nothing up by running each computation on its calling thread: one Eigen thread, no
-# asynchronous dispatch in the suite's own processes (set below, before JAX makes its CPU client;
-# the train.py children inherit the single Eigen thread).  The same programs run; a matmul's last
-# bits may differ from a multi-threaded one (another blocking), as between CPUs, which the golden
-# fingerprints' tolerances allow.  (train.py keeps XLA's defaults: a single run uses every core.)
+# The suite's two workers share two cores, so each computation's kernels run on its calling thread
+# (one Eigen thread), and without asynchronous dispatch (set below, before JAX makes its CPU client)
+# a hung test's Python stack names the computation that hangs, not a later call waiting behind it.
+# (The hang the suite used to hit, in PPO's init over 2 seeds, was jaxlib's batched CPU LAPACK
+# kernels deadlocking XLA's thread pool: fixed in the zoo, networks/runtime.py: one_call_per_matrix.)
+# The same programs run; a matmul's last bits may differ from a multi-threaded one (another
+# blocking), as between CPUs, which the golden fingerprints' tolerances allow.  (train.py keeps
+# XLA's defaults: a single run uses every core.)
 if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 # Compiling is most of what the suite does, and its programs are tiny: LLVM's -O1 and XLA's older CPU

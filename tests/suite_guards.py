@@ -12,6 +12,11 @@
   working directory), and when one dies the controller names its signal and prints ``gdb``'s
   backtrace of the core (then deletes it).  A worker killed by SIGKILL (the kernel's OOM killer)
   leaves no stack, and the report says so.
+- **A hung test is ended, with its stacks.**  At ``faulthandler_timeout`` pytest's faulthandler (a C
+  watchdog) prints every thread's Python stack; a watchdog thread in the xdist controller, which
+  reads which test each worker is running from a heartbeat file, then ends the worker with SIGABRT
+  (core file: native stacks; gdb attached from the controller first where no core will be written).
+  pytest-timeout's thread method stays as the backstop of runs without xdist.
 - **Every collected test ran.**  With ``--max-worker-restart=0`` a crashed worker's remaining
   files never run; the summary counts the tests that never reported and fails the run if any.
 - **Where the time went.**  The summary lists the costliest files (setup, call and teardown of
@@ -26,6 +31,8 @@ import signal
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -44,8 +51,11 @@ HEAVY = (  # each 2-8 minutes of one worker in a suite run (the summary's costli
     "test_training.py",
     "test_sweep.py",
 )
-GDB_TIMEOUT_S = 180
-HUNG_AFTER_S = 480.0  # = faulthandler_timeout in pyproject.toml (pytest-timeout ends the test at 600 s)
+GDB_TIMEOUT_S = 120
+HUNG_AFTER_S = 480.0  # when faulthandler_timeout (pyproject.toml) is unset
+KILL_AFTER_HUNG_S = 80.0  # the controller ends a hung worker this long after faulthandler's dump (before pytest-timeout)
+WATCHDOG_POLL_S = 5.0
+_CONFIG: list = []  # this process's pytest config (hooks without a config argument need it)
 # what the controller saw (each xdist worker is its own process, with its own copy)
 _STATE = {"start": time.time(), "collected": set(), "reported": set(), "file_s": defaultdict(float), "crashes": []}
 
@@ -74,8 +84,11 @@ def pytest_configure(config):
     config._file_order_seed = _seed(config)
     hung = float(config.getini("faulthandler_timeout") or 0.0)
     config._hung_after_s = hung if hung > 0 else HUNG_AFTER_S
+    _CONFIG[:] = [config]
     if hasattr(config, "workerinput"):
         _allow_core_dumps()
+    elif getattr(config.option, "dist", "no") != "no":  # the xdist controller
+        _start_watchdog(config)
 
 
 def pytest_report_header(config):
@@ -88,6 +101,8 @@ def pytest_report_header(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     node.workerinput["file_order_seed"] = node.config._file_order_seed
+    if getattr(node.config, "_heartbeat_dir", None) is not None:
+        node.workerinput["heartbeat_dir"] = str(node.config._heartbeat_dir)
 
 
 def order_files(files: list[str], seed: int) -> list[str]:
@@ -154,9 +169,11 @@ def native_stack(core: Path) -> str:
     gdb = shutil.which("gdb")
     if gdb is None:
         return f"(gdb is not installed: the core file {core} is kept for inspection)"
-    cmd = [gdb, "-q", "-batch", "-iex", "set auto-load off", "-ex", "bt 60", "-ex", "info threads", sys.executable, str(core)]
+    cmd = [gdb, "-q", "-batch", "-nx", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
+           "-ex", "thread apply all bt 20", sys.executable, str(core)]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S).stdout
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S,
+                             env={**os.environ, "DEBUGINFOD_URLS": ""}).stdout
     except subprocess.TimeoutExpired:
         return f"(gdb did not finish in {GDB_TIMEOUT_S} s: the core file {core} is kept for inspection)"
     core.unlink(missing_ok=True)
@@ -168,11 +185,12 @@ def describe_exit(code: int | None) -> str:
         return "its exit status is unknown"
     if code < 0:
         sig = signal.Signals(-code)
-        why = (" (nothing inside a process can print a stack on SIGKILL: the kernel's OOM killer sends it)"
-               if sig == signal.SIGKILL else "")
+        why = {signal.SIGKILL: " (nothing inside a process can print a stack on SIGKILL: the kernel's OOM killer "
+                               "sends it, and the suite's watchdog when SIGABRT did not end a hung worker)",
+               signal.SIGABRT: " (the suite's watchdog ends a hung worker this way: see its lines above)"}.get(sig, "")
         return f"it was killed by {sig.name}{why}"
-    return (f"it exited with status {code} (pytest-timeout ends a hung test's process this way: its Python and "
-            f"native stacks are printed above, at faulthandler_timeout)")
+    return (f"it exited with status {code} (pytest-timeout ends a hung test's process this way: its Python "
+            f"stacks are printed above, at faulthandler_timeout)")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -196,52 +214,148 @@ def pytest_testnodedown(node, error):
         reporter.write_line("\n".join(lines), red=True)
 
 
-def _real_stderr(config) -> int:
-    """The worker's stderr as pytest's faulthandler keeps it: outside pytest's capture (a test's own
-    fd 2 goes to a capture file, which is lost if the process then ends)."""
-    try:
-        from _pytest.faulthandler import fault_handler_stderr_fd_key
-
-        return config.stash[fault_handler_stderr_fd_key]
-    except (ImportError, KeyError):
-        return 2
-
-
 def native_stacks_of(pid: int) -> str:
-    """Every thread's native stack of the live process ``pid`` (gdb attaches, prints, detaches)."""
+    """Every thread's native stack of the live process ``pid``: gdb attaches, prints and detaches.
+
+    Run from another process (the controller), never from ``pid`` itself: gdb stops every thread of
+    the process it attaches to, so a timer inside the worker waiting for gdb would be frozen with it.
+    gdb's debuginfod lookups (network) are off, it is killed after GDB_TIMEOUT_S, and the process is
+    sent SIGCONT afterwards in case gdb died with it stopped."""
     gdb = shutil.which("gdb")
     if gdb is None:
         return "(gdb is not installed: no native stacks)"
-    cmd = [gdb, "-q", "-batch", "-iex", "set auto-load off", "-p", str(pid), "-ex", "thread apply all bt 30"]
+    cmd = [gdb, "-q", "-batch", "-nx", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
+           "-p", str(pid), "-ex", "thread apply all bt 25"]
+    env = {**os.environ, "DEBUGINFOD_URLS": ""}
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S, env=env)
+        text = out.stdout + out.stderr
     except subprocess.TimeoutExpired:
-        return f"(gdb did not finish in {GDB_TIMEOUT_S} s)"
-    return "\n".join(line for line in (out.stdout + out.stderr).splitlines()
+        text = f"(gdb did not finish in {GDB_TIMEOUT_S} s)"
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
+    return "\n".join(line for line in text.splitlines()
                      if not line.startswith(("[New LWP", "warning:", "[Thread debugging", "Using host")))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item):
-    """A test still running after faulthandler_timeout seconds has probably hung (XLA's CPU runtime has
-    deadlocked here before): pytest's faulthandler prints every thread's Python stack then, and this
-    prints their native stacks (gdb), both to the real stderr, before pytest-timeout ends the process."""
-    import threading
+# ------------------------------------------------------------------------------------------------
+# Hung tests: a watchdog in the controller
+# ------------------------------------------------------------------------------------------------
+# Each worker writes which test it is running (pid, start time, node id) to a file of its own; a
+# thread of the controller reads them.  It must live outside the worker: a worker wedged in C code
+# holding the GIL (XLA's CPU runtime has deadlocked in the suite) runs none of its own Python threads,
+# so neither pytest-timeout's thread nor any timer of this plugin would ever fire there; only
+# faulthandler's C watchdog (faulthandler_timeout) still prints its Python stacks.
+def _heartbeat_file(config) -> Path | None:
+    folder = getattr(config, "workerinput", {}).get("heartbeat_dir")
+    return Path(folder) / config.workerinput["workerid"] if folder else None
 
-    fd = _real_stderr(item.config)
 
-    def dump():
-        text = (f"\n+++ {item.nodeid} has run {item.config._hung_after_s:.0f} s: native stacks of pid "
-                f"{os.getpid()} +++\n{native_stacks_of(os.getpid())}\n+++ end of native stacks +++\n")
-        os.write(fd, text.encode(errors="replace"))
+def _beat(config, nodeid: str):
+    path = _heartbeat_file(config)
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{os.getpid()}\t{time.time()}\t{nodeid}")
+    tmp.replace(path)
 
-    timer = threading.Timer(item.config._hung_after_s + 1.0, dump)
-    timer.daemon = True
-    timer.start()
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_runtest_logstart(nodeid, location):
+    if _CONFIG and hasattr(_CONFIG[0], "workerinput"):
+        _beat(_CONFIG[0], nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_runtest_logfinish(nodeid, location):
+    if _CONFIG and hasattr(_CONFIG[0], "workerinput"):
+        _beat(_CONFIG[0], "")
+
+
+def read_heartbeats(folder: Path) -> dict[str, tuple[int, float, str]]:
+    """``{worker id: (pid, start time, node id of the running test, or "" between tests)}``."""
+    beats = {}
+    for path in folder.iterdir():
+        if path.suffix == ".tmp":
+            continue
+        try:
+            pid, started, nodeid = path.read_text().split("\t", 2)
+            beats[path.name] = (int(pid), float(started), nodeid)
+        except (OSError, ValueError):
+            continue
+    return beats
+
+
+class Watchdog(threading.Thread):
+    """In the controller: a test running ``hung_after`` seconds gets its worker's native stacks (gdb,
+    unless the worker will leave a core file, whose backtrace the crash report prints); at
+    ``kill_after`` its worker is sent SIGABRT (faulthandler prints its Python stacks, the kernel writes
+    the core) and, if it is still there 30 s later, SIGKILL.  xdist then reports the crashed worker."""
+
+    def __init__(self, folder: Path, hung_after: float, kill_after: float, write, live_gdb: bool):
+        super().__init__(name="suite-watchdog", daemon=True)
+        self.folder, self.hung_after, self.kill_after = folder, hung_after, kill_after
+        self.write, self.live_gdb = write, live_gdb
+        self.done = threading.Event()
+        self.acted: dict[tuple, float] = {}  # (pid, start, node id) -> when SIGABRT was sent, or 0 after the dump
+
+    def run(self):
+        while not self.done.wait(WATCHDOG_POLL_S):
+            self.check(time.time())
+
+    def check(self, now: float):
+        for worker, (pid, started, nodeid) in read_heartbeats(self.folder).items():
+            if not nodeid:
+                continue
+            key, age = (pid, started, nodeid), now - started
+            if age >= self.hung_after and key not in self.acted:
+                self.acted[key] = 0.0
+                text = native_stacks_of(pid) if self.live_gdb else "(its native stacks: from its core file, below)"
+                self.write(f"\n+++ worker {worker} (pid {pid}) has run {nodeid} for {age:.0f} s; it has probably "
+                           f"hung (its Python stacks: from faulthandler, above) +++\n{text}\n+++\n")
+            if age >= self.kill_after and not self.acted.get(key):
+                self.acted[key] = now
+                self.write(f"+++ {nodeid} still running after {age:.0f} s: ending worker {worker} "
+                           f"(pid {pid}) with SIGABRT +++\n")
+                _signal(pid, signal.SIGCONT)
+                _signal(pid, signal.SIGABRT)
+            elif self.acted.get(key) and now - self.acted[key] > 30:
+                _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int):
     try:
-        yield
-    finally:
-        timer.cancel()
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _start_watchdog(config):
+    folder = Path(tempfile.mkdtemp(prefix="pytest-heartbeats-"))
+    config._heartbeat_dir = folder
+    hung = config._hung_after_s
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+
+    def write(text: str):
+        if reporter is not None:
+            reporter.write_line(text, red=True)
+            reporter._tw.flush()
+        else:
+            sys.stderr.write(text + "\n")
+
+    watchdog = Watchdog(folder, hung, hung + min(KILL_AFTER_HUNG_S, hung), write, live_gdb=not _plain_core_pattern())
+    watchdog.start()
+    config._watchdog = watchdog
+
+
+def pytest_unconfigure(config):
+    watchdog = getattr(config, "_watchdog", None)
+    if watchdog is not None:
+        watchdog.done.set()
+        shutil.rmtree(config._heartbeat_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -80,3 +80,35 @@ def test_the_suites_file_order_puts_heavy_files_first_and_is_drawn_from_its_seed
     assert {f.split("/")[-1] for f in first[:3]} == set(HEAVY[:3])  # the heavy ones start
     assert order_files(files, seed=1) == first  # a seed replays its order
     assert len({tuple(order_files(files, seed=s)) for s in range(5)}) > 1  # and seeds differ
+
+
+def test_the_suites_watchdog_ends_a_worker_stuck_on_one_test_and_leaves_the_others(tmp_path):
+    import resource
+    import signal
+    import subprocess
+    import time
+
+    from tests.suite_guards import Watchdog
+
+    no_core = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731  (SIGABRT writes none)
+    stuck, idle, busy = (subprocess.Popen(["sleep", "60"], preexec_fn=no_core) for _ in range(3))
+    now = time.time()
+    for worker, proc, started, nodeid in (("gw0", stuck, now - 100, "tests/test_x.py::test_hangs"),
+                                          ("gw1", idle, now - 100, ""),  # between tests
+                                          ("gw2", busy, now - 10, "tests/test_y.py::test_runs")):
+        (tmp_path / worker).write_text(f"{proc.pid}\t{started}\t{nodeid}")
+    lines = []
+    watchdog = Watchdog(tmp_path, hung_after=50, kill_after=90, write=lines.append, live_gdb=False)
+    try:
+        watchdog.check(now - 55)  # nothing has run 50 s yet
+        assert lines == []
+        watchdog.check(now - 40)  # the stuck test passed 50 s: its stacks are announced, nothing killed
+        assert len(lines) == 1 and "gw0" in lines[0] and "test_hangs" in lines[0] and stuck.poll() is None
+        watchdog.check(now)  # past 90 s: SIGABRT, once
+        assert stuck.wait(timeout=10) == -signal.SIGABRT and "SIGABRT" in lines[-1]
+        watchdog.check(now + 1)
+        assert len(lines) == 2 and idle.poll() is None and busy.poll() is None
+    finally:
+        for proc in (stuck, idle, busy):
+            proc.kill()
+            proc.wait()

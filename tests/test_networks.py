@@ -183,3 +183,39 @@ def test_fan_in_uniform_redraws_linear_layers_only():
         assert not np.array_equal(y[0], y[1])  # members differ
         seen.add(names)
     assert len(seen) == 6  # 3 Linear layers x (kernel, bias)
+
+
+def _lapack_calls(lowered_text: str) -> list[str]:
+    import re
+    return re.findall(r"custom_call @(lapack_\w+).*?num_batch_dims = \"(\d+)\"", lowered_text)
+
+
+def test_lapack_calls_run_one_matrix_each_under_vmap_with_the_batched_values():
+    """jaxlib 0.10's batched CPU LAPACK kernels deadlock when XLA runs as many of them at once as its
+    thread pool has threads (networks/runtime.py: one_call_per_matrix; PPO's init over 2 seeds hung
+    the suite on 2 cores).  The orthogonal initializer (PPO, SimBa), vmapped over seeds, lowers to
+    unbatched LAPACK calls only, with the values of the batched ones (the metrics' singular values:
+    tests/test_plasticity_metrics.py)."""
+    from flax import nnx
+
+    import agents
+    from networks import orthogonal
+    from networks.config import NetworkConfig
+
+    keys = jax.random.split(jax.random.key(3), 2)
+    ppo = agents.get("ppo")
+    programs = {
+        "ppo init": jax.jit(jax.vmap(lambda k: ppo.init(k, 5, 2, ppo.PPOConfig(), NetworkConfig(width=16)))),
+        "simba trunk": jax.jit(jax.vmap(lambda k: build("q", lambda r: MLPHead(5, 1, TrunkSpec(16, 1, block="simba"),
+                                                                                rngs=r), k)[1])),
+    }
+    for name, fn in programs.items():
+        calls = _lapack_calls(fn.lower(keys).as_text())
+        assert calls and all(batch == "0" for _, batch in calls), (name, calls)
+    # flax's own initializer lowers to one batched call (so the check above can fail) ...
+    plain = jax.jit(jax.vmap(lambda k: nnx.initializers.orthogonal(2.0)(k, (5, 64))))
+    assert {batch for _, batch in _lapack_calls(plain.lower(keys).as_text())} == {"1"}
+    # ... with the same numbers as ours, batched or not
+    ours = jax.jit(jax.vmap(lambda k: orthogonal(2.0)(k, (5, 64))))(keys)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(plain(keys)))
+    np.testing.assert_array_equal(np.asarray(ours[1]), np.asarray(orthogonal(2.0)(keys[1], (5, 64))))
