@@ -68,7 +68,7 @@ from agents import sac
 from buffers.replay import Transition
 from networks import Net, distributions
 from networks.config import NetworkConfig
-from networks.core import path_names
+from tests.fidelity import flat, load_into, torch_linear
 from plasticity.sigreg import regularized
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sac_reference.npz"
@@ -82,21 +82,18 @@ def fx():
 
 
 # ----------------------------------------------------------------------------- weight mapping
-def _linear(fx, prefix, name):
-    """torch nn.Linear (weight [out, in]) -> flax (kernel [in, out], bias)."""
-    return fx[f"{prefix}/{name}.weight"].T, fx[f"{prefix}/{name}.bias"]
 
 
 def _gaussian_head(fx, prefix, mean, log_std):
     """Two torch Linear layers (mean, log std) -> our GaussianPolicyHead.out: [mean | log_std]."""
-    (km, bm), (ks, bs) = _linear(fx, prefix, mean), _linear(fx, prefix, log_std)
+    (km, bm), (ks, bs) = torch_linear(fx, prefix, mean), torch_linear(fx, prefix, log_std)
     return {("out", "kernel"): np.concatenate([km, ks], 1), ("out", "bias"): np.concatenate([bm, bs])}
 
 
 def cleanrl_actor(fx, prefix="cleanrl/actor"):
     tree = _gaussian_head(fx, prefix, "fc_mean", "fc_logstd")
     for i, name in enumerate(("fc1", "fc2")):
-        tree[("trunk", "layers", i, "kernel")], tree[("trunk", "layers", i, "bias")] = _linear(fx, prefix, name)
+        tree[("trunk", "layers", i, "kernel")], tree[("trunk", "layers", i, "bias")] = torch_linear(fx, prefix, name)
     return tree
 
 
@@ -105,7 +102,7 @@ def cleanrl_critics(fx, prefixes):
     layers = {("trunk", "layers", 0): "fc1", ("trunk", "layers", 1): "fc2", ("out",): "fc3"}
     tree = {}
     for path, name in layers.items():
-        k, b = zip(*(_linear(fx, p, name) for p in prefixes))
+        k, b = zip(*(torch_linear(fx, p, name) for p in prefixes))
         tree[(*path, "kernel")], tree[(*path, "bias")] = np.stack(k), np.stack(b)
     return tree
 
@@ -113,7 +110,7 @@ def cleanrl_critics(fx, prefixes):
 def corl_actor(fx, prefix="corl/actor"):
     tree = _gaussian_head(fx, prefix, "mu", "log_sigma")
     for i in range(3):  # trunk = Linear, ReLU, Linear, ReLU, Linear, ReLU
-        kernel, bias = _linear(fx, prefix, f"trunk.{2 * i}")
+        kernel, bias = torch_linear(fx, prefix, f"trunk.{2 * i}")
         tree[("trunk", "layers", i, "kernel")], tree[("trunk", "layers", i, "bias")] = kernel, bias
     return tree
 
@@ -128,24 +125,8 @@ def corl_critic(fx, prefix):
     return tree
 
 
-def load_into(params, tree: dict):
-    """Our param tree with every leaf replaced by ``tree[path]`` (shapes checked, every entry used)."""
-    used = set()
-
-    def leaf(path, x):
-        name = path_names(path)
-        assert name in tree, f"no reference array for {name}"
-        assert tree[name].shape == x.shape, (name, tree[name].shape, x.shape)
-        used.add(name)
-        return jnp.asarray(tree[name], jnp.float32)
-
-    out = jax.tree_util.tree_map_with_path(leaf, params)
-    assert used == set(tree), set(tree) - used
-    return out
 
 
-def flat(params) -> dict:
-    return {path_names(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 # ----------------------------------------------------------------------------- running our code

@@ -43,13 +43,13 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+from snapshot import compile_reference, load_definitions, read_snapshot
 
 CLEANRL_FILE = "cleanrl/sac_continuous_action.py"
 CORL_FILE = "algorithms/offline/edac.py"
@@ -59,45 +59,6 @@ CORL_CRITICS, CORL_ETA, CORL_DEPTH = 3, 1.0, 3
 
 
 # ----------------------------------------------------------------------------- reading the reference
-def _git(git_dir: str, *args: str) -> str:
-    gd = git_dir if os.path.exists(os.path.join(git_dir, "HEAD")) else os.path.join(git_dir, ".git")
-    return subprocess.run(["git", f"--git-dir={gd}", *args], check=True, capture_output=True, text=True).stdout
-
-
-def read_snapshot(git_dir: str, path: str):
-    """(source, commit) of ``path`` at the snapshot's HEAD."""
-    return _git(git_dir, "show", f"HEAD:{path}"), _git(git_dir, "rev-parse", "HEAD").strip()
-
-
-def load_definitions(source: str, filename: str, names: set, overrides: dict | None = None) -> dict:
-    """Execute the module's imports (those this venv has) and then only the top-level definitions named
-    in ``names``, in file order, in a fresh namespace; ``overrides`` are set after the imports."""
-    tree = ast.parse(source, filename)
-    ns = {"__name__": "reference_" + os.path.basename(filename).removesuffix(".py")}
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            try:
-                exec(compile(ast.Module([node], []), filename, "exec"), ns)
-            except ImportError:
-                pass  # gym, d4rl, wandb, tyro, ...: not needed by the definitions we run
-    ns.update(overrides or {})
-    found = set()
-    for node in tree.body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-            target = node.name
-        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            target = node.targets[0].id
-        else:
-            target = None
-        if target in names:
-            exec(compile(ast.Module([node], []), filename, "exec"), ns)
-            found.add(target)
-    missing = names - found
-    if missing:
-        raise SystemExit(f"{filename}: definitions not found: {sorted(missing)}")
-    return ns
-
-
 def cleanrl_training_step(source: str, filename: str):
     """The statements of CleanRL's gradient step: the body of ``if global_step > args.learning_starts:``
     inside the ``for global_step in ...`` loop of ``__main__``, compiled as they stand."""
@@ -105,7 +66,7 @@ def cleanrl_training_step(source: str, filename: str):
     for node in ast.walk(tree):
         if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
                 and ast.unparse(node.test) == "global_step > args.learning_starts"):
-            return compile(ast.Module(node.body, []), filename, "exec")
+            return compile_reference(node.body, filename, lazy_annotations=True)
     raise SystemExit(f"{filename}: training step (global_step > args.learning_starts) not found")
 
 
@@ -171,7 +132,7 @@ def arr(t) -> np.ndarray:
 # ----------------------------------------------------------------------------- the two references
 def run_cleanrl(source: str, inputs: dict, out: dict):
     ns = load_definitions(source, CLEANRL_FILE, {"SoftQNetwork", "Actor", "LOG_STD_MAX", "LOG_STD_MIN"},
-                          {"nn": narrow_nn(WIDTH)})
+                          {"nn": narrow_nn(WIDTH)}, lazy_annotations=True)
     box = SimpleNamespace(shape=(ACT_DIM,), high=np.ones(ACT_DIM, np.float32), low=-np.ones(ACT_DIM, np.float32))
     env = SimpleNamespace(single_observation_space=SimpleNamespace(shape=(OBS_DIM,)), single_action_space=box)
     torch.manual_seed(0)
@@ -226,7 +187,8 @@ def run_cleanrl(source: str, inputs: dict, out: dict):
 
 
 def run_corl(source: str, inputs: dict, out: dict):
-    ns = load_definitions(source, CORL_FILE, {"VectorizedLinear", "Actor", "VectorizedCritic", "EDAC"})
+    ns = load_definitions(source, CORL_FILE, {"VectorizedLinear", "Actor", "VectorizedCritic", "EDAC"},
+                          lazy_annotations=True)
     torch.manual_seed(1)
     actor = ns["Actor"](OBS_DIM, ACT_DIM, WIDTH)
     critic = ns["VectorizedCritic"](OBS_DIM, ACT_DIM, WIDTH, CORL_CRITICS)
