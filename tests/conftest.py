@@ -14,14 +14,18 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 # XLA's defaults: a single run uses every core.)
 if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
-# Compiling is most of what the suite does, and its programs are tiny: LLVM's -O1 and XLA's older CPU
-# fusion emitters compile them about 3x faster (a SAC update test: 9.5 s of XLA compilation -> 3.5 s;
-# the MR.Q Pendulum learning test 62 s -> 58 s, its runs' kernels barely slower).  The same programs
-# run; float results can differ in the last bits (another vectorisation), as between CPUs, which the
-# golden fingerprints' tolerances allow.  train.py keeps XLA's defaults.
-for _flag in ("--xla_backend_optimization_level=1", "--xla_cpu_use_fusion_emitters=false"):
-    if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += " " + _flag
+# Compiling is most of what the suite does, and its programs are tiny: XLA's older CPU fusion emitters
+# and a lower LLVM optimisation level compile them several times faster.  The whole suite uses -O1 (a
+# SAC update test: 9.5 s of XLA compilation -> 3.5 s with both; the MR.Q Pendulum learning test 62 s ->
+# 58 s, its kernels barely slower); the fast loop (`-m "not slow"`, unit tests and short runs, bound by
+# compiling) uses -O0: 6:07 -> 4:48 for it with -n 2 on the 2-core machine, where -O0 would slow the
+# learning runs of the whole suite (MR.Q Pendulum 58 s -> 81 s).  RLZOO_TEST_XLA_OPT=N overrides.
+# The level is set in pytest_configure below, where the marker expression is known (before JAX makes
+# its CPU client; xdist's workers inherit the controller's XLA_FLAGS).  The same programs run; float
+# results can differ in the last bits (another vectorisation), as between CPUs, which the golden
+# fingerprints' tolerances allow.  train.py keeps XLA's defaults.
+if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as scripts/train.py: LAPACK's threads fight XLA's
 # JAX's own rolled Threefry loop in the suite (and the train.py subprocesses it starts), not the zoo's
@@ -51,6 +55,16 @@ import pytest
 pytest_plugins = ["tests.suite_guards"]  # file order, crashed workers, tests that never ran, costliest files
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # see XLA_FLAGS above (before JAX's CPU client exists)
+
+
+def xla_optimization_level(markexpr: str) -> str:
+    """LLVM's level for the suite's XLA programs: 0 for a run without the slow tests, else 1."""
+    return os.environ.get("RLZOO_TEST_XLA_OPT") or ("0" if "not slow" in (markexpr or "") else "1")
+
+
+def pytest_configure(config):
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={xla_optimization_level(config.option.markexpr)}"
 
 
 class ToyChain(gym.Env):
