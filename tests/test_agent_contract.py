@@ -221,3 +221,19 @@ def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, 
     for _, o_field in agent.PLASTIC.values():
         assert optim.find_masked(getattr(built, o_field)) is not None
         assert optim.find_masked(getattr(plain, o_field)) is None
+
+
+@pytest.mark.parametrize("name, block", [(n, b) for n in ("sac", "mrq", "mrq-mt", "ppo", "ravl") for b in ("mlp", "simba")]
+                         + [("neubay", None)])  # neubay takes no --network.* flags (its own sizes)
+def test_no_agent_inits_its_seeds_with_a_batched_lapack_call(name, block):
+    """jaxlib 0.10's batched CPU LAPACK kernels can deadlock (networks/runtime.py: one_call_per_matrix);
+    every agent's init over 2 seeds, as the loops vmap it, lowers to unbatched LAPACK calls only."""
+    import re
+
+    agent = agents.get(name)
+    cfg = _config(agent)
+    net = NetworkConfig() if block is None else NetworkConfig(width=16, depth=1, block=block)
+    keys = jax.random.split(jax.random.key(0), 2)
+    text = jax.jit(jax.vmap(lambda k: agent.init(k, OBS, ACT, cfg, net))).lower(keys).as_text()
+    batch_dims = re.findall(r'custom_call @lapack_\w+.*?num_batch_dims = "(\d+)"', text)
+    assert set(batch_dims) <= {"0"}, (name, block, batch_dims)
