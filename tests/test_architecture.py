@@ -83,15 +83,14 @@ def test_the_suites_file_order_puts_heavy_files_first_and_is_drawn_from_its_seed
 
 
 def test_the_suites_watchdog_ends_a_worker_stuck_on_one_test_and_leaves_the_others(tmp_path):
-    import resource
     import signal
     import subprocess
     import time
 
     from tests.suite_guards import Watchdog
 
-    no_core = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731  (SIGABRT writes none)
-    stuck, idle, busy = (subprocess.Popen(["sleep", "60"], preexec_fn=no_core) for _ in range(3))
+    # no core file on SIGABRT; no preexec_fn (it would fork with JAX's threads running)
+    stuck, idle, busy = (subprocess.Popen(["sh", "-c", "ulimit -c 0; exec sleep 60"]) for _ in range(3))
     now = time.time()
     for worker, proc, started, nodeid in (("gw0", stuck, now - 100, "tests/test_x.py::test_hangs"),
                                           ("gw1", idle, now - 100, ""),  # between tests
