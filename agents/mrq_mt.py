@@ -532,9 +532,11 @@ def update(state: MultitaskMRQState, win: Window, key):
     tx_f, tx_g, tx_e, tx_v, tx_p = _optimizers(c, state.plasticity)
     k_reg, k_target, k_pi = jax.random.split(key, 3)
 
-    # (M1) encoder group: f, g/m and the task table, clipped jointly
+    # (M1) encoder group: f, g/m and a learned task table, clipped jointly (fixed rows, like ScaleMRL's frozen
+    # CLIP rows, take no gradient and stay out of the clip's norm)
     (enc_loss, (dyn, rew)), grads = jax.value_and_grad(
-        regularized(encoder_loss, "state_encoder"), argnums=(0, 1, 2), has_aux=True)(
+        regularized(encoder_loss, "state_encoder"), argnums=(0, 1, 2) if state.learned_tasks else (0, 1),
+        has_aux=True)(
         state.encoder_params, state.sa_encoder_params, state.task_params, state, win, reg_key=k_reg,
         sigreg=state.plasticity.sigreg)
     grads, _ = optax.clip_by_global_norm(c.grad_clip).update(grads, optax.EmptyState())

@@ -42,10 +42,12 @@ def neuron_layout(net: Net, params) -> dict[str, dict[str, tuple]]:
 
 def _roles(layout):
     """Param path of a Linear/LayerNorm -> [(role, tap), ...]: a hidden Linear is the incoming
-    layer of its own units and the outgoing layer of the previous layer's units."""
+    layer of its own units and the outgoing layer of the previous layer's units.  Outgoing roles
+    come last, so a weight from one reset unit to another is zeroed after its redraw (ReDo's code,
+    ``NeuronRecycler.recycle_dead_neurons``: incoming redraws first, then outgoing zeros)."""
     roles: dict[tuple, list] = {}
-    for tap, paths in layout.items():
-        for role in ("incoming", "norm", "outgoing"):
+    for role in ("incoming", "norm", "outgoing"):
+        for tap, paths in layout.items():
             if paths[role] is not None:
                 roles.setdefault(tuple(paths[role]), []).append((role, tap))
     return roles

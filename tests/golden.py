@@ -131,6 +131,10 @@ def load() -> dict:
 
 
 def main(argv):
+    """Records under the suite's XLA settings (tests/conftest.py: one Eigen thread, no fusion emitters,
+    synchronous dispatch), where the tests compare them."""
+    import tests.conftest  # noqa: F401  (sets the environment before JAX makes its CPU client)
+
     write = "--write" in argv
     names = [a for a in argv if not a.startswith("-")] or list(CASES)
     record = load()

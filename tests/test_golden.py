@@ -7,7 +7,11 @@ from tests import golden
 
 RECORD = golden.load()
 TOLERANCE = {"eval": 1e-2, "leaves": 5e-3, "abs": 5e-3, "atol": 1e-4}  # relative, and absolute for ~0 sums
-CPU_SPREAD = {"ravl_toy": {"leaves": 1e-1, "abs": 3e-2, "atol": 2e-4}}
+# ReGraMa's resets at width 64 amplify last-bit differences: recorded with XLA's default CPU settings
+# and run with the suite's, some Adam moments' sums differed by 13% (a leaf near 0 changed sign) while
+# the evaluations agreed to 3e-4.
+CPU_SPREAD = {"ravl_toy": {"leaves": 1e-1, "abs": 3e-2, "atol": 2e-4},
+              "mrq_w64_regrama": {"leaves": 2e-1, "abs": 2e-1, "atol": 2e-2}}
 # the cases of 8 s or more on one core; the fast loop (``pytest -m "not slow"``) keeps SAC, ReDo, SIGReg and PPO
 SLOW = {"mrq_w64", "mrq_w64_regrama", "sac_ne", "sac_ne_reference", "sac_n_edac", "ravl_toy"}
 

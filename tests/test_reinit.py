@@ -24,15 +24,17 @@ def _leaf(p, *path):
     return np.asarray(node[...])
 
 
-def _reset_all(net, params, opt, key):
-    """Reset every neuron of every hidden layer -> (new params, layout)."""
+def _reset_each_layer(net, params, opt, key):
+    """Reset every neuron of one hidden layer at a time -> {tap: new params}, layout.
+
+    One layer at a time: a weight between two reset units is zeroed (ReDo zeroes the outgoing weights
+    of a reset unit after redrawing the incoming ones), so resetting every layer at once would leave
+    only the first layer's incoming weights redrawn."""
     layout = resets.neuron_layout(net, params)
-    masks = {}
-    for tap, paths in layout.items():
-        kernel = _leaf(params, *paths["incoming"], "kernel")  # (..., in, H)
-        masks[tap] = jnp.ones(kernel.shape[:-2] + kernel.shape[-1:], bool)
-    new, _ = jax.jit(lambda p, o, k: resets.reset_neurons(net, p, o, masks, k))(params, opt, key)
-    return new, layout
+    shapes = {tap: _leaf(params, *paths["incoming"], "kernel").shape for tap, paths in layout.items()}
+    reset = jax.jit(lambda p, o, m, k: resets.reset_neurons(net, p, o, m, k))
+    return {tap: reset(params, opt, {t: jnp.full(s[:-2] + s[-1:], t == tap) for t, s in shapes.items()}, key)[0]
+            for tap in layout}, layout
 
 
 def _incoming(params, paths):
@@ -49,9 +51,9 @@ def test_mrq_reset_draws_from_xavier_uniform_times_sqrt2(mrq_state, name):
     p_field, o_field = mrq.PLASTIC[name]
     net, params = mrq.plastic_nets(mrq_state)[name], getattr(mrq_state, p_field)
     assert net.initializer is mrq.initializer
-    new, layout = _reset_all(net, params, getattr(mrq_state, o_field), jax.random.key(3))
+    new, layout = _reset_each_layer(net, params, getattr(mrq_state, o_field), jax.random.key(3))
     for tap, paths in layout.items():
-        (old_k, _), (k, b) = _incoming(params, paths), _incoming(new, paths)
+        (old_k, _), (k, b) = _incoming(params, paths), _incoming(new[tap], paths)
         fan_in, fan_out = k.shape[-2:]
         limit = math.sqrt(2.0) * math.sqrt(6.0 / (fan_in + fan_out))
         assert not np.any(k == old_k), (name, tap)  # every column re-drawn
@@ -68,9 +70,9 @@ def test_sac_reset_keeps_flax_default_lecun_normal():
     state = sac.init(jax.random.key(0), 17, 6, sac.SACConfig(), NetworkConfig(width=256))
     net = state.critic
     assert net.initializer is None
-    new, layout = _reset_all(net, state.critic_params, state.critic_opt, jax.random.key(3))
+    new, layout = _reset_each_layer(net, state.critic_params, state.critic_opt, jax.random.key(3))
     for tap, paths in layout.items():
-        (old_k, _), (k, b) = _incoming(state.critic_params, paths), _incoming(new, paths)
+        (old_k, _), (k, b) = _incoming(state.critic_params, paths), _incoming(new[tap], paths)
         fan_in = k.shape[-2]
         assert not np.any(k == old_k)
         assert np.all(b == 0.0)
