@@ -15,15 +15,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 # Compiling is most of what the suite does, and its programs are tiny: XLA's older CPU fusion emitters
-# and a lower LLVM optimisation level compile them several times faster.  The whole suite uses -O1 (a
-# SAC update test: 9.5 s of XLA compilation -> 3.5 s with both; the MR.Q Pendulum learning test 62 s ->
-# 58 s, its kernels barely slower); the fast loop (`-m "not slow"`, unit tests and short runs, bound by
-# compiling) uses -O0: 6:07 -> 4:48 for it with -n 2 on the 2-core machine, where -O0 would slow the
-# learning runs of the whole suite (MR.Q Pendulum 58 s -> 81 s).  RLZOO_TEST_XLA_OPT=N overrides.
-# The level is set in pytest_configure below, where the marker expression is known (before JAX makes
-# its CPU client; xdist's workers inherit the controller's XLA_FLAGS).  The same programs run; float
-# results can differ in the last bits (another vectorisation), as between CPUs, which the golden
-# fingerprints' tolerances allow.  train.py keeps XLA's defaults.
+# compile them several times faster (a SAC update test: 9.5 s of XLA compilation -> 3.5 s with these
+# and -O1).  Most tests run their programs a few times only, so they are compiled with JAX's
+# `jax_disable_most_optimizations` (LLVM -O0 without its expensive passes); the learning runs, whose
+# kernels run far longer than they compile, are marked `optimized` and keep -O1 (the MR.Q Pendulum
+# learning test: 58 s at -O1, 81 s at -O0).  The level is chosen per test by `pytest_runtest_setup`
+# below (the compile options are part of the persistent cache's keys; a jitted function already
+# compiled in the process keeps its executable); RLZOO_TEST_XLA_OPT=N compiles every test at level N.  The
+# same programs run; float results can differ in the last bits (another vectorisation), as between
+# CPUs, which the golden fingerprints' tolerances allow.  train.py keeps XLA's defaults.
 if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,14 +57,23 @@ pytest_plugins = ["tests.suite_guards"]  # file order, crashed workers, tests th
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # see XLA_FLAGS above (before JAX's CPU client exists)
 
 
-def xla_optimization_level(markexpr: str) -> str:
-    """LLVM's level for the suite's XLA programs: 0 for a run without the slow tests, else 1."""
-    return os.environ.get("RLZOO_TEST_XLA_OPT") or ("0" if "not slow" in (markexpr or "") else "1")
+FIXED_XLA_OPT = os.environ.get("RLZOO_TEST_XLA_OPT")
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={FIXED_XLA_OPT or 1}"
 
 
-def pytest_configure(config):
-    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={xla_optimization_level(config.option.markexpr)}"
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Compile this test's programs (and its train.py subprocesses') at -O0 unless it is marked
+    ``optimized``.  Chosen before the test's fixtures are set up, so a module fixture compiles at the
+    level of the first test that asks for it (tests that compare with a shared fixture's run share its
+    level: none of them is marked).  ``jax_disable_most_optimizations`` is read at each compilation;
+    JAX reads its environment variable at import, in the subprocesses."""
+    if FIXED_XLA_OPT is not None:
+        return
+    fast = item.get_closest_marker("optimized") is None
+    jax.config.update("jax_disable_most_optimizations", fast)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if fast else "0"
 
 
 class ToyChain(gym.Env):

@@ -141,6 +141,7 @@ def test_on_policy_agent_runs_a_rollout_update():
     assert mb.obs.shape == (4, OBS)
 
 
+@pytest.mark.slow
 def test_offline_agent_samples_its_data_and_updates():
     agent = agents.get("ravl")
     cfg = agent.CONFIG(batch_size=8, critics=3, dataset_ratio=0.25)
@@ -164,6 +165,7 @@ def test_every_agent_takes_the_plasticity_metrics(name):
         assert isinstance(agent, api.MeasuredAgent) and agent.INTERVENTIONS_REFUSED
 
 
+@pytest.mark.slow
 def test_recurrent_agent_acts_step_by_step_with_its_memory():
     """``agents.api.RecurrentAgent``: the names and signatures, and one step from a zero memory
     equals the memoryless ``act`` (an episode's first step)."""
@@ -186,6 +188,7 @@ def test_recurrent_agent_acts_step_by_step_with_its_memory():
     assert not isinstance(agents.get("sac"), api.RecurrentAgent)
 
 
+@pytest.mark.slow
 def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_path):
     """The example agent trains end to end through the same entry point as train.py."""
     from agents.api import OffPolicyConfig  # noqa: F401  (its config extends the shared replay settings)
@@ -203,6 +206,7 @@ def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_
     assert "losses/critic" in header and "plasticity/critic" in header
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sac", "mrq", "mrq-mt", "ppo", "ravl", "example"])
 def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, registry):
     """Kron / NE masks and SIGReg are static configuration the agent is built with: the choice is

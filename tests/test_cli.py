@@ -29,6 +29,7 @@ def test_flags_reach_the_config():
     assert (cfg.network.width, cfg.network.block) == (64, "simba")
 
 
+@pytest.mark.slow
 def test_unknown_env_id_fails_clearly_from_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "sac", "--env", "Nope-v3",
                           "--run-dir", str(tmp_path / "r")], capture_output=True, text=True, cwd=ROOT)
@@ -36,6 +37,7 @@ def test_unknown_env_id_fails_clearly_from_the_command_line(tmp_path):
     assert "unknown env id 'Nope-v3'" in out.stderr and "dmc:<domain>-<task>" in out.stderr
 
 
+@pytest.mark.slow
 def test_resume_refuses_config_changes(tiny_sac_config, tmp_path):
     from agents import sac
     from training.offpolicy import train

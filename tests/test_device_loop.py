@@ -88,6 +88,7 @@ def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_s
     assert not np.array_equal(jax.random.key_data(state.key), jax.random.key_data(before.key))
 
 
+@pytest.mark.slow
 @needs_playground
 @pytest.mark.parametrize("mode", ["clip", "rescale"])
 def test_actions_reach_the_physics_inside_the_control_range(mode):
@@ -131,6 +132,7 @@ def test_without_the_extra_a_playground_id_names_the_extra(monkeypatch):
         playground._registry()
 
 
+@pytest.mark.slow
 @needs_playground
 def test_unknown_tasks_and_loops_that_cannot_run_are_refused_before_anything_is_created(tmp_path):
     from training import run
@@ -220,6 +222,7 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     assert np.all(np.asarray(report.return_sum) > 0) and np.all(np.asarray(report.return_sum) <= 30)
 
 
+@pytest.mark.slow
 @needs_playground
 def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(tmp_path, assert_same_logs, toy):
     from training import device
@@ -257,6 +260,7 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
     assert all(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))  # seeds differ
 
 
+@pytest.mark.slow
 @needs_playground
 def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path, toy):
     """PPO, 4 updates per iteration of 16 env steps: metrics and ReDo every 8 updates fall after
@@ -370,6 +374,7 @@ def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_c
     assert temps[0] == temps[1], f"chunk temporaries grow with the capacity: {temps}"
 
 
+@pytest.mark.optimized
 @needs_playground
 @pytest.mark.slow
 def test_ppo_on_the_device_learns_to_balance_the_cartpole(tmp_path):
@@ -398,6 +403,7 @@ def test_ppo_on_the_device_learns_to_balance_the_cartpole(tmp_path):
         assert returns[-1] > returns[0] + 100, (seed, returns)
 
 
+@pytest.mark.optimized
 @needs_playground
 @pytest.mark.slow
 def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):

@@ -432,6 +432,7 @@ def test_neubay_config_is_the_papers_posterior():
     assert dyn.neubay_config("medium", members=8, elites=3).members == 8
 
 
+@pytest.mark.slow
 def test_zscored_targets_are_the_residual_on_the_zscored_state(data):
     s, a, r, s2 = data
     model, info = dyn.train(jax.random.key(1), s, a, r, s2, dyn.neubay_config(**{**NEUBAY_SMALL, "max_epochs": 20}))
@@ -471,6 +472,7 @@ def test_fixed_logsigma_bounds_clamp_and_never_move(data):
         assert log_sigma.max() > 0.2 if scale > 0 else log_sigma.min() < -4.9
 
 
+@pytest.mark.slow
 def test_without_bootstrap_each_member_shuffles_its_own_way(data):
     """NeuBay: every member sees the whole split, in its own order.  Members that start identical
     would stay identical under one shared order; they part after one epoch."""
@@ -491,6 +493,7 @@ def test_without_bootstrap_each_member_shuffles_its_own_way(data):
     np.testing.assert_allclose(kernel[0], kernel[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_elites_are_the_best_100_of_128(data):
     s, a, r, s2 = data
     cfg = dyn.neubay_config(width=8, depth=2, batch_size=128, max_epochs=1)
@@ -514,6 +517,7 @@ def _constant_members(model, means):
     return model.replace(params=edit(model.params, put))
 
 
+@pytest.mark.slow
 def test_epistemic_uncertainty_and_threshold_hand_case(data):
     s, a, r, s2 = data
     cfg = dyn.neubay_config(members=5, elites=3, width=8)
@@ -538,6 +542,7 @@ def test_epistemic_uncertainty_and_threshold_hand_case(data):
         dyn.uncertainty_threshold(varying, s, a, 1.5)
 
 
+@pytest.mark.slow
 def test_neubay_model_save_load_round_trip(tmp_path, data):
     s, a, r, s2 = data
     model, _ = dyn.train(jax.random.key(4), s, a, r, s2, dyn.neubay_config(**NEUBAY_SMALL))

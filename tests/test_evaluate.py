@@ -131,6 +131,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(sac_run, tmp_path
     assert e.value.code == 2 and "arrays.npz sha256 mismatch" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ppo_evaluates_with_its_observation_normaliser_and_clipped_actions(tmp_path):
     from tests import golden
     from training.run import run
@@ -279,6 +280,7 @@ def test_a_mistake_is_one_error_line_and_exit_status_2(case, sac_run, tmp_path, 
     assert _digest(sac_run) == before and not (sac_run / "ckpt" / "v.gif").exists()
 
 
+@pytest.mark.slow
 def test_the_command_line_reports_a_mistake_without_a_traceback(tmp_path):
     done = _cli([str(tmp_path / "nope")], tmp_path)
     assert done.returncode == 2 and done.stderr == f"error: {tmp_path / 'nope'}: no such run directory\n"

@@ -526,6 +526,7 @@ def test_layer_norm_epsilon_as_built(fx, table_file):
     assert worst > 1.5, worst
 
 
+@pytest.mark.slow
 def test_terminal_mask(fx, ours):
     """Difference 3: with a terminal step our y is the return up to and including it, no bootstrap; the
     rows without one keep the reference's y."""

@@ -76,6 +76,7 @@ def constant_world(means, members=3):
     return model.replace(params=jax.tree_util.tree_map_with_path(put, model.params))
 
 
+@pytest.mark.slow
 def test_each_tape_keeps_its_member_and_stops_at_termination_or_the_horizon():
     means = np.array([[0.1, 0.0, 1.0], [0.5, 0.0, 2.0], [0.9, 0.0, 3.0]], np.float32)
     model = constant_world(means)
@@ -181,6 +182,7 @@ def test_warm_up_and_stepping_equal_one_pass_of_the_recurrence_over_the_tape():
         np.testing.assert_allclose(np.asarray(warm[b]), np.asarray(direct[0]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tapes_keep_the_model_reward_and_each_step_uncertainty():
     """The tape's reward is the model's (a reward penalty is the learner's: agents/neubay.py), and
     each imagined step records its epistemic uncertainty; real steps record none."""

@@ -57,6 +57,7 @@ def test_window_mask_matches_a_model_of_per_env_streams(num_envs, capacity):
     assert any(not ok and all((e, t + k) in live for k in range(5)) for (e, t), ok in ref5.items())
 
 
+@pytest.mark.slow
 def test_sampled_windows_stay_in_one_env_and_never_cross_a_truncation():
     buf, _ = _simulate(3, 60, 120, seed=1, p_term=0.1, p_trunc=0.15)
     horizon = 5
@@ -146,6 +147,7 @@ def test_reward_scale_is_the_mean_absolute_reward_of_stored_transitions():
     assert float(lap.reward_scale(lap.init(4, 1, 1))) == pytest.approx(1e-8)
 
 
+@pytest.mark.slow
 def test_add_and_sample_vmap_over_seeds():
     bufs = jax.vmap(lambda _: lap.init(16, 2, 1))(jnp.arange(2))
     batch = Transition(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 1)), jnp.array([[1.0, 2, 3], [4, 5, 6]]),
@@ -174,6 +176,7 @@ def _check_trees(buf, horizon):
     assert float(lap.valid_windows(buf)) == valid.sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_envs,capacity,horizon", [(1, 30, 3), (3, 50, 5), (4, 64, 5), (2, 7, 3)])
 def test_the_kept_mask_and_sum_trees_match_a_rebuild_after_adds_wraps_and_priority_updates(num_envs, capacity,
                                                                                             horizon):
@@ -191,6 +194,7 @@ def test_the_kept_mask_and_sum_trees_match_a_rebuild_after_adds_wraps_and_priori
         _check_trees(buf, horizon)
 
 
+@pytest.mark.slow
 def test_the_tree_draws_the_slots_the_cumulative_sum_draws_from_the_same_key():
     buf, _ = _simulate(3, 60, 128, seed=2, p_term=0.1, p_trunc=0.15)
     buf = buf._replace(weights=jnp.zeros(256), counts=jnp.zeros(256), horizon=jnp.arange(5),

@@ -108,6 +108,7 @@ def test_value_target_is_masked_at_terminations_and_scaled(tiny):
     np.testing.assert_allclose(mrq.value_target(tiny, trunc, key), y, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_encoder_loss_hand_computed_and_masked_after_termination(tiny):
     state = tiny
     bins = mrq.two_hot_bins()
@@ -138,6 +139,7 @@ def test_encoder_loss_hand_computed_and_masked_after_termination(tiny):
         pytest.approx(base, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_rl_update_moves_value_and_policy_only_and_returns_lap_priorities(tiny):
     win = _window(np.ones((16, 3)), np.zeros((16, 3)), seed=5)
     new, prio, m = jax.jit(mrq.rl_update)(tiny, win, jax.random.key(2))
@@ -237,6 +239,7 @@ def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and
 # ----------------------------------------------------------------------------- learning
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_mrq_learns_pendulum(tmp_path):
     from training.offpolicy import train

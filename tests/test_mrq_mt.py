@@ -80,6 +80,7 @@ def test_running_scale_moves_towards_the_5_95_percentile_range_at_rate_tau():
     assert float(mrq_mt.running_scale(jnp.float32(2.0), q * 0.001, 0.5)) == pytest.approx(1.5)  # range < 1 -> 1
 
 
+@pytest.mark.slow
 def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two_sampled_heads():
     state = _state()
     term = np.zeros((3, 5), bool)
@@ -142,6 +143,7 @@ def test_fixed_embeddings_from_a_file_are_used_and_never_trained(tmp_path):
         _state(task_embeddings=str(tmp_path / "short.npy"))
 
 
+@pytest.mark.slow
 def test_actions_are_zero_on_every_padded_dimension_exploring_or_not():
     state = _state()
     obs = jnp.asarray(_obs(np.random.default_rng(0), [0, 1, 2] * 20))
@@ -245,6 +247,7 @@ def test_a_resumed_run_with_plasticity_metrics_and_redo_equals_the_uninterrupted
     assert not np.array_equal(*seeds)  # the two seeds differ
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_a_short_run_on_two_tasks_beats_its_untrained_policy_on_each(tmp_path):
     """mrq-mt at size S (width 64) on Pendulum-v1 and dmc:cartpole-swingup side by side (observations

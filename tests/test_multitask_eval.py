@@ -199,6 +199,7 @@ def test_evaluate_py_reports_per_task_returns_equal_to_the_runs_own(mt_run, tmp_
     assert res["returns"] == [[float(x) for x in r["episode_returns"].split()] for r in own if r["task"] == "all"]
 
 
+@pytest.mark.slow
 def test_a_single_task_run_keeps_its_eval_columns(tiny_sac_config, tmp_path):
     from agents import sac
     from training.offpolicy import train

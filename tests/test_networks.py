@@ -160,6 +160,7 @@ def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
                                rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_fan_in_uniform_redraws_linear_layers_only():
     from networks import fan_in_uniform_init
     from networks.core import path_names

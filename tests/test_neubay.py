@@ -38,6 +38,7 @@ def test_redq_target_hand_case():
     np.testing.assert_allclose(np.asarray(y), [1.0 + 0.9 * (3.0 + 0.5 * 2.0), -1.0], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_critic_loss_targets_the_drawn_heads_of_all_the_target_heads():
     """critic_loss runs only the drawn target heads: its loss equals a reference that evaluates every
     target head and takes the min over the same drawn pair (and differs for another pair)."""
@@ -507,6 +508,7 @@ def test_refusals_name_what_does_not_apply(toy_dataset, tmp_path):
 # ----------------------------------------------------------------------------- diagnostics (scripts/diagnose_offline.py)
 
 
+@pytest.mark.slow
 def test_history_values_are_the_training_critics_and_read_only_the_past():
     state = neubay.init(jax.random.key(3), OBS, ACT, SMALL)
     rng = np.random.default_rng(1)

@@ -194,6 +194,7 @@ def test_plain_vector_env_members_switch_together_with_private_counters():
 # ----------------------------------------------------------------------------------------------
 # Backends
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_async_backend_same_step_semantics_and_exact_pickle():
     env = make_vector_env("Hopper-v5", 2, seed=0, backend="async")
     try:

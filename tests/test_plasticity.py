@@ -45,6 +45,7 @@ def _leaf(p, *path):
     return np.asarray(node[...])
 
 
+@pytest.mark.slow
 def test_dead_units_are_flagged_by_redo_and_regrama():
     net, p = _net_with_dead_units()
     x = jax.random.normal(jax.random.key(1), (64, 3))
@@ -55,6 +56,7 @@ def test_dead_units_are_flagged_by_redo_and_regrama():
         assert 2 in flagged["layer0"] and 4 in flagged["layer1"], (method, flagged)
 
 
+@pytest.mark.slow
 def test_reset_keeps_output_redraws_incoming_zeroes_outgoing_and_moments():
     net, p = _net_with_dead_units()
     x = jax.random.normal(jax.random.key(1), (16, 3))
@@ -115,6 +117,7 @@ def _numpy_sigreg(z, a, variant):
     return scale * np.mean((w[:, None] * err).sum(0)) if variant == "lejepa" else err.mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["rl", "lejepa"])
 def test_sigreg_matches_numpy_and_separates_gaussian_from_collapsed(variant):
     key = jax.random.key(3)

@@ -100,6 +100,7 @@ def test_rank_metrics_match_numpy_on_random_matrix():
         assert float(M.feature_rank(jnp.asarray(x), eps)) == int((s > eps).sum())
 
 
+@pytest.mark.slow
 def test_rank_metrics_on_constructed_matrices():
     rng = np.random.default_rng(1)
     x = (rng.normal(size=(20, 2)) @ rng.normal(size=(2, 6))).astype(np.float32)  # rank 2
@@ -189,6 +190,7 @@ def sac_setup():
     return _init(jax.random.key(0)), _batch(), jax.random.key(1)
 
 
+@pytest.mark.slow
 def test_compute_on_sac_under_jit(sac_setup):
     state, batch, key = sac_setup
     out = _jit_metrics(state, batch, key, sac.plastic_params(state))
@@ -247,6 +249,7 @@ def _lapack_batch_dims(hlo: str) -> set[int]:
     return {int(re.search(r'num_batch_dims = "(\d+)"', c).group(1)) for c in calls}
 
 
+@pytest.mark.slow
 def test_singular_values_take_one_matrix_per_lapack_call_under_vmap_and_grad():
     # jaxlib 0.10's batched LAPACK kernels block an XLA pool thread waiting for chunks they schedule on
     # the same pool; as many concurrent batched SVDs as pool threads deadlock (docs/benchmarks.md, MR.Q)
@@ -297,6 +300,7 @@ def mrq_hook():
     return mrq, hooks, state, buffer, key
 
 
+@pytest.mark.slow
 def test_metrics_program_of_full_size_mrq_has_no_batched_lapack_call(mrq_hook):
     _, hooks, state, buffer, key = mrq_hook
     batch = hooks._sample(state, buffer, jax.random.split(key, 1))

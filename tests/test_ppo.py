@@ -187,6 +187,7 @@ def test_gtr_with_zero_beta_is_plain_ppo_and_target_kl_stops_early():
     assert 0 < float(m0["diag/directional_efficiency"]) <= 1 + 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["kl", "logratio"])
 def test_actor_loss_adds_the_gtr_penalty_of_either_form(form):
     cfg = ppo.PPOConfig(trust_region="gtr", gtr_form=form, gtr_beta=0.5, gtr_sigma2=0.02, gtr_logratio_sigma=0.3,
@@ -276,6 +277,7 @@ def test_running_statistics_and_reward_scaling():
     np.testing.assert_allclose(scaled, 2.0 / np.sqrt(np.asarray(state.ret_rms.var) + 1e-8), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_loop_step_writes_terminations_truncations_and_final_values():
     """The loop's per-step call at the resume test's shapes (2 seeds x 2 envs, Pendulum-sized)."""
     cfg = tiny(seeds=2, num_envs=2)
@@ -348,6 +350,7 @@ def test_action_modes_send_the_documented_map_of_the_agent_action(mode):
     assert got.dtype == np.float32
 
 
+@pytest.mark.slow
 def test_ppo_clip_mode_stores_the_unclipped_sample_and_its_log_prob_and_sends_the_clipped_one():
     """CleanRL: the env gets clip(sample, low, high); the rollout keeps the sample and log pi(sample)."""
     assert ppo.PPOConfig().action_mode == "clip"  # PPO's default follows CleanRL's protocol
@@ -380,6 +383,7 @@ def test_ppo_clip_mode_stores_the_unclipped_sample_and_its_log_prob_and_sends_th
     assert not np.allclose(np.asarray(clipped), np.asarray(logp))  # (the clipped action's would differ)
 
 
+@pytest.mark.slow
 def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypatch, tmp_path):
     import training.onpolicy as onpolicy
 
@@ -393,6 +397,7 @@ def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypa
     assert modes == [("train", "rescale"), ("eval", "rescale"), ("train", "clip"), ("eval", "clip")]
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_path, assert_same_logs):
     cfg = tiny(seeds=2, num_envs=2, total_steps=256, checkpoint_every=64)
     full = train(cfg, ppo, tmp_path / "full")
@@ -440,6 +445,7 @@ def test_cli_flags_reach_the_ppo_config():
         train(tiny(num_steps=30), ppo, "/tmp/never")
 
 
+@pytest.mark.slow
 def test_plastic_interface():
     state = ppo.init(jax.random.key(0), 3, 2, ppo.PPOConfig(), NetworkConfig(width=16))
     assert set(ppo.plastic_params(state)) == set(ppo.PLASTIC) == {"actor", "critic"}
@@ -463,6 +469,7 @@ def test_orthogonal_init_as_cleanrl():
     assert np.all(np.asarray(state.actor_params["log_std"][...]) == 0)
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_ppo_learns_inverted_pendulum(tmp_path):
     # 2 vmapped seeds x 4 envs; PPO balances the pendulum (~800-1000 of 1000) within 10k steps; random ~ 20

@@ -100,6 +100,7 @@ def toy_dataset(tmp_path_factory):
     return path
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_short_ravl_run_beats_its_untrained_policy(toy_dataset, tmp_path):
     import csv
@@ -157,6 +158,7 @@ def test_offline_cli_errors(toy_dataset, tmp_path):
         main(["ravl", "--dataset", str(tmp_path / "missing.hdf5"), "--run-dir", str(tmp_path / "w")])
 
 
+@pytest.mark.slow
 def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset, tmp_path):
     from agents import dynamics
     from envs import datasets

@@ -68,6 +68,7 @@ def test_eigenvalues_start_on_the_ring_and_stay_stable():
     assert np.abs(np.asarray(default.eigenvalues())).max() < 0.9 + 1e-6
 
 
+@pytest.mark.slow
 def test_the_core_over_a_sequence_equals_stepping_it_and_an_episode_start_forgets():
     net, params = build_recurrent("core", 3, SMALL, jax.random.key(0))
     rng = np.random.default_rng(2)
@@ -96,6 +97,7 @@ def test_the_core_over_a_sequence_equals_stepping_it_and_an_episode_start_forget
     assert not np.allclose(np.asarray(ys2[0, 6:]), np.asarray(ys[0, 6:]))  # no reset there: it remembers
 
 
+@pytest.mark.slow
 def test_warming_up_on_a_prefix_gives_the_state_of_the_whole_sequence():
     """The state after a prefix, carried into the rest, reproduces one pass over both."""
     net, params = build_recurrent("core", 4, SMALL, jax.random.key(1))

@@ -66,6 +66,7 @@ def test_mrq_reset_draws_from_xavier_uniform_times_sqrt2(mrq_state, name):
         assert abs(k.mean()) < 0.05 * math.sqrt(k.var())
 
 
+@pytest.mark.slow
 def test_sac_reset_keeps_flax_default_lecun_normal():
     state = sac.init(jax.random.key(0), 17, 6, sac.SACConfig(), NetworkConfig(width=256))
     net = state.critic

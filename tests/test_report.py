@@ -128,6 +128,7 @@ def sweep(tmp_path):
     return tmp_path / "sweep"
 
 
+@pytest.mark.slow
 def test_report_over_a_sweep_writes_figures_and_tables_with_the_hand_computed_numbers(sweep, tmp_path):
     out = report.main([str(sweep), "--out", str(tmp_path / "rep"), "--norm", "Pendulum-v1=-1000:0",
                        "--metrics", "plasticity/critic/dormant*"])
@@ -149,11 +150,13 @@ def test_report_over_a_sweep_writes_figures_and_tables_with_the_hand_computed_nu
     assert len(out["groups"]) == 4
 
 
+@pytest.mark.slow
 def test_final_window_averages_each_seeds_last_evaluations(sweep, tmp_path):
     out = report.main([str(sweep / "runs" / "a"), "--out", str(tmp_path / "rep"), "--final-window", "2"])
     assert out["groups"][0].scores == pytest.approx([75.0, 175.0, 275.0])  # mean of (final - 50, final)
 
 
+@pytest.mark.slow
 def test_without_a_reference_an_env_is_left_out_of_the_aggregates_and_says_so(sweep, tmp_path):
     out = report.main([str(sweep), "--out", str(tmp_path / "rep")])
     assert all(r["envs"] == 1 for r in out["aggregate"])  # dmc only

@@ -77,6 +77,7 @@ def test_the_command_line_refuses_with_one_line_and_exit_2(tmp_path):
     assert _snapshot(d) == before
 
 
+@pytest.mark.slow
 def test_overwrite_moves_the_old_run_aside_unchanged_and_starts_a_clean_one(tmp_path, capsys):
     from scripts.train import main
 

@@ -32,6 +32,7 @@ def _batch(n=8, obs_dim=3, act_dim=2, seed=0):
                       jnp.asarray(rng.random(n) < 0.3), jnp.asarray(rng.random(n) < 0.3))
 
 
+@pytest.mark.slow
 def test_critic_loss_uses_min_over_all_target_critics_and_ignores_truncation():
     state = _state(critics=3)
     state = state.replace(target_critic_params=jax.tree.map(lambda x: x * 1.7, state.critic_params))
@@ -53,6 +54,7 @@ def test_critic_loss_uses_min_over_all_target_critics_and_ignores_truncation():
     assert float(sac.critic_loss(state.critic_params, state, state.actor_params, flipped, 0.3, key)[0]) != float(loss)
 
 
+@pytest.mark.slow
 def test_edac_diversity_against_per_member_gradients():
     state = _state(critics=4, eta=1.0)
     batch = _batch(n=5)
@@ -70,6 +72,7 @@ def test_edac_diversity_against_per_member_gradients():
     assert -1.0 <= float(got) <= 3.0
 
 
+@pytest.mark.slow
 def test_update_changes_all_parts_and_temperature_moves_toward_target_entropy():
     state = _state(critics=2)
     batch = _batch(n=32)

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from training.seeds import over_seeds
 
@@ -48,6 +49,7 @@ def test_several_seeds_are_vmapped_and_each_seed_equals_its_own_one_seed_run():
             np.testing.assert_allclose(np.asarray(g[j]), np.asarray(a[0]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_seeds_initial_states_are_one_program_with_the_op_by_op_values():
     """init_over_seeds: jitted, the same bits as jax.vmap(agent.init) run op by op, one seed's
     state per key (the seeds differ), and the program is built once per configuration."""

@@ -110,6 +110,7 @@ def _write_spec(path: Path, variants: str, extra: str = "", flags=TINY) -> Path:
     ('none = {}\nbad = { "gamma" = 1.5 }\n', "trial Pendulum-v1__sac__bad__seed0: "),
     ('none = { preset = "nope" }\n', "unknown preset 'nope'"),
 ])
+@pytest.mark.slow
 def test_a_sweep_with_a_bad_trial_is_refused_before_anything_is_created(tmp_path, variants, message):
     spec = _write_spec(tmp_path / "s.toml", variants, 'envs = ["Pendulum-v1"]')
     out = _cli([str(spec), "--dir", str(tmp_path / "sweep")])
@@ -118,6 +119,7 @@ def test_a_sweep_with_a_bad_trial_is_refused_before_anything_is_created(tmp_path
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.slow
 def test_an_unknown_env_is_refused_naming_the_trial(tmp_path):
     out = _cli(["--dir", str(tmp_path / "sweep"), "--agents", "sac", "--envs", "Pendulum-v1", "NoSuchEnv-v0",
                 "--dry-run"])
@@ -223,6 +225,7 @@ def test_a_failing_trial_is_retried_then_reported_with_its_log(tmp_path):
     assert (d / "logs" / f"{name}.log").read_text().count("=== ") == 2
 
 
+@pytest.mark.slow
 def test_a_trial_asking_for_more_than_the_cluster_has_is_refused_instead_of_waiting_forever(tmp_path):
     pytest.importorskip("ray")
     spec = _write_spec(tmp_path / "s.toml", "none = {}\n", 'envs = ["Pendulum-v1"]\ngpus_per_trial = 1')

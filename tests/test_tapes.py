@@ -3,6 +3,7 @@ drawn episodes; constructed cases for the layout, the sampling, eviction and the
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from buffers import tapes
 
@@ -40,6 +41,7 @@ def test_kept_episodes_only_and_never_an_empty_one():
     np.testing.assert_array_equal(np.asarray(buf.steps.obs[:2, 0]), [20, 21])
 
 
+@pytest.mark.slow
 def test_a_tape_concatenates_whole_episodes_from_their_starts():
     buf = tapes.add(tapes.init(20, 1, 1), *_episodes([2]))
     tape = tapes.sample(buf, jax.random.key(0), 7)
@@ -94,6 +96,7 @@ def test_previous_step_inputs_reset_at_episode_starts():
     np.testing.assert_array_equal(np.asarray(tapes.previous(x[:, 0], start)), [0, 1, 0, 3])
 
 
+@pytest.mark.slow
 def test_buffers_vmap_over_seeds():
     bufs = jax.vmap(lambda _: tapes.init(20, 1, 1))(jnp.arange(2))
     eps = _episodes([2, 3])

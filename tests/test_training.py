@@ -19,6 +19,7 @@ def leaves(state):
     return [np.asarray(x) for x in jax.tree.leaves((state.actor_params, state.critic_params, state.log_alpha))]
 
 
+@pytest.mark.slow
 def test_seeds_differ_and_a_fixed_seed_reproduces_exactly(tiny_sac_config, tmp_path):
     cfg = tiny_sac_config(seeds=2, total_steps=400)
     a = train(cfg, sac, tmp_path / "a")["state"]
@@ -86,6 +87,7 @@ def test_stop_at_iteration_end_checkpoints_only_between_iterations(tmp_path, cap
     assert {s: signal.getsignal(s) for s in StopSignals.SIGNALS} == before
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_path, monkeypatch, assert_same_logs):
     """A SIGTERM during the evaluation at step 300 (periodic checkpoint at 250): the loop finishes that
     iteration, checkpoints at 301 and stops; resuming from there reproduces the uninterrupted run."""
@@ -110,6 +112,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_sac_config, tmp_p
     assert_same_logs(tmp_path / "full", tmp_path / "part")
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_redoes_its_final_evaluation_once(tiny_sac_config, tmp_path):
     """A run finished at 300 steps (final evaluation at 300) and extended to 600 with --resume
     has the same eval.csv rows and parameters as a 600-step run: the evaluation at 300 is not doubled."""
@@ -139,6 +142,7 @@ def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
         checkpoint.load(path, init_state(sac, cfg, 3, 1))
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny_sac_config, tmp_path):
     def bad_update(state, batch, key):
         new, m = sac.update(state, batch, key)
@@ -159,6 +163,7 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
     assert checkpoint.latest(tmp_path / "r").name == "step_000000000300"
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
     from training.config import NetworkConfig
