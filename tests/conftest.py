@@ -60,6 +60,8 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)  # see XLA_FLAGS above
 FIXED_XLA_OPT = os.environ.get("RLZOO_TEST_XLA_OPT")
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={FIXED_XLA_OPT or 1}"
+if FIXED_XLA_OPT is None:  # -O0 from the start: test modules copy the environment for their subprocesses at import
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
 
 @pytest.hookimpl(tryfirst=True)
