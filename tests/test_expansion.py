@@ -316,8 +316,9 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
         assert int(_kron(st.critic_opt).count[0]) == 301 and int(_kron(st.actor_opt).count[0]) == 301
     hooks = seen["hooks"]
     assert hooks.ne_traces == 1 and compile_counts["jit(event)"] == 1, compile_counts  # 7 events, one compilation
-    # random-action warm-up + learning; growth never recompiles
-    assert compile_counts["jit(learn_and_act)"] == 2 and compile_counts["jit(store)"] == 1, compile_counts
+    # random-action warm-up + learning; growth never recompiles.  (At most: the step functions are cached per
+    # agent config in the process, so a SAC run of an earlier test may already hold store's executable.)
+    assert compile_counts["jit(learn_and_act)"] <= 2 and compile_counts["jit(store)"] <= 1, compile_counts
     # the same schedule on the host: the logged (device) sparsity follows it exactly
     plans = {n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8, "full")
              for n, (f, _) in sac.PLASTIC.items()}
