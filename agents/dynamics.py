@@ -94,7 +94,8 @@ class DynamicsConfig:
     max_holdout: Optional[int] = None
     """cap on the number of held-out transitions (NeuBay: min(20%, 1000), section 7.1)"""
     bootstrap: bool = True
-    """each member trains on its own bootstrap resample of the training split (section 3.1)"""
+    """each member trains on a bootstrap resample of the training split (section 3.1); the M resamples are
+    dealt to the members anew each epoch, as the RAVL reference's ``train_dynamics_model.py`` does"""
     min_epochs: int = 350
     max_epochs: int = 2000
     patience: int = 5
@@ -115,6 +116,10 @@ class DynamicsConfig:
     penalty (section 3.1).  False: the bounds stay at (min_logvar_init, max_logvar_init) and the same
     soft clamp is applied to log sigma = logvar / 2, as NeuBay clamps log sigma to [-5, 0.25]
     (section 7.1; the bounds get no gradient and no weight decay)"""
+    head_output: str = "logvar"
+    """with fixed bounds (``learn_logvar_bounds`` False), what the variance head's raw output is: "log_sigma"
+    (NeuBay's reference code: log sigma, soft-clamped; ``neubay_config``) or "logvar" (2 log sigma, halved
+    before the clamp: NeuBay models saved before the zoo matched the reference's head, which load with it)"""
     init: str = "trunc_normal"
     """Linear layers' initial weights: "trunc_normal" = the RAVL reference's N(0, 1/(2 sqrt(fan_in)))
     truncated at 2 std with zero biases; "uniform" = U(+-1/sqrt(fan_in)) for weights and biases
@@ -146,6 +151,8 @@ class DynamicsConfig:
             raise ValueError(f"input_clip must be positive (inf: no clip), got {self.input_clip}")
         if self.elite_sampling not in ELITE_SAMPLING:
             raise ValueError(f"elite_sampling must be one of {ELITE_SAMPLING}, got {self.elite_sampling!r}")
+        if self.head_output not in ("log_sigma", "logvar"):
+            raise ValueError(f"head_output must be 'log_sigma' or 'logvar', got {self.head_output!r}")
         if not 0.0 < self.holdout < 1.0:
             raise ValueError(f"holdout must be a fraction in (0, 1), got {self.holdout}")
         if self.max_holdout is not None and self.max_holdout < 1:
@@ -194,7 +201,7 @@ def neubay_config(kind: Optional[str] = None, **overrides) -> DynamicsConfig:
               batch_size=256, holdout=0.2, max_holdout=1000, bootstrap=False, min_epochs=0,
               max_epochs=NO_EPOCH_CAP if cap is None else cap, patience=5, improvement=0.01, lr_cut=1.0,
               max_logvar_init=0.5, min_logvar_init=-10.0, logvar_range_coef=0.0, learn_logvar_bounds=False,
-              target_scaling="zscore", init="uniform", elite_sampling="trajectory")
+              target_scaling="zscore", init="uniform", elite_sampling="trajectory", head_output="log_sigma")
     return DynamicsConfig(**{**kw, **overrides})
 
 
@@ -256,16 +263,17 @@ class GaussianDynamics(nnx.Module):
                 _init_linear(layer, cfg, rngs)
         self.max_logvar = nnx.Param(jnp.full((out_dim,), cfg.max_logvar_init, jnp.float32))
         self.min_logvar = nnx.Param(jnp.full((out_dim,), cfg.min_logvar_init, jnp.float32))
-        self.learn_bounds = cfg.learn_logvar_bounds
+        self.learn_bounds, self.head_output = cfg.learn_logvar_bounds, cfg.head_output
 
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
         raw = self.logvar(h)
         if self.learn_bounds:
             logvar = soft_clamp(raw, self.max_logvar[...], self.min_logvar[...])
-        else:  # NeuBay: log sigma = raw / 2 soft-clamped to [min / 2, max / 2] with fixed bounds
+        else:  # NeuBay: log sigma soft-clamped to [min / 2, max / 2] with fixed bounds
             hi, lo = jax.lax.stop_gradient(self.max_logvar[...]), jax.lax.stop_gradient(self.min_logvar[...])
-            logvar = 2.0 * soft_clamp(0.5 * raw, 0.5 * hi, 0.5 * lo)
+            log_sigma = raw if self.head_output == "log_sigma" else 0.5 * raw
+            logvar = 2.0 * soft_clamp(log_sigma, 0.5 * hi, 0.5 * lo)
         return (self.mean(h), logvar), {**taps, "features": h}
 
 
@@ -288,7 +296,8 @@ def _build(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig):
     shape_cfg = DynamicsConfig(members=cfg.members, elites=1, width=cfg.width, depth=cfg.depth,
                                activation=cfg.activation, layer_norm=cfg.layer_norm, weight_decay=0.0,
                                max_logvar_init=cfg.max_logvar_init, min_logvar_init=cfg.min_logvar_init,
-                               learn_logvar_bounds=cfg.learn_logvar_bounds, init=cfg.init)
+                               learn_logvar_bounds=cfg.learn_logvar_bounds, head_output=cfg.head_output,
+                               init=cfg.init)
     net, init = _initializer(obs_dim, act_dim, shape_cfg)  # only the fields the module reads
     return net, init(key)
 
@@ -351,7 +360,7 @@ class EarlyStopping:
     ``improvement`` (relative) below its best so far; its best (and, in ``train``, its kept params) is
     then replaced.  As in the reference, smaller gains neither count as progress nor replace the best.
     Epoch 0 (before training) only sets the bests.  After ``patience`` epochs in a row without any
-    member improving: ``"stop"`` once ``epoch >= min_epochs``; before that, ``"cut_lr"`` the first
+    member improving: ``"stop"`` once ``epoch > min_epochs``; before that, ``"cut_lr"`` the first
     time (our reading of "cut the lr once"), then keep going; ``"stop"`` also at ``max_epochs``.
     """
 
@@ -372,7 +381,7 @@ class EarlyStopping:
         if epoch >= cfg.max_epochs:
             return improved, "stop"
         if self.stall >= cfg.patience:
-            if epoch >= cfg.min_epochs:
+            if epoch > cfg.min_epochs:  # the reference's 0-based ``i >= min_epochs``
                 return improved, "stop"
             if self.lr_cut_at is None and cfg.lr_cut < 1.0:
                 self.lr_cut_at, self.stall = epoch, 0
@@ -603,7 +612,11 @@ def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsCo
     while action != "stop":
         epoch += 1
         key, k_epoch = jax.random.split(key)
-        params, opt_state, nll = _train_epoch(params, opt_state, k_epoch, x_train, y_train, boot, net,
+        dealt = boot
+        if cfg.bootstrap:  # the resamples dealt to the members anew each epoch, as the RAVL reference does
+            k_epoch, k_deal = jax.random.split(k_epoch)
+            dealt = boot[jax.random.permutation(k_deal, cfg.members)]
+        params, opt_state, nll = _train_epoch(params, opt_state, k_epoch, x_train, y_train, dealt, net,
                                               _epoch_cfg(cfg))
         val = np.asarray(_validation_mse(params, x_val, y_val, net, n_val))
         improved, action = stopper.update(epoch, val)

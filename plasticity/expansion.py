@@ -17,7 +17,7 @@ A network starts sparse (Erdős–Rényi per-layer densities, overall sparsity s
   ("redo").  The last growth event is clipped so the network lands on the target.
 - afterwards plain dynamic sparse training (spec 3.4): prune ``int(d * n_active)`` of the
   smallest-|w| connections and regrow as many by gradient, d = 0.2/2 (1 + cos(pi t'/T)), t'
-  counting from the end of growth (the reference restarts its clock there).
+  counting from the first DST event, where t' = 0 (the reference restarts its clock there).
 - layers the ER rule keeps dense (density capped at 1) never change (as in the reference).
 
 Grown connections start at exactly 0 (the reference's ``zero`` option; its ``train.py``
@@ -137,13 +137,14 @@ class Schedule:
                 magnitude = self.prune == "magnitude"
             else:
                 last = False
+                p.dst_start = t if p.dst_start is None else p.dst_start  # the first DST event: t' = 0
                 d = self.drop_fraction(t - p.dst_start)
                 prune = [0 if dense else int(d * n) for dense, n in zip(p.dense, p.n_ones)]
                 grow = list(prune)
                 magnitude = True
             p.n_ones = [n - q + g for n, q, g in zip(p.n_ones, prune, grow)]
             if p.growing and (last or not self._room(p)):
-                p.growing, p.dst_start = False, t
+                p.growing = False
             out[name] = (np.asarray(grow, np.int32), np.asarray(prune, np.int32), np.bool_(magnitude))
         return out
 
@@ -219,7 +220,8 @@ def update_topology(params, opt_state, grads, grow, prune, magnitude, dormant: d
     ``dormant`` ({leaf index: bool (..., fan_out)}) go first, each group by |w|.  Pruning comes
     first; growth then picks, among the connections inactive after pruning, those with the
     largest |grads|.  Pruned weights are set to 0, grown ones start at 0, and the moments of
-    both are zeroed.
+    both are zeroed; a connection pruned and regrown at once keeps its weight and moments (as in the
+    reference, whose growth candidates include the just-pruned and which zeroes only new connections).
     """
     dormant = dormant or {}
     ms = optim_lib.find_masked(opt_state)
@@ -250,9 +252,9 @@ def update_topology(params, opt_state, grads, grow, prune, magnitude, dormant: d
         grow_score = jnp.where(kept, -jnp.inf, jnp.abs(g))
         grown = ~kept & (_rank(-flat(grow_score)).reshape(w.shape) < grow[layer])
         new_m = kept | grown
-        new_leaves.append(jnp.where(kept, w, jnp.zeros_like(w)))
+        new_leaves.append(jnp.where(m & new_m, w, jnp.zeros_like(w)))  # a pruned and regrown one keeps w
         new_masks.append(new_m)
-        touched.append(pruned | grown)
+        touched.append(m ^ new_m)
         n_grown += grown.sum()
         n_pruned += pruned.sum()
         n_active += new_m.sum()

@@ -131,10 +131,11 @@ def er_densities(shapes: list, sparsity: float) -> list[float]:
 
 
 def initial_counts(params, sparsity: float) -> list[int]:
-    """Active connections per member of each masked kernel at init (static, from shapes only)."""
+    """Active connections per member of each masked kernel at init (static, from shapes only): n - int(S n)
+    with S = 1 - density, as the NE reference's ``sparse_set`` keeps them (tests/test_fidelity_ne.py)."""
     kernels = [x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if maskable(p, x)]
     shapes = [tuple(x.shape[-2:]) for x in kernels]
-    return [int(round(d * i * o)) for d, (i, o) in zip(er_densities(shapes, sparsity), shapes)]
+    return [i * o - int((1.0 - d) * i * o) for d, (i, o) in zip(er_densities(shapes, sparsity), shapes)]
 
 
 def _top_mask(score, k: int):

@@ -71,11 +71,16 @@ def pytest_runtest_setup(item):
     level of the first test that asks for it (tests that compare with a shared fixture's run share its
     level: none of them is marked).  ``jax_disable_most_optimizations`` is read at each compilation;
     JAX reads its environment variable at import, in the subprocesses."""
+    compile_like_a_test(optimized=item.get_closest_marker("optimized") is not None)
+
+
+def compile_like_a_test(optimized: bool = False):
+    """The XLA level of a test (``optimized``: -O1, else -O0), for this process and its subprocesses;
+    ``tests/golden.py`` records at the level its test runs at.  Nothing under ``RLZOO_TEST_XLA_OPT``."""
     if FIXED_XLA_OPT is not None:
         return
-    fast = item.get_closest_marker("optimized") is None
-    jax.config.update("jax_disable_most_optimizations", fast)
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if fast else "0"
+    jax.config.update("jax_disable_most_optimizations", not optimized)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if optimized else "1"
 
 
 class ToyChain(gym.Env):

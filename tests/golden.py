@@ -96,10 +96,14 @@ CASES = {
     "ppo_clip": lambda d: _ppo("clip"),
     "ppo_gtr": lambda d: _ppo("gtr"),
     "ppo_clip_actions": lambda d: _ppo("clip", action_mode="clip"),
+    # re-recorded after the RAVL fixture's fixes (docs/fidelity.md, RAVL): bootstrap resamples dealt to the
+    # members anew each epoch, early stopping from epoch min_epochs + 1
     "ravl_toy": _ravl,
     "sac_redo": lambda d: _sac(_plasticity(redo=True, reset_every=50, reset_batch=32)),
     "sac_sigreg": lambda d: _sac(_plasticity(sigreg_coef=0.2)),
-    # recorded with NE's first defaults, now options (the reference's defaults: the sac_ne_reference case)
+    # recorded with NE's first defaults, now options (the reference's defaults: the sac_ne_reference case);
+    # both re-recorded after the fixes the NE fixture found (docs/fidelity.md, Neuroplastic Expansion: ER
+    # initial counts n - int(S n), the DST clock from the first DST event, regrown weights kept)
     "sac_ne": lambda d: _sac(_plasticity(ne=True, ne_every=50, reset_batch=32, ne_schedule="cosine",
                                          ne_init_space="full", ne_prune="redo", ne_review=True, ne_auto_batch="off")),
     "sac_ne_reference": lambda d: _sac(_plasticity(ne=True, ne_every=20, reset_batch=32)),
@@ -133,7 +137,9 @@ def load() -> dict:
 def main(argv):
     """Records under the suite's XLA settings (tests/conftest.py: one Eigen thread, no fusion emitters,
     synchronous dispatch), where the tests compare them."""
-    import tests.conftest  # noqa: F401  (sets the environment before JAX makes its CPU client)
+    from tests.conftest import compile_like_a_test  # sets the environment before JAX makes its CPU client
+
+    compile_like_a_test()  # -O0, as test_golden's cases run (none is marked optimized)
 
     write = "--write" in argv
     names = [a for a in argv if not a.startswith("-")] or list(CASES)

@@ -14,7 +14,8 @@ from envs import termination
 OBS, ACT = 3, 2
 # Small but real: 4 members, 2 x 32 SiLU, per-layer weight decay, bootstrap, early-stopping rule active.
 CFG = dyn.DynamicsConfig(members=4, elites=2, width=32, depth=2, weight_decay=(2.5e-5, 5e-5, 1e-4),
-                         batch_size=64, min_epochs=5, max_epochs=25)
+                         batch_size=64, min_epochs=5, max_epochs=40)  # 40: the fit's reward error 0.03-0.055 over
+# seeds 0-3 (25 epochs left it at 0.07-0.16, around test_fits_linear_system's 0.1)
 
 
 def linear_system(n, seed=0, noise=0.01):
@@ -201,7 +202,8 @@ def test_early_stopping_rule():
            ([0.895, 0.995], "cut_lr"),  # 3: stall 2 before min_epochs -> cut the lr once
            ([0.9, 1.0], "continue"),    # 4: stall 1
            ([0.9, 1.0], "continue"),    # 5: stall 2, lr already cut -> go on
-           ([0.9, 1.0], "stop")]        # 6: epoch >= min_epochs and stalled -> stop
+           ([0.9, 1.0], "continue"),    # 6: stall 3, but a stop needs epoch > min_epochs (the reference's 0-based
+           ([0.9, 1.0], "stop")]        # 7:   i >= min_epochs) -> stop
     for epoch, (val, want) in enumerate(seq):
         _, action = stop.update(epoch, val)
         assert action == want, (epoch, action)
@@ -213,7 +215,7 @@ def test_early_stopping_rule():
     assert actions == ["continue", "continue", "continue", "stop"]  # max_epochs despite progress
 
     stop = dyn.EarlyStopping(dyn.DynamicsConfig(min_epochs=10, max_epochs=20, patience=1, lr_cut=1.0), 1)
-    assert [stop.update(e, [1.0])[1] for e in range(12)] == ["continue"] * 10 + ["stop", "stop"]
+    assert [stop.update(e, [1.0])[1] for e in range(13)] == ["continue"] * 11 + ["stop", "stop"]
 
 
 def test_epoch_progress_reports_first_periodic_slow_and_final_epochs():

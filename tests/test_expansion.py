@@ -322,7 +322,8 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     # the same schedule on the host: the logged (device) sparsity follows it exactly
     plans = {n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8, "full")
              for n, (f, _) in sac.PLASTIC.items()}
-    assert all(abs(p.sparsity - 0.8) < 0.01 for p in plans.values())
+    # 0.8 up to the ER counts' rounding: n - int(S n) keeps ceil(d n), one connection more per kernel at most
+    assert all(abs(p.sparsity - 0.8) < 0.02 for p in plans.values())
     host = expansion.Schedule(plans, total_updates=301, target_sparsity=0.25, kind="cosine", prune="redo")
     rows = [r for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv")) if r.get("plasticity/critic/sparsity")]
     assert len(rows) == 7

@@ -1,0 +1,402 @@
+"""RAVL against the official code (anyasims/edge-of-reach), number by number (docs/fidelity.md).
+
+``tests/fixtures/ravl_reference.npz`` holds a 24-row Hopper-like dataset (obs 3, act 2), weights, every
+random draw and what the reference code computed from them (generator: ``scripts/fidelity/ravl_reference.py``;
+repository, commit and command in the fixture's ``meta``; torch lives only in the generator's venv):
+
+* the dynamics ensemble (5 members of 4 x 16 SiLU, 3 elites): each member's holdout MSE and the elites
+  ``Ensemble.select_elites`` picks; each member's Gaussian NLL on its bootstrap batch, the gradients and
+  the parameters after one step of ``train_dynamics_model.py``'s minibatch loop (torch Adam with the
+  reference's per-layer coupled weight decay and the 0.01 (max - min) log-variance-bound penalty);
+* one model rollout step (``RolloutGenerator.generate_rollouts``, k = 1) of the stochastic actor from 8
+  dataset states with fixed policy noise, model noise and elite picks, the Hopper done function applied,
+  into a model buffer holding 48 earlier transitions;
+* one update of ``train_ravl_agent.py``'s loop: 2 dataset rows + 38 model-buffer rows (r = 0.05, batch 40)
+  and ``Agent.update`` (SAC-N / EDAC, 4 critics of 3 x 16 ReLU, eta 1) with torch Adam: the losses, the
+  first Adam moment (0.1 g after one step: the gradients), the stepped actor, critics, target
+  critics and log alpha.
+
+The zoo's own functions run: ``dynamics.validation_mse`` / ``select_elites`` / ``ensemble_loss`` /
+``_train_epoch`` (what ``dynamics.train`` calls per epoch), and the loop's per-seed epoch
+``ravl.make_epoch(cfg, "hopper-medium-v2")`` (rollouts, FIFO, batch mix, ``sac.update``) with horizon 1,
+8 rollouts and one update, jitted, plus ``ravl.sample_batch`` for the batch itself.  Random draws enter
+through the random calls only: the ``jax`` module that ``agents.ravl``, ``agents.dynamics``,
+``buffers.replay`` and ``networks.distributions`` see is swapped for one whose ``random.normal`` /
+``random.randint`` return the fixture's arrays in call order (asserted all used); no agent code changes.
+
+Weight mapping (here): torch ``Linear.weight`` [out, in] -> kernel [in, out]; the reference member's
+``fc1..fc4`` -> ``trunk.layers.0..3``, ``delta`` -> ``mean``, ``logvar`` -> ``logvar``; its shared
+``max_logvar`` / ``min_logvar`` -> every member's own (difference 1).  The agent's ``Actor`` /
+``VectorizedCritic`` are CORL's layout (``tests/test_fidelity_sac.py``'s mapping).  The reference's
+ensemble is sorted by holdout loss after ``select_elites`` (member j of the sorted ensemble is original
+member ``rank[j]``); ours keeps the original order and an index list of elites, so the model noise of
+sorted member j is ours of member ``rank[j]``.
+
+Tolerances (float32): ``RTOL, ATOL = 1e-5, 1e-6`` everywhere (|ours - ref| <= ATOL + RTOL |ref|), after
+the differences below are accounted for exactly.
+
+Deliberate differences:
+
+1. Log-variance bounds: the reference shares one (max, min) pair across the members and adds
+   0.01 (sum max - sum min) once to the summed loss; ours gives each member its own pair and its own
+   0.01 term.  With equal bounds, our total is the reference's plus (M - 1) 0.01 (sum max - sum min), our
+   per-member bound gradients sum to the reference's plus (M - 1) 0.01 (max) / - (M - 1) 0.01 (min).  After
+   one Adam step (lr sign(g)) the bounds agree, as each member's gradient has the summed one's sign here.
+2. Weight decay: the reference's torch Adam adds wd * W to the gradient (coupled); ours adds
+   0.5 wd ||W||^2 to the loss (``ensemble_loss``): the same step, a different loss value and gradient by
+   exactly the reference's own ``get_l2_reg_loss`` and wd * W.
+3. log pi of the tanh squash (as in test_fidelity_sac.py, difference 1): the reference's
+   log(1 - tanh(u)^2 + 1e-6) against our exact form; corrected by c(u) here in values and gradients.
+4. ``values/q_std_policy``: the reference logs torch's ``std`` (N - 1 denominator), ours ``jnp.std``
+   (N): ours = ref * sqrt((N - 1) / N) (a logged diagnostic only).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import dynamics, ravl, sac
+from buffers import replay
+from buffers.replay import Transition
+from networks import distributions
+from networks.config import NetworkConfig
+from tests.fidelity import flat, load_into, torch_linear
+from tests.test_fidelity_sac import _tanh_eps_correction, _tanh_eps_term, corl_actor, corl_critic
+
+FIXTURE = Path(__file__).parent / "fixtures" / "ravl_reference.npz"
+RTOL, ATOL = 1e-5, 1e-6
+M, E, N_CRITICS = 5, 3, 4
+DYN = dynamics.DynamicsConfig(members=M, elites=E, width=16, depth=4)
+CFG = ravl.RAVLConfig(critics=N_CRITICS, eta=1.0, gamma=0.99, tau=5e-3, actor_lr=3e-4, critic_lr=3e-4, alpha_lr=3e-4,
+                      batch_size=40, dataset_ratio=0.05, horizon=1, rollout_batch=8, retain_epochs=7,
+                      updates_per_epoch=1, dynamics=DYN)
+
+
+@pytest.fixture(scope="module")
+def fx():
+    with np.load(FIXTURE) as f:
+        return {k: f[k] for k in f.files}
+
+
+def close(got, want, what=""):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL,
+                               err_msg=what)
+
+
+def close_tree(got_params, want: dict, what):
+    got = flat(got_params)
+    assert set(got) == set(want), what
+    for name in sorted(want, key=str):
+        close(got[name], want[name], f"{what} {name}")
+
+
+# ----------------------------------------------------------------------------- weight mapping
+LAYERS = {("trunk", "layers", 0): "fc1", ("trunk", "layers", 1): "fc2", ("trunk", "layers", 2): "fc3",
+          ("trunk", "layers", 3): "fc4", ("mean",): "delta", ("logvar",): "logvar"}
+
+
+def dynamics_tree(fx, prefix, bounds_prefix):
+    """The reference's members ``{prefix}/{i}/fc1.weight`` ... -> our ensemble tree (leading member axis)."""
+    tree = {}
+    for path, name in LAYERS.items():
+        k, b = zip(*(torch_linear(fx, f"{prefix}/{i}", name) for i in range(M)))
+        tree[(*path, "kernel")], tree[(*path, "bias")] = np.stack(k), np.stack(b)
+    for name in ("max_logvar", "min_logvar"):  # difference 1: one shared pair -> each member's own
+        tree[(name,)] = np.tile(fx[f"{bounds_prefix}/{name}"], (M, 1))
+    return tree
+
+
+def _model(fx, elites=None):
+    shape = jax.eval_shape(lambda k: dynamics.init_model(k, 3, 2, DYN), jax.random.key(0))
+    return shape.replace(params=load_into(shape.params, dynamics_tree(fx, "dyn/init", "dyn/init")),
+                         input_mean=jnp.asarray(fx["dyn/input_mean"]), input_std=jnp.asarray(fx["dyn/input_std"]),
+                         elites=jnp.arange(E, dtype=jnp.int32) if elites is None else jnp.asarray(elites, jnp.int32),
+                         val_mse=jnp.zeros(M), target_mean=jnp.zeros(4), target_std=jnp.ones(4))
+
+
+def _split(fx, name):
+    g = lambda k: np.asarray(fx[f"dyn/{name}/{k}"], np.float32)  # noqa: E731
+    return g("state"), g("action"), g("reward")[:, 0], g("nextstate")
+
+
+# ----------------------------------------------------------------------------- random calls -> fixture arrays
+class _Random:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        return self.calls[name] if name in self.calls else getattr(jax.random, name)
+
+
+class _Jax:
+    """The ``jax`` a module sees, with some of ``jax.random``'s calls replaced."""
+
+    def __init__(self, **calls):
+        self.random = _Random(calls)
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+def _queue(*arrays):
+    """A stand-in for ``jax.random.normal`` / ``randint``: the given arrays in call (trace) order."""
+    left = [np.asarray(a) for a in arrays]
+
+    def call(key, shape, *args, **kw):
+        assert left, "more random calls than fixed draws"
+        x = left.pop(0)
+        assert x.shape == tuple(shape), (x.shape, shape)
+        return jnp.asarray(x)
+    call.left = left
+    return call
+
+
+def _patched(mp, **modules):
+    calls = []
+    for module, kw in modules.items():
+        fake = {name: _queue(*arrays) for name, arrays in kw.items()}
+        calls += fake.values()
+        mp.setattr({"ravl": ravl, "dynamics": dynamics, "replay": replay, "distributions": distributions}[module],
+                   "jax", _Jax(**fake))
+    jax.clear_caches()  # dynamics.step / predict are jitted: trace them anew, through the stand-ins
+    return calls
+
+
+# ----------------------------------------------------------------------------- running our code
+@pytest.fixture(scope="module")
+def dyn(fx):
+    """Holdout MSE, elites, the loss and its gradient, one Adam step (``dynamics._train_epoch``)."""
+    model = _model(fx)
+    out = {"val_mse": dynamics.validation_mse(model, *_split(fx, "val"))}
+    out["elites"] = dynamics.select_elites(out["val_mse"], E)
+    s, a, r, s2 = _split(fx, "train")
+    x = dynamics._normalize(jnp.asarray(np.concatenate([s, a], 1)), model.input_mean, model.input_std, DYN)
+    y = jnp.asarray(np.concatenate([s2 - s, r[:, None]], 1))
+    boot = jnp.asarray(fx["dyn/boot"])
+    vg = jax.jit(jax.value_and_grad(dynamics.ensemble_loss, has_aux=True), static_argnums=(1, 4))
+    (out["total"], out["nll"]), out["grad"] = vg(model.params, model.net, x[boot], y[boot], DYN)
+    opt_state = dynamics._optimizer(DYN).init(model.params)
+    out["step"], _, out["epoch_nll"] = dynamics._train_epoch(model.params, opt_state, jax.random.key(0), x, y, boot,
+                                                             model.net, dynamics._epoch_cfg(DYN))
+    return jax.device_get(out)
+
+
+def _dataset(fx):
+    g = lambda k: jnp.asarray(fx[f"dataset/{k}"])  # noqa: E731
+    return Transition(g("observations"), g("actions"), g("rewards"), g("next_observations"),
+                      g("terminals") > 0.5, jnp.zeros(g("rewards").shape, bool))
+
+
+def _fifo(fx, rows=slice(0, 48)):
+    g = lambda k: jnp.asarray(fx[f"rollout/buffer/{k}"][rows])  # noqa: E731
+    return Transition(g("obs"), g("action"), g("reward"), g("next_obs"), g("terminated") > 0.5,
+                      jnp.zeros(g("reward").shape, bool))
+
+
+def _agent_state(fx):
+    shape = jax.eval_shape(lambda k: ravl.init(k, 3, 2, CFG, NetworkConfig(width=16)), jax.random.key(0))
+    actor = load_into(shape.actor_params, corl_actor(fx, "agent/init/actor"))
+    critic = load_into(shape.critic_params, corl_critic(fx, "agent/init/critic"))
+    target = load_into(shape.target_critic_params, corl_critic(fx, "agent/init/target"))
+    log_alpha = jnp.float32(fx["agent/init/log_alpha"])
+    tx_a, tx_c, tx_t = sac._optimizers(CFG, shape.plasticity)
+    return shape.replace(actor_params=actor, critic_params=critic, target_critic_params=target, log_alpha=log_alpha,
+                         actor_opt=tx_a.init(actor), critic_opt=tx_c.init(critic), alpha_opt=tx_t.init(log_alpha),
+                         updates=jnp.zeros((), jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def epoch(fx, dyn):
+    """One RAVL epoch as the loop runs it (``ravl.make_epoch``): rollouts (k = 1) into the FIFO, then one update."""
+    model = _model(fx, dyn["elites"])
+    rank = fx["dyn/rank"]
+    noise = np.empty((M, 8, 4), np.float32)
+    noise[rank] = fx["rollout/noise"].transpose(1, 0, 2)  # sorted member j is our member rank[j]
+    state = _agent_state(fx)
+    data = ravl.Data(_dataset(fx), replay.add(replay.init(ravl.model_capacity(CFG), 3, 2), _fifo(fx)))
+    eps = [fx[f"update/eps_{k}"] for k in ("alpha", "actor", "next")]
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _patched(mp, ravl={"randint": [fx["rollout/start_rows"], fx["update/real_rows"]]},
+                         dynamics={"normal": [noise], "randint": [fx["rollout/elite_pick"]]},
+                         replay={"randint": [fx["update/model_rows"]]},
+                         distributions={"normal": [fx["rollout/eps_policy"], *eps]})
+        new_state, new_data, metrics = jax.jit(ravl.make_epoch(CFG, "hopper-medium-v2"))(
+            state, data, model, jax.random.key(0))
+        assert not any(c.left for c in calls), "fixed draws left unused"
+        calls = _patched(mp, ravl={"randint": [fx["update/real_rows"]]}, replay={"randint": [fx["update/model_rows"]]})
+        batch = jax.jit(ravl.sample_batch, static_argnums=3)(state, new_data, jax.random.key(1), CFG.batch_size)
+        assert not any(c.left for c in calls)
+    jax.clear_caches()  # nothing traced through the stand-ins stays cached
+    return jax.device_get((state, new_state, new_data, metrics, batch))
+
+
+# ----------------------------------------------------------------------------- the fixture and the defaults
+def test_fixture_records_reference_and_command(fx):
+    meta = json.loads(str(fx["meta"]))
+    assert meta["ravl"]["repository"].endswith("anyasims/edge-of-reach") and len(meta["ravl"]["commit"]) == 40
+    assert "scripts/fidelity/ravl_reference.py" in meta["command"]
+    assert FIXTURE.stat().st_size < 300_000
+
+
+def test_defaults_are_the_reference_defaults(fx):
+    ref = json.loads(str(fx["meta"]))["reference_defaults"]
+    t, d, cfg, dyn = ref["TrainConfig"], ref["EnsembleTrainConfig"], ravl.RAVLConfig(), dynamics.DynamicsConfig()
+    ours = dict(critics=cfg.critics, gamma=cfg.gamma, tau=cfg.tau, eta=cfg.eta, actor_lr=cfg.actor_lr,
+                critic_lr=cfg.critic_lr, alpha_lr=cfg.alpha_lr, batch_size=cfg.batch_size, horizon=cfg.horizon,
+                dataset_ratio=cfg.dataset_ratio, rollout_batch=cfg.rollout_batch, retain_epochs=cfg.retain_epochs,
+                updates_per_epoch=cfg.updates_per_epoch, target_entropy=cfg.target_entropy)
+    theirs = dict(critics=t["num_critics"], gamma=t["gamma"], tau=t["tau"], eta=t["eta"],
+                  actor_lr=t["actor_learning_rate"], critic_lr=t["critic_learning_rate"],
+                  alpha_lr=t["alpha_learning_rate"], batch_size=t["batch_size"], horizon=t["steps_k"],
+                  dataset_ratio=t["dataset_ratio"], rollout_batch=t["rollouts_per_epoch"],
+                  retain_epochs=t["buffer_retain_epochs"], updates_per_epoch=t["updates_per_epoch"],
+                  target_entropy=t["target_entropy"])
+    assert ours == theirs
+    assert cfg.init_alpha == 1.0 and cfg.edac_init and t["auto_alpha"]  # Agent: log_alpha = 0, EDAC's init
+    ours = dict(members=dyn.members, elites=dyn.elites, width=dyn.width, lr=dyn.lr, holdout=dyn.holdout,
+                max_epochs=dyn.max_epochs, min_epochs=dyn.min_epochs, lr_cut=dyn.lr_cut,
+                decays=list(dyn.weight_decay) + [dyn.weight_decay[-1]],
+                logvar_init=[dyn.max_logvar_init, dyn.min_logvar_init])
+    theirs = dict(members=d["num_models"], elites=d["num_elites"], width=d["hidden_dim"], lr=d["model_lr"],
+                  holdout=d["train_val_ratio"], max_epochs=d["epochs"], min_epochs=d["min_epochs"], lr_cut=0.3,
+                  decays=ref["decays"], logvar_init=ref["logvar_init"])
+    assert ours == theirs  # the reference's decays: 4 hidden layers, then delta and logvar heads
+    assert dyn.depth == 4 and dyn.activation == "silu" and dyn.bootstrap and dyn.logvar_range_coef == 0.01
+
+
+# ----------------------------------------------------------------------------- (a) the dynamics ensemble
+def test_holdout_mse_and_elites(fx, dyn):
+    rank = fx["dyn/rank"]
+    close(dyn["val_mse"][rank], fx["dyn/val_mse_sorted"], "holdout MSE (reference: sorted)")
+    np.testing.assert_array_equal(dyn["elites"], rank[fx["dyn/elites_idx"]])
+
+
+def test_dynamics_nll_and_total_loss(fx, dyn):
+    close(dyn["nll"], fx["dyn/nll"], "per-member Gaussian NLL")
+    close(dyn["epoch_nll"], fx["dyn/nll"], "_train_epoch's per-member NLL")
+    close(dyn["nll"].sum(), fx["dyn/total_nll"], "summed NLL")
+    bounds = 0.01 * (fx["dyn/init/max_logvar"].sum() - fx["dyn/init/min_logvar"].sum())
+    # ours: sum_m (nll_m + bounds + l2_m); the reference's: sum_m nll_m + bounds (l2 in Adam; differences 1, 2)
+    close(dyn["total"], fx["dyn/total_nll"] + bounds + (M - 1) * bounds + fx["dyn/l2"].sum(), "total loss")
+
+
+def test_dynamics_gradients(fx, dyn):
+    want = dynamics_tree(fx, "dyn/grad", "dyn/grad")
+    decay = dynamics.decay_coefficients(dyn["grad"], DYN)
+    init = dynamics_tree(fx, "dyn/init", "dyn/init")
+    for path, c in flat(decay).items():  # difference 2: torch Adam adds wd * W to the recorded gradient
+        want[path] = want[path] + c * init[path]
+    got = flat(dyn["grad"])
+    for name, sign in (("max_logvar", 1.0), ("min_logvar", -1.0)):  # difference 1: shared bounds
+        close(got.pop((name,)).sum(0), fx[f"dyn/grad/{name}"] + sign * (M - 1) * 0.01, f"d loss / d {name}")
+        want.pop((name,))
+    for name in sorted(want, key=str):
+        close(got[name], want[name], f"d loss / d {name}")
+
+
+def test_dynamics_adam_step(fx, dyn):
+    want = dynamics_tree(fx, "dyn/step", "dyn/step")
+    got = flat(dyn["step"])
+    # difference 1: a first Adam step is lr sign(g), so the members' own bounds step as the shared pair
+    # wherever the member's gradient has the sign of the summed one (here everywhere); later steps differ
+    for name in sorted(want, key=str):
+        close(got[name], want[name], f"after one Adam step: {name}")
+
+
+# ----------------------------------------------------------------------------- (b) the model rollout
+def test_rollout_step_into_the_fifo(fx, epoch):
+    _, _, data, metrics, _ = epoch
+    assert int(data.model.size) == 56 and int(data.model.ptr) == 0
+    want = {k: fx[f"rollout/buffer/{k}"] for k in ("obs", "action", "reward", "next_obs", "terminated")}
+    got = data.model.data
+    close(got.obs, want["obs"], "rollout start states (FIFO)")
+    close(got.action, want["action"], "policy actions")
+    close(got.next_obs, want["next_obs"], "model next states")
+    close(got.reward, want["reward"], "model rewards")
+    np.testing.assert_array_equal(got.terminated, want["terminated"] > 0.5)  # Hopper's done function
+    assert not got.truncated.any()
+    close(metrics["rollout/reward_mean"], fx["rollout/mean_reward"], "mean model reward")
+    close(metrics["rollout/terminated_fraction"], want["terminated"][48:].mean(), "terminated fraction")
+
+
+# ----------------------------------------------------------------------------- (c) the agent update
+def test_batch_mix(fx, epoch):
+    batch = epoch[4]
+    assert ravl.real_count(CFG) == int(0.05 * 40) == 2
+    for k in ("obs", "action", "reward", "next_obs"):
+        close(getattr(batch, k), fx[f"update/batch/{k}"], f"batch {k}")
+    np.testing.assert_array_equal(batch.terminated, fx["update/batch/terminated"] > 0.5)
+
+
+@pytest.fixture(scope="module")
+def corrections(fx, epoch):
+    """Difference 3: c(u) of the three draws (float64) and its gradient terms, through our networks."""
+    state, new_state = epoch[0], epoch[1]
+    obs, action, next_obs = (jnp.asarray(fx[f"update/batch/{k}"]) for k in ("obs", "action", "next_obs"))
+    eps = {k: jnp.asarray(fx[f"update/eps_{k}"]) for k in ("alpha", "actor", "next")}
+    alpha = jnp.exp(jnp.float32(new_state.log_alpha))
+    notdone = 1.0 - jnp.asarray(fx["update/batch/terminated"])
+
+    @jax.jit
+    def terms(actor_params, new_actor_params, critic_params):
+        mean2, log_std2 = state.actor(new_actor_params, next_obs)  # the critics' target: the updated actor
+        delta = 0.99 * notdone * alpha * _tanh_eps_term(mean2, log_std2, eps["next"])  # reference y = ours + delta
+        g_actor = jax.grad(lambda p: alpha * _tanh_eps_term(*state.actor(p, obs), eps["actor"]).mean())(actor_params)
+        g_critic = jax.grad(lambda p: (2.0 * delta * state.critic(p, obs, action)).mean(axis=1).sum())(critic_params)
+        q = state.critic(critic_params, obs, action)
+        return state.actor(actor_params, obs), (mean2, log_std2), q, g_actor, g_critic
+
+    (mean, log_std), (mean2, log_std2), q, g_actor, g_critic = jax.device_get(
+        terms(state.actor_params, new_state.actor_params, state.critic_params))
+    c = {"alpha": _tanh_eps_correction(mean, log_std, fx["update/eps_alpha"]),
+         "actor": _tanh_eps_correction(mean, log_std, fx["update/eps_actor"]),
+         "next": _tanh_eps_correction(mean2, log_std2, fx["update/eps_next"])}
+    delta = 0.99 * (1.0 - fx["update/batch/terminated"]) * np.exp(np.float64(new_state.log_alpha)) * c["next"]
+    return {"c": c, "delta": delta, "q": q, "g_actor": flat(g_actor), "g_critic": flat(g_critic)}
+
+
+def _adam(opt_state, field):
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, field)) if hasattr(x, field)][0]
+
+
+def test_update_losses(fx, epoch, corrections):
+    metrics, c, delta = epoch[3], corrections["c"], corrections["delta"]
+    log_alpha = float(fx["agent/init/log_alpha"])
+    close(metrics["losses/alpha"], fx["update/info/alpha_loss"] - log_alpha * c["alpha"].mean(), "alpha loss")
+    close(metrics["charts/alpha"], fx["update/info/alpha"], "alpha after its step")
+    alpha = float(fx["update/info/alpha"])
+    close(metrics["losses/actor"], fx["update/info/actor_loss"] + alpha * c["actor"].mean(), "actor loss")
+    close(metrics["charts/entropy"], fx["update/info/batch_entropy"] - c["actor"].mean(), "entropy")
+    close(corrections["q"], fx["update/q"], "Q(s, a)")
+    y_ours = fx["update/y"].astype(np.float64) - delta
+    close(metrics["losses/critic"], ((fx["update/q"] - y_ours[None]) ** 2).mean(axis=1).sum(), "TD loss")
+    close(fx["update/td_loss"], ((fx["update/q"] - fx["update/y"][None]) ** 2).mean(axis=1).sum(), "reference TD")
+    close(metrics["losses/diversity"], fx["update/diversity"], "EDAC diversity")
+    n = N_CRITICS  # difference 4
+    close(metrics["values/q_std_policy"], fx["update/info/q_policy_std"] * np.sqrt((n - 1) / n), "Q std at pi")
+
+
+def test_update_gradients_as_adam_moments(fx, epoch, corrections):
+    """After one step Adam's first moment is 0.1 g (torch's exp_avg, optax's mu): the gradients."""
+    new_state, c = epoch[1], corrections["c"]
+    ga, gc = corrections["g_actor"], corrections["g_critic"]
+    actor_mu = {k: v + 0.1 * ga[k] for k, v in corl_actor(fx, "update/exp_avg/actor").items()}
+    close_tree(_adam(new_state.actor_opt, "mu").mu, actor_mu, "actor: 0.1 g")
+    critic_mu = {k: v + 0.1 * gc[k] for k, v in corl_critic(fx, "update/exp_avg/critic").items()}
+    close_tree(_adam(new_state.critic_opt, "mu").mu, critic_mu, "critic: 0.1 g")
+    close(_adam(new_state.alpha_opt, "mu").mu, fx["update/exp_avg/log_alpha"] - 0.1 * c["alpha"].mean(),
+          "log alpha: 0.1 g")
+
+
+def test_update_parameters_after_one_step(fx, epoch):
+    _, new_state, _, _, _ = epoch
+    close(new_state.log_alpha, fx["update/log_alpha"], "log alpha")
+    close_tree(new_state.actor_params, corl_actor(fx, "update/actor"), "actor")
+    close_tree(new_state.critic_params, corl_critic(fx, "update/critic"), "critics")
+    close_tree(new_state.target_critic_params, corl_critic(fx, "update/target"), "target critics (Polyak)")
+    assert int(new_state.updates) == 1
