@@ -50,6 +50,11 @@ layout (``envs.multitask.TaskSpec`` of an ``mt:`` id: tasks, their widths, episo
     with_tasks(cfg, spec) -> cfg   the config ``init`` takes (``spec`` None: a single-task env id,
                                    which the agent may refuse); the loops call it through
                                    ``training.loop.agent_config`` before every ``init``.
+    protocol(spec, num_envs) -> dict   optional: the run schedule of the agent's paper for a config
+                                   that leaves ``learning_starts`` unset (None): values for
+                                   ``learning_starts`` and for ``RunConfig`` fields (``eval_every``,
+                                   ``eval_episodes``) the user did not set; ``training.run.protocol_defaults``
+                                   applies them before the run's checks.
 
 Plastic networks (``plasticity.api.PlasticAgent``: PLASTIC, SIGREG_NETWORKS, plastic_params,
 plastic_nets, plastic_losses; or, for metrics without interventions, ``MeasuredAgent``:
@@ -189,7 +194,7 @@ def check_range(low: float, high: float, **values: float):
 def check_replay(cfg: OffPolicyConfig):
     """The replay settings an off-policy run cannot work with (a ValueError naming the flags)."""
     for name, least in (("buffer_size", 1), ("batch_size", 1), ("updates_per_step", 1), ("learning_starts", 0)):
-        if getattr(cfg, name) < least:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < least:  # None: the agent's protocol
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
     if cfg.batch_size > cfg.buffer_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than --buffer-size {cfg.buffer_size}: "

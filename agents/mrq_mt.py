@@ -6,8 +6,12 @@ directly comparable with CLIP-conditioned ScaleMRL runs).
 
 One agent over the tasks of an ``mt:`` env (``envs/multitask.py``): every observation is the task's
 observation zero-padded to the widest task, followed by a one-hot task id; actions are padded to the
-widest task and multiplied by the task's action mask, so a padded dimension is always 0 (and the env
-never sends it).  What changes from single-task MR.Q (``agents/mrq.py``, whose action encoder,
+widest task and multiplied by the task's action mask, so the policy's padded dimensions are always 0
+(the env never sends them).  The uniform random actions before ``learning_starts`` are drawn over the
+padded dimensions too and stored as drawn, as ScaleMRL's ``rand_act`` does (U(-1, 1) over the padded
+action space); only the replayed policy and target actions are masked.
+
+What changes from single-task MR.Q (``agents/mrq.py``, whose action encoder,
 MDP predictor layout and policy head this module reuses):
 
   task e = E[task]                       learned table (T x 96; 512 option), or fixed rows from a file
@@ -96,11 +100,14 @@ class MultitaskMRQConfig(OffPolicyConfig):
 
     ``--model-size L`` is ScaleMRL's multitask default model (1024 / 1024 / 512, 3 encoder layers,
     5 heads); S suits a CPU.  ``--network.width W`` scales every width of the size by W / mlp width.
-    ``learning_starts`` counts env steps per seed over all tasks (ScaleMRL seeds 5 episodes per env).
+    ``learning_starts`` counts env steps per seed over all tasks.  Left unset, the run follows ScaleMRL's
+    schedule (``protocol``): 5 random episodes per env, evaluation every 20 episodes per env with 2
+    episodes per task.
     """
 
     batch_size: int = 1024
-    learning_starts: int = 10_000
+    learning_starts: Optional[int] = None  # type: ignore[assignment]
+    """None: ScaleMRL's seeding, 5 episodes per env (5 x num_envs x the longest task's episode; 52,500 on mt:dmc21)"""
     model_size: Literal["S", "B", "L", "XL"] = "L"
     num_q: Optional[int] = None
     """Q heads (None: the model size's)"""
@@ -142,6 +149,24 @@ class MultitaskMRQConfig(OffPolicyConfig):
 CONFIG = MultitaskMRQConfig
 KIND = "offpolicy"
 EXPERIENCE_REVIEW = False  # windows of its own replay
+
+
+SEEDING_EPISODES = 5  # ScaleMRL config.py seeding_coef: random episodes per env before learning
+EVAL_INTERVAL_EPISODES = 20  # config.py: eval_freq = 20 * 500 * num_envs (500: its DMC episode length)
+EVAL_EPISODES = 2  # config.py eval_episodes: per parallel env, one env per task
+
+
+def protocol(spec, num_envs: int) -> dict:
+    """ScaleMRL's run schedule for ``num_envs`` envs per seed over the tasks of ``spec`` (a ``TaskSpec``),
+    in env steps per seed summed over envs, as its ``trainer.py`` counts them: random actions until
+    ``seeding_coef x num_envs x episode_length`` (L the longest task's episode), an evaluation every
+    ``20 x 500 x num_envs`` steps (500 written for L: every task set it runs has 500-step episodes) with 2
+    episodes per env.  On ``mt:dmc21`` (21 tasks, L = 500, one env per task): learning starts at 52,500,
+    evaluation every 210,000 steps, 2 episodes per task."""
+    length = max(spec.episode_lengths)
+    return {"learning_starts": SEEDING_EPISODES * num_envs * length,
+            "eval_every": EVAL_INTERVAL_EPISODES * num_envs * length,
+            "eval_episodes": EVAL_EPISODES}
 
 
 def with_tasks(cfg: MultitaskMRQConfig, spec) -> MultitaskMRQConfig:

@@ -1,4 +1,5 @@
-"""Process-wide JAX settings the zoo applies when it is imported (``networks`` imports this module).
+"""Process-wide JAX settings the zoo applies when it is imported (``networks`` imports this module),
+and the persistent compilation cache the entry points switch on (``use_persistent_cache``).
 
 **Threefry unrolled on CPU.**  Every ``jax.random`` draw hashes counters with Threefry-2x32.  On CPU
 JAX lowers the hash's 20 rounds as a 5-iteration rolled loop (to keep compile times short); inside
@@ -34,6 +35,47 @@ def unroll_threefry_on_cpu() -> bool:
 
 
 THREEFRY_UNROLLED = unroll_threefry_on_cpu()
+
+CACHE_VARIABLE = "RLZOO_COMPILATION_CACHE"
+CACHE_OFF = ("0", "off", "none", "false", "no")
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/plasticity-zoo/jax`` (``~/.cache/plasticity-zoo/jax`` without it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "plasticity-zoo", "jax")
+
+
+def use_persistent_cache(min_compile_secs: float = 0.5, max_bytes: int = 4 << 30) -> str | None:
+    """Keep compiled XLA programs on disk between processes (JAX's persistent compilation cache), so a
+    second run of the same command loads its programs instead of compiling them; returns the cache
+    directory, or None when it is off.  A hit returns the executable of an identical program (the
+    key covers the program, its compile options, the jaxlib version and the device), so results do
+    not change.
+
+    ``RLZOO_COMPILATION_CACHE``: a directory to use, or ``0`` / ``off`` to switch the cache off.  Without
+    it, a cache the user already gave JAX (``JAX_COMPILATION_CACHE_DIR``, ``jax.config``) is kept with its
+    own settings; otherwise ``default_cache_dir()``, holding programs that took ``min_compile_secs`` or
+    more to compile, at most ``max_bytes`` (least recently used entries go first).  Idempotent; call it
+    before the process's first compile (JAX fixes its cache on first use)."""
+    import jax
+
+    value = os.environ.get(CACHE_VARIABLE, "").strip()
+    if value.lower() in CACHE_OFF:
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    if not value and jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = os.path.abspath(os.path.expanduser(value or default_cache_dir()))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # a read-only home: run without the cache rather than fail
+        return None
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_secs)
+        jax.config.update("jax_compilation_cache_max_size", max_bytes)
+    return path
 
 
 def one_call_per_matrix(fn):

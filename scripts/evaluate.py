@@ -415,6 +415,9 @@ def _own_eval(run_dir: Path, step: int) -> dict[int, list[float]]:
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    from networks.runtime import use_persistent_cache
+
+    use_persistent_cache()  # the run's programs, compiled once (networks/runtime.py)
     run_dir = Path(args.run_dir)
     if args.episodes is not None and args.episodes < 1:
         raise SystemExit(f"--episodes must be >= 1, got {args.episodes}")

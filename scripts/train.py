@@ -29,6 +29,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import agents
+from networks.runtime import use_persistent_cache
 from training.cli import parse, report_user_error, take_debug  # tests call train.parse
 from training.loop import NonFiniteLossError
 from training.run import preflight, run
@@ -42,6 +43,7 @@ def main(argv=None):
     ``--overwrite`` (anywhere in argv) lets a new run replace the one in its --run-dir, whose files
     are moved into RUN_DIR/.replaced-<time>/ (``training.run.move_aside``)."""
     _stage[0] = "checks"
+    use_persistent_cache()  # a second run of a command loads its compiled programs (networks/runtime.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip() + f"\n\nagents: {', '.join(sorted(agents.AGENTS))}")

@@ -186,6 +186,41 @@ def test_updates_follow_the_utd_credit_exactly_and_the_same_seed_reproduces():
     assert not np.array_equal(same[0], jax.tree.leaves(other.value_params)[0])
 
 
+@pytest.mark.parametrize("tasks,envs", [(1, 1), (2, 2), (2, 4), (3, 3), (21, 21)])
+def test_learning_starts_after_five_random_episodes_per_env_as_scalemrl_seeds(tasks, envs):
+    # ScaleMRL trainer.py: random actions while step < seeding_coef (5) x num_envs x episode_length, the
+    # step counting every env's steps; evaluation every 20 x 500 x num_envs steps, 2 episodes per env.
+    spec = TaskSpec("mt:x", ("t",) * tasks, (3,) * tasks, (1,) * tasks, (500,) * tasks)
+    assert mrq_mt.protocol(spec, envs) == {"learning_starts": 2_500 * envs, "eval_every": 10_000 * envs,
+                                           "eval_episodes": 2}
+    if tasks == 21:
+        assert mrq_mt.protocol(spec, envs)["learning_starts"] == 52_500  # mt:dmc21
+    # tasks of unequal length: the longest episode (ScaleMRL's cfg.episode_length is their max)
+    assert mrq_mt.protocol(SPEC, 3)["learning_starts"] == 5 * 3 * 1000
+
+
+def test_the_schedule_fills_only_what_the_command_line_and_the_config_leave_unset():
+    from training.cli import parse
+    from training.config import RunConfig
+    from training.run import protocol_defaults
+
+    env = "mt:dmc:cartpole-balance,dmc:cartpole-swingup"  # two tasks of 500 agent steps
+    cfg = parse(["mrq-mt", "--env", env, "--run-dir", "/nonexistent/x"])
+    assert (cfg.num_envs, cfg.agent.learning_starts, cfg.eval_every, cfg.eval_episodes) == (2, 5_000, 20_000, 2)
+    cfg = parse(["mrq-mt", "--env", env, "--num-envs", "4", "--eval-every=5000", "--run-dir", "/nonexistent/x"])
+    assert (cfg.agent.learning_starts, cfg.eval_every, cfg.eval_episodes) == (10_000, 5_000, 2)
+    cfg = parse(["mrq-mt", "--env", env, "--learning-starts", "300", "--run-dir", "/nonexistent/x"])
+    assert (cfg.agent.learning_starts, cfg.eval_every, cfg.eval_episodes) == (300, 5_000, 10)
+    cfg = parse(["mrq-mt", "--preset", "mrq-mt-scalemrl", "--env", env, "--run-dir", "/nonexistent/x"])
+    assert (cfg.total_steps, cfg.agent.learning_starts, cfg.eval_every, cfg.eval_episodes) == (
+        10_000_000, 5_000, 20_000, 2)
+    # a config built in Python: fields left at RunConfig's defaults take the schedule; applying it twice is a no-op
+    lib = RunConfig(env=env, num_envs=2, eval_episodes=4, agent_name="mrq-mt", agent=mrq_mt.CONFIG())
+    done = protocol_defaults(lib, mrq_mt, log=lambda _: None)
+    assert (done.agent.learning_starts, done.eval_every, done.eval_episodes) == (5_000, 20_000, 4)
+    assert protocol_defaults(done, mrq_mt, log=lambda _: None) == done
+
+
 def test_bad_settings_are_refused_with_the_flag_named():
     for kw, msg in ((dict(updates_per_step=2), "--utd"), (dict(utd=0.0), "--utd"), (dict(num_q=1), "--num-q"),
                     (dict(tau=1.5), "--tau")):

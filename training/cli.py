@@ -17,7 +17,7 @@ import tyro
 import agents
 from training import config as config_lib
 from training import presets as presets_lib
-from training.run import is_user_error, load_config
+from training.run import is_user_error, load_config, protocol_defaults
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
 DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
@@ -116,15 +116,24 @@ def parse(argv: list[str]):
     return cfg
 
 
+def _given(flags: list[str]) -> frozenset:
+    """The names of the ``RunConfig`` fields set by ``flags`` (``--eval-every 5`` or ``--eval-every=5``)."""
+    names = {f.split("=", 1)[0][2:].replace("-", "_") for f in flags if f.startswith("--")}
+    return frozenset(f.name for f in dataclasses.fields(config_lib.RunConfig) if f.name in names)
+
+
 def _one_env_per_task(cfg, flags: list[str]):
-    """A new run on a multitask env id (``mt:``) without ``--num-envs``: one env per task (ScaleMRL's
-    layout), since the tasks step side by side and the envs must be a multiple of the tasks."""
+    """A new run on a multitask env id (``mt:``): without ``--num-envs``, one env per task (ScaleMRL's
+    layout), since the tasks step side by side and the envs must be a multiple of the tasks; then the
+    agent's paper schedule for what the flags leave unset (``training.run.protocol_defaults``)."""
     from envs.multitask import is_multitask, member_ids
 
-    given = any(f == "--num-envs" or f.startswith("--num-envs=") for f in flags)
-    if given or not isinstance(cfg.env, str) or not is_multitask(cfg.env):
+    if not isinstance(cfg.env, str) or not is_multitask(cfg.env):
         return cfg
-    return dataclasses.replace(cfg, num_envs=len(member_ids(cfg.env)))
+    given = _given(flags)
+    if "num_envs" not in given:
+        cfg = dataclasses.replace(cfg, num_envs=len(member_ids(cfg.env)))
+    return protocol_defaults(cfg, agents.get(cfg.agent_name), given)
 
 
 def _changed(new, old, prefix=""):

@@ -35,7 +35,7 @@ from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import policy_maker, task_results
 from training.logger import RunLogger
-from training.loop import Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
+from training.loop import CompileNotices, Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
 
 
 class Driver:
@@ -182,7 +182,10 @@ class Driver:
         self.end, self.bar = end, progress(self.cfg, self.step)
         self._t_log = time.perf_counter()
         save = lambda step: self.save(iteration, step)  # noqa: E731
-        with StopAtIterationEnd(save, self.run_dir, self.bar, self.logger, self.step) as stop:
+        import jax
+
+        with CompileNotices(self.bar, lambda: self.step, jax.config.jax_compilation_cache_dir), \
+                StopAtIterationEnd(save, self.run_dir, self.bar, self.logger, self.step) as stop:
             while self.step < end:
                 stop.begin()
                 iteration.run_one(self)

@@ -235,15 +235,21 @@ def raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
 
 
 def progress(cfg, start: int):
-    """A tqdm bar over ``cfg.total_steps`` (a no-op with ``--no-progress``); call ``bar(None)`` to close."""
+    """A tqdm bar over ``cfg.total_steps`` (a no-op with ``--no-progress``); call ``bar(None)`` to close.
+
+    ``bar(step, status="compiling")`` shows a status beside the numbers at once (``status=""`` clears it);
+    ``bar.write(line)`` prints a line above the bar (``print`` without one)."""
     if not cfg.progress:
-        return lambda *a, **k: None
+        def quiet(*a, **k):
+            return None
+        quiet.write = print
+        return quiet
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.total_steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
     pos, shown = [start], {}
 
-    def update(step, sps=None, ret=None, ev=None):
+    def update(step, sps=None, ret=None, ev=None, status=None):
         """Move to ``step``; the values not given keep what the bar shows (``finish`` sets the last eval)."""
         if step is None:
             bar.close()
@@ -253,9 +259,65 @@ def progress(cfg, start: int):
         for key, value, fmt in (("sps", sps, ".0f"), ("return", ret, ".1f"), ("eval", ev, ".1f")):
             if value is not None:
                 shown[key] = format(value, fmt)
-        bar.set_postfix(shown, refresh=False)
+        if status is not None:
+            shown.pop("status", None)
+            if status:
+                shown["status"] = status
+        bar.set_postfix(shown, refresh=status is not None)
 
+    update.write = tqdm.write
     return update
+
+
+COMPILE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"  # JAX: a program goes to the cache / XLA
+COMPILE_DONE = "/jax/core/compile/backend_compile_duration"  # JAX: compiled or loaded, with its time
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+SAY_COMPILES_FROM_SECS = 2.0
+
+
+class CompileNotices:
+    """What a run waits on while XLA compiles: the bar reads "compiling" from the moment a program is sent
+    to the persistent cache / XLA (JAX's monitoring events; with the cache off only the lines below), and
+    each program that took ``SAY_COMPILES_FROM_SECS`` or more is reported as it finishes: ``compiled
+    jit(learn_and_act) in 41.2 s`` or ``loaded jit(learn_and_act) from the compilation cache in 0.9 s``.
+    A context manager: the listeners are JAX's process-wide ones and go when the run ends."""
+
+    def __init__(self, bar, step_fn, cache_dir: str | None = None):
+        self.bar, self.step_fn, self.cache_dir, self.hits, self.compiles = bar, step_fn, cache_dir, 0, []
+
+    def _request(self, event, **kw):
+        if event == COMPILE_REQUEST:
+            self.bar(self.step_fn(), status="compiling")
+        elif event == CACHE_HIT:
+            self.hits += 1
+
+    def _done(self, event, secs, **kw):
+        if event != COMPILE_DONE:
+            return
+        hit, self.hits = self.hits > 0, 0
+        self.compiles.append((kw.get("fun_name", "a program"), secs, hit))
+        self.bar(self.step_fn(), status="")
+        if secs >= SAY_COMPILES_FROM_SECS:
+            name = kw.get("fun_name", "a program")
+            where = ""
+            if not hit and self.cache_dir and not any(s >= SAY_COMPILES_FROM_SECS for _, s, h in self.compiles[:-1]):
+                where = f" (kept in {self.cache_dir}: later runs load it)"
+            self.bar.write(f"loaded {name} from the compilation cache in {secs:.1f} s" if hit
+                           else f"compiled {name} in {secs:.1f} s{where}")
+
+    def __enter__(self):
+        import jax.monitoring as monitoring
+
+        monitoring.register_event_listener(self._request)
+        monitoring.register_event_duration_secs_listener(self._done)
+        return self
+
+    def __exit__(self, *exc):
+        import jax.monitoring as monitoring
+
+        monitoring.unregister_event_listener(self._request)
+        monitoring.unregister_event_duration_listener(self._done)
+        return False
 
 
 def default_run_dir(cfg) -> Path:

@@ -40,6 +40,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                        "--eval-episodes", "10"),
            "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: DMC proprioceptive, action repeat 2, 500k agent steps "
            "(1M frames), 10 deterministic episodes every 5k agent steps", agents=("mrq",), env_family="dmc"),
+    # Multitask MR.Q: ScaleMRL's README command for agent=mrq (its config.py defaults otherwise).
+    Preset("mrq-mt-scalemrl", ("--total-steps", "10000000", "--horizon", "5", "--model-size", "L",
+                               "--eval-episodes", "2"),
+           "Obando-Ceron et al. 2026 (ScaleMRL, arXiv 2606.05555), the code's README command for agent=mrq "
+           "(use_demos=false, steps=10000000, horizon=5) and config.py defaults: model size L, batch 1024, "
+           "UTD 0.075, one env per task, 2 evaluation episodes per task",
+           agents=("mrq-mt",),
+           note="learning starts after 5 random episodes per env and evaluation comes every 20 episodes per env "
+                "(agents.mrq_mt.protocol; 52,500 and 210,000 steps on mt:dmc21), filled in for the env's tasks; "
+                "task embeddings are learned (ScaleMRL conditions on frozen CLIP text vectors)"),
     # PPO: the CleanRL 1M-step MuJoCo protocol (the zoo's defaults, spelled out) and SB3/SBX's defaults.
     Preset("ppo-cleanrl", ("--total-steps", "1000000", "--num-envs", "1", "--num-steps", "2048",
                            "--num-minibatches", "32", "--update-epochs", "10", "--learning-rate", "3e-4",

@@ -111,7 +111,7 @@ def check_relations(cfg: RunConfig, agent):
     starts = getattr(cfg.agent, "learning_starts", None)
     if agent.KIND == "offpolicy" and starts is not None and starts >= cfg.total_steps:
         raise ValueError(f"--learning-starts {starts} is not below --total-steps {cfg.total_steps}: the run would "
-                         "only take random actions and train nothing")
+                         "only take random actions and train nothing (lower --learning-starts or raise --total-steps)")
 
 
 def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
@@ -241,6 +241,36 @@ def discard_empty_start(run_dir: Path, existed: bool):
         run_dir.rmdir()
 
 
+def protocol_defaults(cfg: RunConfig, agent, given: frozenset | None = None, log=print) -> RunConfig:
+    """The agent's paper schedule (``agent.protocol(spec, num_envs)``, e.g. ScaleMRL's for ``mrq-mt``)
+    applied to a config that leaves its ``learning_starts`` unset (None).
+
+    ``learning_starts`` takes the protocol's value; each ``RunConfig`` field the protocol names
+    (``eval_every``, ``eval_episodes``) takes it unless the user set it: ``given`` holds the names of the
+    fields set on the command line (``training.cli``); None (a config built in Python) counts a field as
+    set when it differs from ``RunConfig``'s default.  A resolved config (``learning_starts`` an int, as
+    every ``config.json`` holds) is returned as it is, so applying this twice changes nothing."""
+    protocol = getattr(agent, "protocol", None)
+    if protocol is None or cfg.agent is None or getattr(cfg.agent, "learning_starts", 0) is not None:
+        return cfg
+    from envs.multitask import is_multitask, task_spec
+
+    if not isinstance(cfg.env, str) or not is_multitask(cfg.env):
+        return cfg  # the agent refuses the env in preflight (with_tasks), naming what it needs
+    values = protocol(task_spec(cfg.env, cfg.action_repeat), cfg.num_envs)
+    defaults = RunConfig()
+    run_fields = {k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(RunConfig)}}
+    taken = {k: v for k, v in run_fields.items()
+             if not (k in given if given is not None else getattr(cfg, k) != getattr(defaults, k))}
+    cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, learning_starts=values["learning_starts"]),
+                              **taken)
+    said = [f"learning starts at {values['learning_starts']:,}"] + [f"{k.replace('_', ' ')} {v:,}"
+                                                                   for k, v in taken.items()]
+    log(f"{cfg.agent_name} schedule ({agent.__name__}.protocol): {', '.join(said)} "
+        f"({cfg.num_envs} envs over {len(task_spec(cfg.env, cfg.action_repeat).tasks)} tasks)")
+    return cfg
+
+
 def default_metrics(cfg: RunConfig, agent, log=print) -> RunConfig:
     """The default plasticity metrics (``--plasticity.metrics-every`` left at its default) switched off,
     saying so, for an agent that declares no plastic networks; an explicit other value is refused
@@ -260,8 +290,11 @@ def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrit
 
     A new run claims its directory (``claim``); with ``overwrite`` a run already there is first
     moved into ``run_dir/.replaced-<time>/`` (``move_aside``)."""
+    from networks.runtime import use_persistent_cache
+
+    use_persistent_cache()  # compiled programs persist between runs (RLZOO_COMPILATION_CACHE=0: off)
     agent = agents.get(cfg.agent_name)
-    cfg = default_metrics(cfg, agent)
+    cfg = default_metrics(protocol_defaults(cfg, agent), agent)
     if check:
         preflight(cfg, agent, overwrite=overwrite)
     if cfg.resume:
