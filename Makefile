@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[kron,sweep,video,mjx]'
+	$(BIN)/pip install -q -e '.[kron,sweep,video,mjx,wandb]'
 	touch $(STAMP)
 
 .PHONY: install demo test bench clean

@@ -70,7 +70,7 @@ from training.config import NetworkConfig, RunConfig, to_json
 Kind = Literal["random", "medium", "medium-replay", "expert", "medium-expert"]
 SAC_KINDS = ("medium", "medium-replay", "expert", "medium-expert")  # the kinds that need a trained SAC
 RUN_MARKER = "dataset_run.json"  # written when the SAC training has finished
-UNCOMPARED = {"progress", "run_dir", "resume", "label", "tensorboard"}
+UNCOMPARED = {"progress", "run_dir", "resume", "label", "tensorboard", "provenance", "resumes"}
 
 
 @dataclass

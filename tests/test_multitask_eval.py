@@ -6,6 +6,7 @@ evaluation writes per seed one eval.csv row per task and a ``task=all`` row (mea
 per-task means and of return / 1000 for ``dmc:`` tasks); single-task runs keep their columns.  Runs are
 tiny (SAC, width 16, 300 steps, one episode per task).
 """
+import collections
 import csv
 import dataclasses
 import importlib.util
@@ -83,7 +84,7 @@ def test_logger_writes_task_rows_empty_scores_without_a_maximum_and_tensorboard_
             self.scalars[tag] = value
 
     log = RunLogger(tmp_path, multitask=True)
-    log.tb = Recorder()
+    log.tb = collections.defaultdict(Recorder)  # seed -> writer
     log.log_eval(10, [[500.0, -200.0, 700.0, -400.0]], tasks=("dmc:a-x", "Pendulum-v1"))
     with open(tmp_path / "eval.csv", newline="") as f:
         assert next(csv.reader(f)) == MT_EVAL_COLUMNS
@@ -93,9 +94,9 @@ def test_logger_writes_task_rows_empty_scores_without_a_maximum_and_tensorboard_
     assert [r["episode_returns"] for r in rows] == ["500.0 700.0", "-200.0 -400.0", "500.0 -200.0 700.0 -400.0"]
     assert [r["score"] for r in rows] == ["0.6", "", ""]
     assert float(rows[2]["return_mean"]) == (600.0 - 300.0) / 2
-    assert log.tb.scalars == {
-        "seed0/eval_tasks/dmc_a-x/return": 600.0, "seed0/eval_tasks/dmc_a-x/score": 0.6,
-        "seed0/eval_tasks/Pendulum-v1/return": -300.0, "seed0/eval/return": 150.0}
+    assert list(log.tb) == [0] and log.tb[0].scalars == {
+        "eval_tasks/dmc_a-x/return": 600.0, "eval_tasks/dmc_a-x/score": 0.6,
+        "eval_tasks/Pendulum-v1/return": -300.0, "eval/return": 150.0}
     log.truncate_after(5)  # resume: the rows after the checkpoint go, the header stays
     assert _rows(tmp_path) == []
     with open(tmp_path / "eval.csv", newline="") as f:

@@ -127,6 +127,10 @@ def test_extending_a_finished_run_redoes_its_final_evaluation_once(tiny_sac_conf
     assert [r["return_mean"] for r in rows_ext] == [r["return_mean"] for r in rows_full]
     for x, y in zip(leaves(full["state"]), leaves(extended["state"])):
         np.testing.assert_array_equal(x, y)
+    # config.json says what the run became: the new total, the start's provenance, the resume
+    saved = json.loads((tmp_path / "ext" / "config.json").read_text())
+    assert saved["total_steps"] == 600 and saved["provenance"]["versions"]["jax"] == jax.__version__
+    assert [(r["step"], r["total_steps"]) for r in saved["resumes"]] == [(300, 600)]
 
 
 def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):

@@ -49,7 +49,16 @@ class RunConfig:
     preset: Optional[str] = None
     """the --preset names applied, comma-separated (training/presets.py); set by the command line"""
     tensorboard: bool = False
-    """also write TensorBoard events (needs tensorboardX)"""
+    """also write TensorBoard events (needs tensorboardX): one run per seed under run_dir/tb"""
+    wandb: bool = False
+    """also log to Weights & Biases (the wandb extra): one W&B run per seed, grouped, config and git commit included"""
+    wandb_project: str = "plasticity-zoo"
+    wandb_entity: Optional[str] = None
+    wandb_group: Optional[str] = None
+    """default: the run directory's name (the seeds of one run side by side)"""
+    wandb_tags: tuple[str, ...] = ()
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """offline: written under run_dir/wandb, `wandb sync` uploads it later"""
     progress: bool = True
     """show a progress bar"""
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -64,7 +73,8 @@ def to_json(cfg: RunConfig) -> dict:
 
 
 def from_json(d: dict, agent_cls) -> RunConfig:
-    d = dict(d)
+    """The flags of a run's ``config.json`` (its ``provenance`` and ``resumes`` records left aside)."""
+    d = {k: v for k, v in d.items() if k not in ("provenance", "resumes")}
     net = NetworkConfig(**d.pop("network"))
     plasticity = PlasticityConfig(**d.pop("plasticity", {}))
     agent = agent_cls(**d.pop("agent"))
@@ -98,4 +108,4 @@ def cli_type(agent_name: str, agent_cls):
 # hook only reads the state, with keys of its own; the device loop's chunking only decides where
 # the host looks in), so an extended or rescued run stays exact.
 RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every",
-                  "keep_checkpoints", "device_chunk"}
+                  "keep_checkpoints", "device_chunk", "wandb", "wandb_mode", "wandb_tags"}

@@ -34,8 +34,9 @@ import numpy as np
 from training import checkpoint
 from training.config import RunConfig, to_json
 from training.evaluation import policy_maker, task_results
-from training.logger import RunLogger
+from training.logger import RunLogger, wandb_settings
 from training.loop import CompileNotices, Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
+from training.provenance import provenance
 
 
 class Driver:
@@ -54,7 +55,7 @@ class Driver:
         self.unit, self.speed_key, self.eval_extras, self.on_eval = unit, speed_key, eval_extras, on_eval
         self.seeds = cfg.seeds
         self.tasks = getattr(evaluator, "tasks", None)  # an mt: env's member ids: eval.csv gets per-task rows
-        self.logger = RunLogger(run_dir, cfg.tensorboard, multitask=self.tasks is not None)
+        self.logger = RunLogger(run_dir, cfg.tensorboard, multitask=self.tasks is not None, wandb=wandb_settings(cfg))
         self.eval_policy = policy_maker(agent)  # vmapped agent state -> the deterministic policy
         self.step, self.schedule, self.pending = 0, None, None
         self.episode_log = [[] for _ in range(cfg.seeds)] if episodes else None
@@ -73,8 +74,9 @@ class Driver:
             if self.episode_log is not None:
                 self.episode_log = host["episode_log"]
             self.hooks.restore(host["plasticity"])
+            self.logger.record_resume(to_json(self.cfg), self.step, provenance())
         else:
-            self.logger.write_config(to_json(self.cfg))
+            self.logger.write_config(to_json(self.cfg), provenance())
             if on_fresh is not None:
                 on_fresh()
             iteration.fresh()

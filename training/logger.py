@@ -13,6 +13,7 @@ the rows a resumed run will write again.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import re
@@ -74,22 +75,51 @@ class CSVTable:
 class RunLogger:
     """``multitask``: the run's env is an ``mt:`` id (eval.csv gets ``MT_EVAL_COLUMNS``, per-task rows)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False, multitask: bool = False):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False, multitask: bool = False,
+                 wandb: dict | None = None):
+        """``wandb``: ``wandb.init``'s project / entity / group / tags / mode (``wandb_settings``), or None."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = CSVTable(self.dir / "metrics.csv", ["step", "seed"])
         self.evals = CSVTable(self.dir / "eval.csv", MT_EVAL_COLUMNS if multitask else EVAL_COLUMNS)
-        self.tb = None
+        self.tb: dict | None = None  # seed -> its TensorBoard writer (tb/seed<j>: the seeds overlay as runs)
+        self.config: dict | None = None
+        self.last_eval: dict[int, float] = {}
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError as e:
                 raise SystemExit("--tensorboard needs tensorboardX: pip install -e '.[tb]'") from e
-            self.tb = SummaryWriter(str(self.dir / "tb"))
+            self.tb = _PerSeed(lambda j: SummaryWriter(str(self.dir / "tb" / f"seed{j}")))
+        self.provenance: dict | None = None
+        self.wb: dict | None = None  # seed -> its W&B run, started on first use (the config is known by then)
+        if wandb is not None:
+            require_wandb()
+            self.wb_settings = wandb
+            self.wb = _PerSeed(self._wandb_run)
 
-    def write_config(self, config: dict):
-        with open(self.dir / "config.json", "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+    def write_config(self, config: dict, provenance: dict | None = None):
+        """``config.json``: the run's flags and, when given, where and with what it starts
+        (``training/provenance.py``)."""
+        self.config, self.provenance = config, provenance
+        self._write_json("config.json", config if provenance is None else {**config, "provenance": provenance})
+
+    def record_resume(self, config: dict, step: int, provenance: dict):
+        """``config.json`` after a ``--resume`` from ``step``: the flags as they are now (a new
+        ``--total-steps``), the start's provenance kept, and this resume appended to ``resumes``."""
+        path = self.dir / "config.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        resumes = list(old.get("resumes", [])) + [{"step": step, "total_steps": config.get("total_steps"),
+                                                   **provenance}]
+        kept = {"provenance": old["provenance"]} if "provenance" in old else {}
+        self.config, self.provenance = config, old.get("provenance", provenance)
+        self._write_json("config.json", {**config, **kept, "resumes": resumes})
+
+    def _write_json(self, name: str, d: dict):
+        tmp = self.dir / f".{name}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f, indent=2, sort_keys=True)
+        os.replace(tmp, self.dir / name)  # whole or not at all: a reader never sees half a file
 
     def log_metrics(self, step: int, per_seed: list[dict]):
         rows = [{"step": step, "seed": j, **{k: _fmt(v) for k, v in m.items()}} for j, m in enumerate(per_seed)]
@@ -97,7 +127,10 @@ class RunLogger:
         if self.tb is not None:
             for j, m in enumerate(per_seed):
                 for k, v in m.items():
-                    self.tb.add_scalar(f"seed{j}/{k}", float(v), step)
+                    self.tb[j].add_scalar(k, float(v), step)
+        if self.wb is not None:
+            for j, m in enumerate(per_seed):
+                self.wb[j].log({k: float(v) for k, v in m.items()}, step=step)
 
     def log_eval(self, step: int, returns, extra: list[dict] | None = None, tasks=None):
         """``returns``: per seed, the list of evaluation episode returns; ``extra``: per seed, more
@@ -114,8 +147,12 @@ class RunLogger:
             rows.append({"step": step, "seed": j, "return_mean": _fmt(r.mean()), "return_std": _fmt(r.std()),
                          "episode_returns": " ".join(_fmt(x) for x in r),
                          **{k: _fmt(v) for k, v in (extra[j] if extra else {}).items()}})
+            self.last_eval[j] = float(r.mean())
             if self.tb is not None:
-                self.tb.add_scalar(f"seed{j}/eval/return", float(r.mean()), step)
+                self.tb[j].add_scalar("eval/return", float(r.mean()), step)
+            if self.wb is not None:
+                self.wb[j].log({"eval/return": float(r.mean()), **{f"eval/{k}": float(v) for k, v in
+                                                                  (extra[j] if extra else {}).items()}}, step=step)
         self.evals.append(rows)
 
     def _log_task_eval(self, step: int, returns, extra, tasks):
@@ -130,12 +167,18 @@ class RunLogger:
                              "episode_returns": " ".join(_fmt(x) for x in res["returns"]),
                              "score": "" if res["score"] is None else _fmt(res["score"]),
                              **{k: _fmt(v) for k, v in (extra[j] if extra and aggregate else {}).items()}})
+                if aggregate:
+                    self.last_eval[j] = float(res["return_mean"])
                 if self.tb is not None:
                     name = re.sub(r"[^-/.\w]", "_", res["task"])  # a TensorBoard tag: dmc:x-y -> dmc_x-y
-                    tag = f"seed{j}/eval" if aggregate else f"seed{j}/eval_tasks/{name}"
-                    self.tb.add_scalar(f"{tag}/return", res["return_mean"], step)
+                    tag = "eval" if aggregate else f"eval_tasks/{name}"
+                    self.tb[j].add_scalar(f"{tag}/return", res["return_mean"], step)
                     if res["score"] is not None:
-                        self.tb.add_scalar(f"{tag}/score", res["score"], step)
+                        self.tb[j].add_scalar(f"{tag}/score", res["score"], step)
+                if self.wb is not None:
+                    key = "eval" if aggregate else f"eval_tasks/{res['task']}"
+                    self.wb[j].log({f"{key}/return": res["return_mean"],
+                                    **({f"{key}/score": res["score"]} if res["score"] is not None else {})}, step=step)
         self.evals.append(rows)
 
     def truncate_after(self, step: int, evals_before: int | None = None):
@@ -145,8 +188,69 @@ class RunLogger:
         self.evals.truncate_after(step, evals_before)
 
     def close(self):
-        if self.tb is not None:
-            self.tb.close()
+        """Close the TensorBoard writers, each with its hyperparameters (the run's scalar flags) and its
+        seed's last evaluation return, for TensorBoard's HPARAMS view; finish the W&B runs."""
+        for run in (self.wb or {}).values():
+            run.finish()
+        if self.tb is None:
+            return
+        for j, writer in self.tb.items():
+            if self.config is not None and j in self.last_eval:
+                writer.add_hparams(hparams(self.config), {"hparams/last_eval_return": self.last_eval[j]},
+                                   name=".")
+            writer.close()
+
+
+    def _wandb_run(self, j: int):
+        """Seed ``j``'s W&B run: its id is fixed by the run directory and the seed, so a ``--resume``
+        continues it; grouped by the run directory's name unless ``--wandb-group`` says otherwise."""
+        import wandb
+
+        s = self.wb_settings
+        rid = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16] + f"-seed{j}"
+        config = {**(self.config or {}), "seed_index": j, "provenance": self.provenance}
+        return wandb.init(project=s["project"], entity=s["entity"], group=s["group"] or self.dir.name,
+                          tags=list(s["tags"]) or None, mode=s["mode"], dir=str(self.dir), id=rid,
+                          name=f"{self.dir.name}/seed{j}", resume="allow", reinit="create_new", config=config)
+
+
+def wandb_settings(cfg) -> dict | None:
+    """``RunLogger``'s ``wandb`` argument from a ``RunConfig`` (None without ``--wandb``)."""
+    if not cfg.wandb:
+        return None
+    return {"project": cfg.wandb_project, "entity": cfg.wandb_entity, "group": cfg.wandb_group,
+            "tags": tuple(cfg.wandb_tags), "mode": cfg.wandb_mode}
+
+
+def require_wandb():
+    """--wandb without the wandb package: one clear line (preflight calls this before a run directory exists)."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise SystemExit("--wandb needs the wandb package: pip install -e '.[wandb]'")
+
+
+class _PerSeed(dict):
+    """seed -> writer, each made on first use by ``make(seed)``."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, j):
+        self[j] = self.make(j)
+        return self[j]
+
+
+def hparams(config: dict, prefix: str = "") -> dict:
+    """The scalar (and string) flags of a ``config.json`` dict, nested names joined by '.'."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(hparams(v, f"{prefix}{k}."))
+        elif isinstance(v, (bool, int, float, str)):
+            out[prefix + k] = v
+    return out
 
 
 def _fmt(v) -> str:

@@ -77,7 +77,7 @@ def check_loop(cfg: RunConfig, agent):
 
 
 # What a run writes into its directory; a directory holding any of them holds a run.
-RUN_FILES = ("config.json", "metrics.csv", "eval.csv", "dataset.json", "ckpt", "tb")
+RUN_FILES = ("config.json", "metrics.csv", "eval.csv", "dataset.json", "ckpt", "tb", "wandb")
 REPLACED = ".replaced-"  # DIR/.replaced-<time>/: a run moved aside by --overwrite
 
 
@@ -143,6 +143,10 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
     elif cfg.run_dir and not overwrite and run_files(cfg.run_dir):
         raise SystemExit(holds_a_run(cfg.run_dir, run_files(cfg.run_dir)))
     check_loop(cfg, agent)  # counts below 1, the kind's own arithmetic, the device loop's needs
+    if cfg.wandb:
+        from training.logger import require_wandb
+
+        require_wandb()
     check_relations(cfg, agent)
     if agent.KIND == "offline":
         from training.offline import resolve_dataset
