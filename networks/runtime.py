@@ -1,34 +1,45 @@
 """Process-wide JAX settings the zoo applies when it is imported (``networks`` imports this module),
 and the persistent compilation cache the entry points switch on (``use_persistent_cache``).
 
-**Threefry unrolled on CPU.**  Every ``jax.random`` draw hashes counters with Threefry-2x32.  On CPU
-JAX lowers the hash's 20 rounds as a 5-iteration rolled loop (to keep compile times short); inside
-a jitted update each iteration runs as several small XLA kernels per draw, and for the few thousand
-numbers an RL update draws (policy noise, SIGReg's directions, target heads) the loop's per-kernel
-overhead is most of the draw's cost.  The unrolled lowering, the one JAX itself uses on GPU and TPU,
-computes the same bits (the same uint32 operations in the same order; ``tests/test_networks.py``
-compares them) in one fused kernel.  A SAC update at width 32 went from 2.0 ms to 1.3 ms on the
-2-core build CPU (``scripts/benchmark.py --plasticity --width 32``, alternated; docs/benchmarks.md).
-The price is compile time: XLA compiles the unrolled hash slowly, most of all in programs of tiny
-networks (SAC's step program at width 16: 43 s against 4.4 s rolled; at the default width 256:
-14 s against 6 s; ``JAX_LOG_COMPILES=1``), paid once per process.  Set ``RLZOO_ROLLED_THREEFRY=1``
-to keep JAX's rolled loop (the test suite does, for that reason).
+**Threefry on CPU: JAX's rolled loop by default, the unrolled lowering on request.**  Every
+``jax.random`` draw hashes counters with Threefry-2x32; on CPU JAX lowers the hash's 20 rounds as a
+5-iteration rolled loop, on GPU and TPU unrolled.  Both compute the same bits
+(``tests/test_networks.py`` compares them).  ``RLZOO_UNROLLED_THREEFRY=1`` registers the unrolled
+lowering for the CPU platform: a SAC update at width 32 took 1.3 ms against 2.0 ms rolled, but XLA
+compiles the unrolled hash slowly (SAC's ``learn_and_act`` at the default width: 37.5 s against 3.5 s),
+and whole runs favour the rolled loop: the README's ``train.py sac --env Pendulum-v1`` took 193.6 s
+to its end against 218.9 s unrolled on a first run, and 172.4 s against 170.3 s on a second run with
+the compiled programs in the persistent cache (docs/benchmarks.md, "Start-up").  The unrolled rule is a
+private JAX function, registered only for the JAX versions it was checked with
+(``UNROLLED_THREEFRY_JAX``).
 """
 from __future__ import annotations
 
 import functools
 import os
+import warnings
+
+
+UNROLLED_THREEFRY_JAX = ("0.10.", "0.11.")  # JAX versions whose private lowering rule this was checked with
 
 
 def unroll_threefry_on_cpu() -> bool:
-    """Register the unrolled Threefry lowering for the CPU platform; False where JAX's internals moved."""
-    if os.environ.get("RLZOO_ROLLED_THREEFRY", "") not in ("", "0"):
+    """With ``RLZOO_UNROLLED_THREEFRY=1``, register the unrolled Threefry lowering for the CPU platform;
+    False otherwise, and where JAX's version or internals are not the ones checked (a warning says so)."""
+    if os.environ.get("RLZOO_UNROLLED_THREEFRY", "") in ("", "0"):
+        return False
+    import jax
+
+    if not jax.__version__.startswith(UNROLLED_THREEFRY_JAX):
+        warnings.warn(f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with "
+                      f"{', '.join(v + 'x' for v in UNROLLED_THREEFRY_JAX)}); JAX's rolled loop is used")
         return False
     try:
         from jax._src.interpreters import mlir
         from jax._src.random import threefry2x32 as threefry
         rule, primitive = threefry._threefry2x32_lowering_rule, threefry.threefry2x32_p
     except (ImportError, AttributeError):  # another JAX layout: keep its default lowering
+        warnings.warn("RLZOO_UNROLLED_THREEFRY: JAX's Threefry lowering moved; its rolled loop is used")
         return False
     mlir.register_lowering(primitive, rule, platform="cpu")
     return True

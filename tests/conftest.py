@@ -28,13 +28,6 @@ if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as scripts/train.py: LAPACK's threads fight XLA's
-# JAX's own rolled Threefry loop in the suite (and the train.py subprocesses it starts), not the zoo's
-# unrolled lowering (networks/runtime.py): the random bits are identical (test_networks compares the
-# two lowerings, and checks that the zoo registers the unrolled one by default), but XLA compiles the
-# unrolled hash slowly in programs of tiny networks: a width-16 SAC run's step program took 43 s to
-# compile against 4.4 s rolled (JAX_LOG_COMPILES; 14 s against 6 s at the default width), and
-# compiling is most of what the suite does.
-os.environ.setdefault("RLZOO_ROLLED_THREEFRY", "1")
 # XLA compiles dominate the suite's time, and many tests (and the training subprocesses of the CLI
 # tests, which inherit the variables) compile the same programs again.  A persistent compilation
 # cache, empty at the start of every session and removed at its end, compiles each program once per

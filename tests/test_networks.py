@@ -101,18 +101,18 @@ def test_edac_output_init_range():
     np.testing.assert_allclose(p["trunk"]["layers"][0]["bias"], 0.1)
 
 
-def test_threefry_unrolled_on_cpu_gives_the_same_bits_as_jaxs_rolled_loop():
-    """networks.runtime registers JAX's unrolled Threefry lowering on CPU: same hash, no loop.
-
-    The suite itself runs with JAX's rolled loop (``RLZOO_ROLLED_THREEFRY=1`` in conftest: faster to
-    compile), so the two lowerings are compared here as functions, and the zoo's default is checked
-    in a process without that setting."""
+def test_threefry_unrolled_on_request_gives_the_same_bits_as_jaxs_rolled_loop(tmp_path):
+    """The zoo keeps JAX's rolled Threefry loop on CPU by default; ``RLZOO_UNROLLED_THREEFRY=1`` registers
+    the unrolled lowering (checked in a process of its own), which computes the same bits."""
     import os
     import subprocess
     import sys
 
     from jax._src.random import threefry2x32 as threefry
 
+    from networks import runtime
+
+    assert not runtime.THREEFRY_UNROLLED  # the default
     rng = np.random.default_rng(0)
     k1, k2 = (jnp.asarray(rng.integers(0, 2**32, (), dtype=np.uint32)) for _ in range(2))
     x1, x2 = (jnp.asarray(rng.integers(0, 2**32, 4096, dtype=np.uint32)) for _ in range(2))
@@ -122,13 +122,15 @@ def test_threefry_unrolled_on_cpu_gives_the_same_bits_as_jaxs_rolled_loop():
     assert "while" in rolled.lower(k1, k2, x1, x2).as_text()
     for a, b in zip(unrolled(k1, k2, x1, x2), rolled(k1, k2, x1, x2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check = ("import jax; from networks import runtime; assert runtime.THREEFRY_UNROLLED; "
+    check = ("import jax, numpy as np; from networks import runtime; assert runtime.THREEFRY_UNROLLED; "
              "draw = jax.jit(lambda key: jax.random.normal(key, (256, 16))); "
-             "assert 'while' not in draw.lower(jax.random.key(0)).compile().as_text()")
-    env = {k: v for k, v in os.environ.items() if k != "RLZOO_ROLLED_THREEFRY"}
-    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1], timeout=300)
-    assert out.returncode == 0, out.stderr
+             "assert 'while' not in draw.lower(jax.random.key(0)).compile().as_text(); "
+             f"np.save({str(tmp_path / 'draws.npy')!r}, np.asarray(draw(jax.random.key(3))))")
+    out = subprocess.run([sys.executable, "-c", check], env={**os.environ, "RLZOO_UNROLLED_THREEFRY": "1"},
+                         capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    draws = np.load(tmp_path / "draws.npy")
+    np.testing.assert_array_equal(draws, np.asarray(jax.random.normal(jax.random.key(3), (256, 16))))
 
 
 def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
