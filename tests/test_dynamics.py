@@ -193,6 +193,26 @@ def test_ensemble_loss_matches_numpy():
 # ----------------------------------------------------------------------------- early stopping rule
 
 
+def test_bootstrap_resamples_are_dealt_to_the_members_anew_each_epoch(data, monkeypatch):
+    """As the RAVL reference's ``train_dynamics_model.py`` (``x_batch[:, perm]`` with a fresh member
+    permutation per epoch): each epoch's rows per member are the same M resamples, in another order."""
+    dealt, epoch = [], dyn._train_epoch
+
+    def spy(params, opt_state, key, x, y, boot, net, cfg):
+        dealt.append(np.asarray(boot))
+        return epoch(params, opt_state, key, x, y, boot, net, cfg)
+
+    monkeypatch.setattr(dyn, "_train_epoch", spy)
+    cfg = replace(CFG, members=5, elites=2, min_epochs=0, max_epochs=4)
+    dyn.train(jax.random.key(0), *data, cfg)
+    assert len(dealt) == 4
+    first = sorted(map(tuple, dealt[0]))
+    assert all(sorted(map(tuple, d)) == first for d in dealt)  # the same resamples every epoch
+    assert any(not np.array_equal(d, dealt[0]) for d in dealt[1:4])  # dealt in another order
+    nobs = dyn.train(jax.random.key(0), *data, replace(cfg, bootstrap=False))[1]["epochs"]
+    assert all(np.array_equal(d, np.tile(np.arange(d.shape[1]), (5, 1))) for d in dealt[4:4 + nobs])
+
+
 def test_early_stopping_rule():
     cfg = dyn.DynamicsConfig(patience=2, min_epochs=6, max_epochs=20, improvement=0.01, lr_cut=0.3)
     stop = dyn.EarlyStopping(cfg, 2)
