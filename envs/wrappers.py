@@ -17,7 +17,9 @@ ID_FORMS = (
     "valid env ids: a Gymnasium id such as 'HalfCheetah-v5', 'Hopper-v5' or 'Pendulum-v1', "
     "a DeepMind Control Suite task as 'dmc:<domain>-<task>', e.g. 'dmc:cheetah-run', "
     "a multitask set as 'mt:<id>,<id>,...' or 'mt:<suite>', e.g. 'mt:dmc4' (envs/multitask.py), "
-    "or a MuJoCo Playground task on the device as 'playground:<Name>', e.g. 'playground:CheetahRun' (extra .[mjx])"
+    "a MuJoCo Playground task on the device as 'playground:<Name>', e.g. 'playground:CheetahRun' (extra .[mjx]), "
+    "or an env a module registers with Gymnasium on import as '<module>:<id>' (Gymnasium's form), "
+    "e.g. 'my_package.envs:MyEnv-v0'"
 )
 DMC_ACTION_REPEAT = 2  # MR.Q's DMC protocol
 
@@ -69,7 +71,40 @@ class FlatFloat32(gym.ObservationWrapper):
         return np.asarray(obs, np.float32).ravel()
 
 
+_REGISTERED_BY: dict[str, list[str]] = {}  # module -> the env ids its first import registered
+
+
+def import_env_module(env_id: str) -> str:
+    """``'<module>:<id>'`` (Gymnasium's form): import the module, which registers the env, and return the
+    id.  The module is looked up on ``sys.path`` and, after it, in the current directory (as ``python -m``
+    would), so a user's package beside the run works from ``scripts/train.py``, ``evaluate.py`` and a
+    ``--resume``: ``config.json`` keeps the whole id, and each of them imports the module again."""
+    import importlib
+    import os
+    import sys
+
+    module, _, name = env_id.rpartition(":")
+    if not module or not name:
+        raise ValueError(f"malformed env id {env_id!r}; {ID_FORMS}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    before = set(gym.registry)
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"env {env_id!r}: cannot import module {module!r} ({e}); it must be importable from "
+                         "the current directory or PYTHONPATH") from None
+    registered = _REGISTERED_BY.setdefault(module, sorted(set(gym.registry) - before))
+    if name not in gym.registry:
+        mine = registered
+        raise ValueError(f"env {env_id!r}: module {module!r} registers no env {name!r}"
+                         + (f"; it registers {', '.join(mine)}" if mine else ""))
+    return name
+
+
 def _gym_make(env_id: str, **kwargs) -> gym.Env:
+    if ":" in env_id:
+        env_id = import_env_module(env_id)
     if env_id not in gym.registry:
         raise ValueError(f"unknown env id {env_id!r}; {ID_FORMS}")
     env = gym.make(env_id, **kwargs)
