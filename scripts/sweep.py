@@ -122,8 +122,10 @@ def _die_with_parent():
         pass
 
 
-def run_trial(python: str, train: str, argv: list[str], log: str, status: str, gpus: float) -> int:
-    """One attempt of one trial, in a Ray worker: train.py in a child process, output to ``log``.
+def run_trial(python: str, train: str, argv: list[str], log: str, status: str, gpus: float, cwd: str) -> int:
+    """One attempt of one trial, in a Ray worker: train.py in a child process, output to ``log``, run in
+    ``cwd`` (the sweep's own directory, wherever Ray starts its workers: relative paths and a user's
+    ``--env <module>:<id>`` resolve as on the command line).
 
     Stopping the task (Ctrl-C of the sweep) sends the child SIGTERM, on which train.py stops at the
     end of its iteration with a checkpoint; the task waits for it."""
@@ -149,7 +151,7 @@ def run_trial(python: str, train: str, argv: list[str], log: str, status: str, g
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} on {os.uname().nodename}: train.py "
                   f"{' '.join(argv)}\n")
         out.flush()
-        child = subprocess.Popen([python, train, *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+        child = subprocess.Popen([python, train, *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                  preexec_fn=_die_with_parent)
         try:
             return child.wait()
@@ -204,7 +206,7 @@ def run_sweep(args, trials, ledger: sw.Ledger, spec: sw.Spec) -> int:
         ledger.set_status(t.name, state="queued", attempts=tries[t.name], action=how,
                           total_steps=_total_steps(t))
         ref = task.remote(sys.executable, str(TRAIN), argv, str(ledger.log(t)), str(ledger.status_path(t.name)),
-                          spec.gpus_per_trial)
+                          spec.gpus_per_trial, os.getcwd())
         running[ref] = t
 
     tty = sys.stdout.isatty()

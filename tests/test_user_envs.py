@@ -67,3 +67,21 @@ def test_a_users_env_trains_resumes_evaluates_and_reports_from_the_cli(user_dir)
                           "--run-dir", "runs/bad"], cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("error: env 'zoo_user_pkg:Nope-v0'")
     assert not (user_dir / "runs" / "bad").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_over_a_users_env_runs_its_trial_where_the_sweep_was_started(user_dir):
+    """The trial's train.py runs in the sweep's directory (``scripts/sweep.py: run_trial`` passes it, wherever
+    Ray starts its workers), so the module is found there as on the command line."""
+    pytest.importorskip("ray")
+    (user_dir / "s.toml").write_text(
+        'agents = ["sac"]\nenvs = ["zoo_user_pkg:ZooUserPendulum-v0"]\n[flags]\n"total-steps" = 200\n'
+        '"learning-starts" = 100\n"eval-every" = 200\n"eval-episodes" = 1\n"network.width" = 16\n'
+        '"plasticity.metrics-every" = 0\n[variants]\nnone = {}\n')
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "s.toml", "--dir", "sweep",
+                          "--num-cpus", "1", "--refresh", "2"], cwd=user_dir, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (run,) = (user_dir / "sweep" / "runs").iterdir()
+    assert run.name.startswith("zoo_user_pkg-ZooUserPendulum-v0__sac__none") and (run / "eval.csv").is_file()
