@@ -68,13 +68,12 @@ import contextlib
 import json
 import os
 import shlex
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 from sac_reference import RecordingOptimizer, arr
-from snapshot import load_definitions, read_snapshot
+from snapshot import load_definitions, locals_at_return, read_snapshot
 
 FILES = {"mrq": "tdmpc2/mrq.py", "layers": "tdmpc2/common/layers.py", "math": "tdmpc2/common/math.py",
          "init": "tdmpc2/common/init.py", "scale": "tdmpc2/common/scale.py", "common": "tdmpc2/common/__init__.py",
@@ -129,19 +128,6 @@ class CpuTorch:
 
     def randn_like(self, *args, **kwargs):
         return self._draws.randn_like(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def frames_of(names, into: dict):
-    """Copy the locals of each function in ``names`` as it returns, as ``into[name]``."""
-    def profile(frame, event, arg):
-        if event == "return" and frame.f_code.co_name in names:
-            into[frame.f_code.co_name] = dict(frame.f_locals)
-    sys.setprofile(profile)
-    try:
-        yield into
-    finally:
-        sys.setprofile(None)
 
 
 @contextlib.contextmanager
@@ -328,7 +314,7 @@ def main():
     agent.policy_optim = Recording(model.policy_params())
     frames, norms = {}, []
     with draws.queued([TARGET_PERM, POLICY_PERM], [t_noise]), recorded_clip_norms(norms), \
-            frames_of({"_encoder_loss", "_value_loss", "_policy_loss"}, frames):
+            locals_at_return({"_encoder_loss", "_value_loss", "_policy_loss"}, frames):
         agent.update(buffer)
     assert len(norms) == 2 and max(norms) < cfg.grad_clip_norm, norms  # the clips are inert: raw grads recorded
     enc, val, pol = frames["_encoder_loss"], frames["_value_loss"], frames["_policy_loss"]

@@ -68,7 +68,6 @@ import math
 import os
 import re
 import shlex
-import sys
 import tempfile
 from types import SimpleNamespace
 
@@ -79,7 +78,7 @@ import numpy as np
 import optax
 import yaml
 from sklearn.model_selection import train_test_split
-from snapshot import compile_reference, load_definitions, read_snapshot
+from snapshot import compile_reference, load_definitions, locals_at_return, read_snapshot
 
 jax.config.update("jax_platform_name", "cpu")
 
@@ -125,19 +124,6 @@ class Draws:
         finally:
             jax.random.normal, jax.random.choice = saved
         assert not self.normals and not self.choices, "fixed draws left unused"
-
-
-@contextlib.contextmanager
-def locals_at_return(names, into: dict):
-    """Copy the locals of each function in ``names`` as it returns, as ``into[name]``."""
-    def profile(frame, event, arg):
-        if event == "return" and frame.f_code.co_name in names:
-            into[frame.f_code.co_name] = dict(frame.f_locals)
-    sys.setprofile(profile)
-    try:
-        yield into
-    finally:
-        sys.setprofile(None)
 
 
 def leaves(tree) -> dict:

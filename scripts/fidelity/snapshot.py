@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import __future__
 import ast
+import contextlib
 import os
 import subprocess
+import sys
 
 
 def _git(git_dir: str, *args: str) -> str:
@@ -60,3 +62,16 @@ def load_definitions(source: str, filename: str, names: set, overrides: dict | N
     if missing:
         raise SystemExit(f"{filename}: definitions not found: {sorted(missing)}")
     return ns
+
+
+@contextlib.contextmanager
+def locals_at_return(names, into: dict):
+    """Copy the locals of each function in ``names`` as it returns, as ``into[name]``."""
+    def profile(frame, event, arg):
+        if event == "return" and frame.f_code.co_name in names:
+            into[frame.f_code.co_name] = dict(frame.f_locals)
+    sys.setprofile(profile)
+    try:
+        yield into
+    finally:
+        sys.setprofile(None)
