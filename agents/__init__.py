@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import importlib
 
-AGENTS = {"sac": "agents.sac", "mrq": "agents.mrq", "ppo": "agents.ppo", "ravl": "agents.ravl",
-          "mrq-mt": "agents.mrq_mt", "neubay": "agents.neubay"}
+AGENTS = {"sac": "plasticity_zoo.agents.sac", "mrq": "plasticity_zoo.agents.mrq", "ppo": "plasticity_zoo.agents.ppo", "ravl": "plasticity_zoo.agents.ravl",
+          "mrq-mt": "plasticity_zoo.agents.mrq_mt", "neubay": "plasticity_zoo.agents.neubay"}
 
 
 def get(name: str):

@@ -69,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from plasticity.api import ExplorationNoiseAgent, LEASTAgent, MeasuredAgent, PlasticAgent, StaticPlasticity
+from plasticity_zoo.plasticity.api import ExplorationNoiseAgent, LEASTAgent, MeasuredAgent, PlasticAgent, StaticPlasticity
 
 __all__ = ["Agent", "TaskConditionedAgent", "RecurrentAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "MeasuredAgent", "LEASTAgent",
            "ExplorationNoiseAgent", "StaticPlasticity", "KINDS", "OffPolicyConfig", "protocol_for"]

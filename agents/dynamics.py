@@ -41,10 +41,10 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from networks import Net, Trunk, TrunkSpec
-from networks.core import path_names, uniform_fan_in
-from networks.blocks import ACTIVATIONS
-from buffers.replay import Transition
+from plasticity_zoo.networks import Net, Trunk, TrunkSpec
+from plasticity_zoo.networks.core import path_names, uniform_fan_in
+from plasticity_zoo.networks.blocks import ACTIVATIONS
+from plasticity_zoo.buffers.replay import Transition
 
 ELITE_SAMPLING = ("row", "step", "trajectory")
 TARGET_SCALING = ("none", "zscore")

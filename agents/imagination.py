@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents import dynamics as dynamics_lib
+from plasticity_zoo.agents import dynamics as dynamics_lib
 
 
 class Histories(NamedTuple):

@@ -92,16 +92,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
-from networks.blocks import ACTIVATIONS
-from plasticity import optim as optim_lib
-from plasticity.api import StaticPlasticity, declared_nets, declared_params
-from plasticity.sigreg import regularized
-from buffers import lap
-from agents.api import OffPolicyConfig, check_range, check_replay
-from networks.config import NetworkConfig
-from buffers.lap import Window
-from buffers.replay import Transition
+from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
+from plasticity_zoo.networks.blocks import ACTIVATIONS
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.sigreg import regularized
+from plasticity_zoo.buffers import lap
+from plasticity_zoo.agents.api import OffPolicyConfig, check_range, check_replay
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.buffers.replay import Transition
 
 # ----------------------------------------------------------------------------- config
 

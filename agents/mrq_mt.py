@@ -72,15 +72,15 @@ import optax
 import tyro
 from flax import nnx, struct
 
-from agents.api import OffPolicyConfig, check_range, check_replay
-from agents.mrq import PLASTIC, StateActionEncoder, _keys, symexp, symlog
-from buffers import lap
-from buffers.lap import Window
-from networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
-from networks.config import NetworkConfig
-from plasticity import optim as optim_lib
-from plasticity.api import StaticPlasticity, declared_nets, declared_params
-from plasticity.sigreg import regularized
+from plasticity_zoo.agents.api import OffPolicyConfig, check_range, check_replay
+from plasticity_zoo.agents.mrq import PLASTIC, StateActionEncoder, _keys, symexp, symlog
+from plasticity_zoo.buffers import lap
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.sigreg import regularized
 
 # ----------------------------------------------------------------------------- config
 

@@ -74,18 +74,18 @@ import numpy as np
 import optax
 from flax import struct
 
-from agents import dynamics as dynamics_lib
-from agents import imagination, sac
-from agents.api import OfflineDataConfig
-from agents.dynamics import DynamicsConfig, neubay_config
-from buffers import tapes as tapes_lib
-from envs import datasets, termination
-from networks.config import NetworkConfig
-from plasticity.api import StaticPlasticity
-from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build, fan_in_uniform_init
-from networks.core import path_names, uniform_fan_in
-from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
-from networks.recurrent import Memoryless, RecurrentNet, RecurrentSpec, build_recurrent
+from plasticity_zoo.agents import dynamics as dynamics_lib
+from plasticity_zoo.agents import imagination, sac
+from plasticity_zoo.agents.api import OfflineDataConfig
+from plasticity_zoo.agents.dynamics import DynamicsConfig, neubay_config
+from plasticity_zoo.buffers import tapes as tapes_lib
+from plasticity_zoo.envs import datasets, termination
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity.api import StaticPlasticity
+from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build, fan_in_uniform_init
+from plasticity_zoo.networks.core import path_names, uniform_fan_in
+from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
+from plasticity_zoo.networks.recurrent import Memoryless, RecurrentNet, RecurrentSpec, build_recurrent
 
 # The paper's per-task table (its appendix's hyperparameters): (encoder lr, real_weight) by D4RL task.
 TASK_SETTINGS = {

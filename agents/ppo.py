@@ -67,14 +67,14 @@ import optax
 from flax import nnx, struct
 from jax.flatten_util import ravel_pytree
 
-from networks import Net, TrunkSpec, build, orthogonal
-from networks.blocks import Trunk
-from networks.distributions import gaussian_log_prob
-from plasticity import optim as optim_lib
-from plasticity.api import StaticPlasticity, declared_nets, declared_params
-from plasticity.sigreg import regularized
-from networks.config import NetworkConfig
-from agents.api import check_range
+from plasticity_zoo.networks import Net, TrunkSpec, build, orthogonal
+from plasticity_zoo.networks.blocks import Trunk
+from plasticity_zoo.networks.distributions import gaussian_log_prob
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.sigreg import regularized
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.agents.api import check_range
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
 

@@ -40,15 +40,15 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from agents import dynamics as dynamics_lib
-from agents import sac
-from agents.api import OfflineDataConfig
-from agents.dynamics import DynamicsConfig
-from envs import termination
-from plasticity.api import StaticPlasticity
-from buffers import replay
-from networks.config import NetworkConfig
-from buffers.replay import Transition
+from plasticity_zoo.agents import dynamics as dynamics_lib
+from plasticity_zoo.agents import sac
+from plasticity_zoo.agents.api import OfflineDataConfig
+from plasticity_zoo.agents.dynamics import DynamicsConfig
+from plasticity_zoo.envs import termination
+from plasticity_zoo.plasticity.api import StaticPlasticity
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.buffers.replay import Transition
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,15 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
-from networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
-from plasticity import optim as optim_lib
-from plasticity.api import StaticPlasticity, declared_nets, declared_params
-from plasticity.sigreg import regularized
-from agents.api import OffPolicyConfig, check_range, check_replay
-from networks.config import NetworkConfig
-from buffers import replay
-from buffers.replay import Transition
+from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
+from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.sigreg import regularized
+from plasticity_zoo.agents.api import OffPolicyConfig, check_range, check_replay
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.buffers.replay import Transition
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Replay storage on the device, below the agents: ``Transition``, the uniform ring buffer
 (``buffers.replay``) and loss-adjusted prioritised replay over subtrajectories (``buffers.lap``)."""
-from buffers.replay import Transition
+from plasticity_zoo.buffers.replay import Transition
 
 __all__ = ["Transition"]

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from buffers.replay import Transition
+from plasticity_zoo.buffers.replay import Transition
 
 
 class LAPBuffer(NamedTuple):

@@ -26,8 +26,8 @@ import pickle
 import gymnasium as gym
 import numpy as np
 
-from envs.actions import check_action_mode, to_env_action
-from envs.vector import VectorEnv
+from plasticity_zoo.envs.actions import check_action_mode, to_env_action
+from plasticity_zoo.envs.vector import VectorEnv
 
 
 def _seeds(seed: int, num_envs: int, seeds):

@@ -107,7 +107,7 @@ class Dataset:
         ``unit_actions``: rescale actions from the env's bounds to the agent's [-1, 1] (bounds from
         ``metadata['action_low'/'action_high']``, else from the env ``env_id`` names).
         """
-        from buffers.replay import Transition
+        from plasticity_zoo.buffers.replay import Transition
 
         actions = np.asarray(self.actions, np.float32)
         if unit_actions:
@@ -178,7 +178,7 @@ class EnvSpaces:
 @functools.lru_cache(maxsize=None)
 def env_spaces(env_id: str) -> EnvSpaces:
     """Observation / action dims and the env's own action bounds behind ``envs.make_env``'s [-1, 1]."""
-    from envs.make import UnitActions, make_env
+    from plasticity_zoo.envs.make import UnitActions, make_env
 
     env = make_env(env_id)
     try:
@@ -306,7 +306,7 @@ def check_transitions(dataset: Dataset, env_id: Optional[str] = None, rows=None,
         raise DatasetError("check_transitions needs an env id (argument or metadata env_id)")
     if "qpos" not in dataset.infos or "qvel" not in dataset.infos:
         raise DatasetError("check_transitions needs infos/qpos and infos/qvel (simulator states)")
-    from envs.make import make_env
+    from plasticity_zoo.envs.make import make_env
 
     env = make_env(env_id)
     sim = env.unwrapped
@@ -755,7 +755,7 @@ def collect(env_id: str, policy: Callable, size: int, seed: int, num_envs: int =
     ``action_log_probs`` when the policy returns them.  Episodes still running at the end are
     discarded, a small bias toward short episodes when ``num_envs`` is large relative to ``size``.
     """
-    from envs.make import make_vector_env
+    from plasticity_zoo.envs.make import make_vector_env
 
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
@@ -818,7 +818,7 @@ def evaluate_policy(env_id: str, policy: Callable, episodes: int, first_seed: in
                     max_episode_steps: int = MAX_EPISODE_STEPS) -> np.ndarray:
     """Returns of ``episodes`` parallel episodes reset from seeds first_seed, first_seed+1, ... (Minari's
     reference protocol, spec 2.2).  ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1]."""
-    from envs.make import VectorEnv
+    from plasticity_zoo.envs.make import VectorEnv
 
     venv = VectorEnv(env_id, episodes, first_seed)
     try:

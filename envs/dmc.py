@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import gymnasium as gym
 
-from envs.actions import agent_action_space, check_action_mode, to_env_action
+from plasticity_zoo.envs.actions import agent_action_space, check_action_mode, to_env_action
 
 
 def _flat_size(spec) -> int:

@@ -7,12 +7,12 @@ transition (``next_obs``) beside the observation to act on (reset where an episo
 """
 from __future__ import annotations
 
-from envs import backends
-from envs.multitask import is_multitask
-from envs.playground import PlaygroundVectorEnv, is_playground
-from envs.single import make_env
-from envs.vector import CountingVectorEnv, VectorEnv
-from envs.wrappers import DMC_ACTION_REPEAT, ID_FORMS, ActionRepeat, FlatFloat32, UnitActions  # noqa: F401
+from plasticity_zoo.envs import backends
+from plasticity_zoo.envs.multitask import is_multitask
+from plasticity_zoo.envs.playground import PlaygroundVectorEnv, is_playground
+from plasticity_zoo.envs.single import make_env
+from plasticity_zoo.envs.vector import CountingVectorEnv, VectorEnv
+from plasticity_zoo.envs.wrappers import DMC_ACTION_REPEAT, ID_FORMS, ActionRepeat, FlatFloat32, UnitActions  # noqa: F401
 
 BACKENDS = ("sync", "async", "envpool")
 

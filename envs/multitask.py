@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from envs.dmc import DMCEnv
-from envs.wrappers import ActionRepeat, make_base_env
+from plasticity_zoo.envs.dmc import DMCEnv
+from plasticity_zoo.envs.wrappers import ActionRepeat, make_base_env
 
 PREFIX = "mt:"
 UNSUPPORTED = ("ns:", "playground:")  # member forms a multitask env cannot hold

@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 
-from envs.wrappers import DMC_ACTION_REPEAT, ActionRepeat, make_base_env as make_env
+from plasticity_zoo.envs.wrappers import DMC_ACTION_REPEAT, ActionRepeat, make_base_env as make_env
 
 MODES = {"chain": "chain", "task_chain": "chain", "dynamics": "dynamics",
          "obs_permute": "obs_permute", "reward_flip": "reward_flip"}

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs.actions import agent_action_space, check_action_mode
+from plasticity_zoo.envs.actions import agent_action_space, check_action_mode
 
 PREFIX = "playground:"
 EXTRA = "pip install -e '.[mjx]'"

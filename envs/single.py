@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-from envs import multitask, nonstationary, playground
-from envs.wrappers import ID_FORMS, make_base_env
+from plasticity_zoo.envs import multitask, nonstationary, playground
+from plasticity_zoo.envs.wrappers import ID_FORMS, make_base_env
 
 
 def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from envs import nonstationary
-from envs.multitask import is_multitask, task_spec
-from envs.single import make_env
+from plasticity_zoo.envs import nonstationary
+from plasticity_zoo.envs.multitask import is_multitask, task_spec
+from plasticity_zoo.envs.single import make_env
 
 
 class VectorEnv:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import gymnasium as gym
 
-from envs.actions import agent_action_space, check_action_mode, to_env_action
+from plasticity_zoo.envs.actions import agent_action_space, check_action_mode, to_env_action
 
 ID_FORMS = (
     "valid env ids: a Gymnasium id such as 'HalfCheetah-v5', 'Hopper-v5' or 'Pendulum-v1', "
@@ -126,7 +126,7 @@ def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, 
     if env_id.startswith("mt:"):
         raise ValueError(f"{env_id!r} is a multitask id: build it with envs.make_env")
     if env_id.startswith("dmc:"):
-        from envs.dmc import DMCEnv
+        from plasticity_zoo.envs.dmc import DMCEnv
 
         name = env_id[4:]
         if "-" not in name:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from networks.runtime import one_call_per_matrix
+from plasticity_zoo.networks.runtime import one_call_per_matrix
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from networks.blocks import TrunkSpec
+from plasticity_zoo.networks.blocks import TrunkSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from networks.blocks import Trunk, TrunkSpec
+from plasticity_zoo.networks.blocks import Trunk, TrunkSpec
 
 
 def _head(in_dim, out_dim, rngs, out_init_scale):

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from networks import instrument
+from plasticity_zoo.networks import instrument
 
 
 @dataclass(frozen=True)

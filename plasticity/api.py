@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 
-from plasticity.optim import OptimSpec
-from plasticity.sigreg import SIGRegSpec
+from plasticity_zoo.plasticity.optim import OptimSpec
+from plasticity_zoo.plasticity.sigreg import SIGRegSpec
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from networks.core import path_names
-from plasticity import optim as optim_lib
-from plasticity import resets
-from plasticity.metrics import neuron_scores
+from plasticity_zoo.networks.core import path_names
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity import resets
+from plasticity_zoo.plasticity.metrics import neuron_scores
 
 ZETA_GROW = 0.5  # cosine growth rate at t = 0 (reference train.py --zeta)
 UNIFORM_RATE = 0.008  # the reference's "uniform" growth rate

@@ -24,16 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from networks import instrument
-from networks.runtime import cached_per_config
-from plasticity import expansion
-from plasticity import metrics as metrics_lib
-from plasticity import optim as optim_lib
-from plasticity import resets
-from plasticity.api import (ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity,  # noqa: F401
+from plasticity_zoo.networks import instrument
+from plasticity_zoo.networks.runtime import cached_per_config
+from plasticity_zoo.plasticity import expansion
+from plasticity_zoo.plasticity import metrics as metrics_lib
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity import resets
+from plasticity_zoo.plasticity.api import (ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity,  # noqa: F401
                             declared_params, measured, measured_losses, measured_params)
-from plasticity.sigreg import SIGRegSpec
-from plasticity.config import PlasticityConfig
+from plasticity_zoo.plasticity.sigreg import SIGRegSpec
+from plasticity_zoo.plasticity.config import PlasticityConfig
 
 # distinct buffers (the loop donates the state it measures later), in one dispatch: op by op, a
 # copy per leaf, each its own in-flight computation

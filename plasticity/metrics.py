@@ -21,8 +21,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from networks import instrument
-from networks.runtime import one_call_per_matrix
+from plasticity_zoo.networks import instrument
+from plasticity_zoo.networks.runtime import one_call_per_matrix
 
 EPS = 1e-9
 DORMANT_TAUS = (0.0, 0.025, 0.1)  # spec section 8: log tau = 0 and 0.025 / 0.1

@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from networks.core import path_names
+from plasticity_zoo.networks.core import path_names
 
 KRON_LR_DIVISOR = 3.0  # spec section 6: Kron lr = Adam lr / 3
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from networks import instrument
-from networks.core import Net
-from networks.core import path_names
-from plasticity.metrics import grama_scores, neuron_scores
+from plasticity_zoo.networks import instrument
+from plasticity_zoo.networks.core import Net
+from plasticity_zoo.networks.core import path_names
+from plasticity_zoo.plasticity.metrics import grama_scores, neuron_scores
 
 
 def neuron_layout(net: Net, params) -> dict[str, dict[str, tuple]]:

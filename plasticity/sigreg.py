@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from networks import instrument
+from plasticity_zoo.networks import instrument
 
 
 def _projections(z, key, num_slices: int):

@@ -36,21 +36,21 @@ import time
 from pathlib import Path
 
 try:
-    import agents
+    from plasticity_zoo import agents
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import agents
+    from plasticity_zoo import agents
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from buffers import replay
-from envs import make_vector_env
-from networks.config import NetworkConfig
-from plasticity.config import PlasticityConfig
-from training.config import RunConfig
-from training.offpolicy import buffer_fns, init_state, make_step_fn, make_train_block
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.envs import make_vector_env
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity.config import PlasticityConfig
+from plasticity_zoo.training.config import RunConfig
+from plasticity_zoo.training.offpolicy import buffer_fns, init_state, make_step_fn, make_train_block
 
 PEAK_N, PEAK_REPEAT = 2048, 20
 
@@ -174,7 +174,7 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
     config's capacity).  MR.Q's block spans its 250-update sync period (one encoder burst), so the
     burst is counted amortised as in training.  Plain and SIGReg blocks are timed in ``rounds``
     alternated rounds; the medians are reported."""
-    from plasticity.hooks import Hooks, reset_step
+    from plasticity_zoo.plasticity.hooks import Hooks, reset_step
 
     agent = agents.get(agent_name)
     updates = getattr(agent.CONFIG(), "target_update_freq", 200)

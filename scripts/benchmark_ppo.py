@@ -35,23 +35,23 @@ if "--xla-single-thread" in sys.argv:  # must be set before JAX starts its CPU c
                                "intra_op_parallelism_threads=1").strip()
 
 try:
-    import agents
+    from plasticity_zoo import agents
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import agents
+    from plasticity_zoo import agents
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import make_env, make_vector_env
-from envs.playground import is_playground
-from training.config import NetworkConfig, RunConfig
-from training.onpolicy import init_state, make_fns
+from plasticity_zoo.envs import make_env, make_vector_env
+from plasticity_zoo.envs.playground import is_playground
+from plasticity_zoo.training.config import NetworkConfig, RunConfig
+from plasticity_zoo.training.onpolicy import init_state, make_fns
 
 
 def measure_device_simulator(env_id: str, num_envs: int, steps: int = 256, env_impl: str = "jax") -> dict:
     """A ``playground:`` env's batched step alone: ``steps`` steps of ``num_envs`` envs in one jitted scan."""
-    from envs.playground import env_keys, make
+    from plasticity_zoo.envs.playground import env_keys, make
 
     env = make(env_id, impl=env_impl)
 
@@ -75,7 +75,7 @@ def measure_device_ppo(env_id: str, num_envs: int = 1, seeds: int = 1, iteration
                        num_steps: int | None = None, width: int | None = None, trust_region: str = "clip",
                        env_impl: str = "jax") -> dict:
     """Env steps/s (all seeds) of the device loop: one jitted chunk of ``iterations`` PPO iterations."""
-    from training.device import DeviceOnPolicyIteration
+    from plasticity_zoo.training.device import DeviceOnPolicyIteration
 
     ppo = agents.get("ppo")
     if num_steps is None and batch % num_envs:

@@ -20,7 +20,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training import offline_diagnostics  # noqa: E402
+from plasticity_zoo.training import offline_diagnostics  # noqa: E402
 
 
 @dataclass

@@ -49,13 +49,13 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as scripts/train.py
 
 try:
-    import training  # noqa: F401
+    from plasticity_zoo import training  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from training.run import RUN_FILES  # noqa: E402  (imports no MuJoCo: MUJOCO_GL is still open)
+from plasticity_zoo.training.run import RUN_FILES  # noqa: E402  (imports no MuJoCo: MUJOCO_GL is still open)
 
 OUT_NAME = "evaluate.csv"
 OUT_COLUMNS = ["step", "seed", "env", "return_mean", "return_std", "episode_returns"]
@@ -144,11 +144,11 @@ def render_needs(env_id: str) -> set[str]:
     if env_id.startswith("dmc:"):
         return {"dm_control"}
     if env_id.startswith("ns:"):
-        from envs import nonstationary
+        from plasticity_zoo.envs import nonstationary
 
         return set().union(*(render_needs(b) for b in nonstationary.parse(env_id).bases))
     if env_id.startswith("mt:"):
-        from envs.multitask import member_ids
+        from plasticity_zoo.envs.multitask import member_ids
 
         return set().union(*(render_needs(m) for m in member_ids(env_id)))
     import gymnasium as gym
@@ -244,7 +244,7 @@ class Renderer:
         return frame
 
     def _setup(self, base):
-        from envs.dmc import DMCEnv
+        from plasticity_zoo.envs.dmc import DMCEnv
 
         w, h = self.width, self.height
         if isinstance(base, DMCEnv):
@@ -287,9 +287,9 @@ class Renderer:
 
 def agent_step_seconds(env) -> float | None:
     """Simulated seconds per agent step (the base env's control timestep x the action repeat), if known."""
-    from envs.dmc import DMCEnv
-    from envs.nonstationary import NonStationaryEnv
-    from envs.wrappers import ActionRepeat
+    from plasticity_zoo.envs.dmc import DMCEnv
+    from plasticity_zoo.envs.nonstationary import NonStationaryEnv
+    from plasticity_zoo.envs.wrappers import ActionRepeat
 
     repeat, e = 1, env
     while True:
@@ -361,8 +361,8 @@ def record(restored, env_id: str, seed: int, row: int, evaluator, policy, render
     The env is built and reset as ``evaluator``'s env of that episode, and ``policy`` (a SeedPolicy
     over the evaluated seeds, ``row`` the seed's row) is called on arrays shaped as in the evaluation,
     so the actions, and the return, are the evaluation's own."""
-    from envs import make_env, nonstationary
-    from training.evaluation import eval_action_mode
+    from plasticity_zoo.envs import make_env, nonstationary
+    from plasticity_zoo.training.evaluation import eval_action_mode
 
     cfg, episodes = restored.cfg, evaluator.episodes
     env_seed = evaluator.env_seeds[row * episodes]
@@ -415,7 +415,7 @@ def _own_eval(run_dir: Path, step: int) -> dict[int, list[float]]:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    from networks.runtime import use_persistent_cache
+    from plasticity_zoo.networks.runtime import use_persistent_cache
 
     use_persistent_cache()  # the run's programs, compiled once (networks/runtime.py)
     run_dir = Path(args.run_dir)
@@ -428,9 +428,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{run_dir}: no such run directory")
     if not (run_dir / "config.json").is_file():
         raise SystemExit(f"{run_dir}: not a run directory (no config.json)")
-    from training.evaluation import restore_policy, run_env_id
-    from training.logger import CSVTable
-    from training.run import load_config
+    from plasticity_zoo.training.evaluation import restore_policy, run_env_id
+    from plasticity_zoo.training.logger import CSVTable
+    from plasticity_zoo.training.run import load_config
 
     cfg = load_config(run_dir)
     if args.seed is not None and not 0 <= args.seed < cfg.seeds:
@@ -476,7 +476,7 @@ def main(argv=None) -> dict:
                          "return_std": repr(float(r.std())), "episode_returns": " ".join(repr(float(x)) for x in r)})
             means.append(float(np.mean(r)))
             continue
-        from training.evaluation import task_results
+        from plasticity_zoo.training.evaluation import task_results
 
         for res in task_results(r, tasks):
             score = "" if res["score"] is None else f"  score {res['score']:.3f}"
@@ -514,9 +514,9 @@ def main(argv=None) -> dict:
 
 
 def _check_compatible(env_id: str, run_env: str, cfg):
-    import agents
-    from envs import make_env
-    from training.evaluation import eval_action_mode
+    from plasticity_zoo import agents
+    from plasticity_zoo.envs import make_env
+    from plasticity_zoo.training.evaluation import eval_action_mode
 
     agent = agents.get(cfg.agent_name)
 
@@ -533,7 +533,7 @@ def _check_compatible(env_id: str, run_env: str, cfg):
 def cli(argv=None):
     """``main`` with a user error reported as one ``error: <message>`` line on stderr and exit status 2;
     ``--debug`` (anywhere in argv) or RLZOO_DEBUG=1 shows the traceback instead."""
-    from training.cli import report_user_error, take_debug
+    from plasticity_zoo.training.cli import report_user_error, take_debug
 
     debug, argv = take_debug(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 try:
-    import envs  # noqa: F401
+    from plasticity_zoo import envs  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,11 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from agents import sac
-from envs import datasets as D
-from networks.distributions import tanh_gaussian_sample
-from training import checkpoint
-from training.config import NetworkConfig, RunConfig, to_json
+from plasticity_zoo.agents import sac
+from plasticity_zoo.envs import datasets as D
+from plasticity_zoo.networks.distributions import tanh_gaussian_sample
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training.config import NetworkConfig, RunConfig, to_json
 
 Kind = Literal["random", "medium", "medium-replay", "expert", "medium-expert"]
 SAC_KINDS = ("medium", "medium-replay", "expert", "medium-expert")  # the kinds that need a trained SAC
@@ -217,7 +217,7 @@ class SacRun:
         os.replace(tmp, final)
 
     def ensure_trained(self):
-        from training.offpolicy import train
+        from plasticity_zoo.training.offpolicy import train
 
         marker = self.run_dir / RUN_MARKER
         want = _comparable(to_json(self.cfg))
@@ -280,7 +280,7 @@ class SacRun:
     # -- replay buffer ----------------------------------------------------------------------
     def replay_rows(self, n: int) -> D.Dataset:
         """The first ``n`` transitions of the SAC replay buffer (seed 0) from the final checkpoint."""
-        from training.offpolicy import init_state
+        from plasticity_zoo.training.offpolicy import init_state
 
         path = checkpoint.latest(self.run_dir)
         if path is None:

@@ -38,11 +38,11 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from training import aggregate as agg
+    from plasticity_zoo.training import aggregate as agg
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from training import aggregate as agg
-from training import stats
+    from plasticity_zoo.training import aggregate as agg
+from plasticity_zoo.training import stats
 
 PLOT = Path(__file__).resolve().parent / "plot.py"
 N_BOOT = 2000
@@ -285,7 +285,7 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None):
-    from training.cli import report_user_error, take_debug
+    from plasticity_zoo.training.cli import report_user_error, take_debug
 
     debug, argv = take_debug(list(sys.argv[1:] if argv is None else argv))
     try:

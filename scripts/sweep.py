@@ -30,10 +30,10 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 try:
-    import training  # noqa: F401
+    from plasticity_zoo import training  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training import sweep as sw
+from plasticity_zoo.training import sweep as sw
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 REPORT = Path(__file__).resolve().parent / "report.py"

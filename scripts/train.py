@@ -25,14 +25,14 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 try:
-    import agents
+    from plasticity_zoo import agents
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import agents
-from networks.runtime import use_persistent_cache
-from training.cli import parse, report_user_error, take_debug  # tests call train.parse
-from training.loop import NonFiniteLossError
-from training.run import preflight, run
+    from plasticity_zoo import agents
+from plasticity_zoo.networks.runtime import use_persistent_cache
+from plasticity_zoo.training.cli import parse, report_user_error, take_debug  # tests call train.parse
+from plasticity_zoo.training.loop import NonFiniteLossError
+from plasticity_zoo.training.run import preflight, run
 
 _stage = ["checks"]  # "run" once the checks passed: cli() then notes that --debug shows where an error arose
 

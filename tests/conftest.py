@@ -123,7 +123,7 @@ if "ToyChain-v0" not in gym.registry:
     gym.register("ToyChain-v0", entry_point=ToyChain, max_episode_steps=5)
 if "ToyReach-v0" not in gym.registry:
     gym.register("ToyReach-v0", entry_point=ToyReach, max_episode_steps=20)
-    from envs import termination as _termination
+    from plasticity_zoo.envs import termination as _termination
 
     _termination.register_termination("toyreach", _termination.never_done)
 
@@ -239,8 +239,8 @@ def assert_same_logs():
 
 @pytest.fixture
 def tiny_sac_config():
-    from agents.sac import SACConfig
-    from training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.agents.sac import SACConfig
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     def make(**kw):
         agent_kw = {k: kw.pop(k) for k in list(kw) if k in SACConfig.__dataclass_fields__}

@@ -56,7 +56,7 @@ class PointMass:
 
 def use_toy(monkeypatch):
     """``envs.playground`` loads the toy for ``playground:ToyPointMass`` (every other task as before)."""
-    from envs import playground
+    from plasticity_zoo.envs import playground
 
     real = playground._load
 

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from agents.api import OffPolicyConfig
-from buffers import replay
-from networks import DeterministicPolicyHead, MLPHead, Net, TrunkSpec, build
-from networks.config import NetworkConfig
-from plasticity import optim as optim_lib
-from plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.agents.api import OffPolicyConfig
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, TrunkSpec, build
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from networks.core import path_names
+from plasticity_zoo.networks.core import path_names
 
 
 def torch_linear(fx, prefix: str, name: str):

@@ -26,7 +26,7 @@ RECORD = HERE / "golden_fingerprints.json"
 
 
 def _run_config(agent_name: str, agent_cfg, network=None, plasticity=None, **run):
-    from training.config import NetworkConfig, PlasticityConfig, RunConfig
+    from plasticity_zoo.training.config import NetworkConfig, PlasticityConfig, RunConfig
 
     base = {"env": "Pendulum-v1", "total_steps": 400, "eval_every": 200, "eval_episodes": 2, "log_every": 100,
             "checkpoint_every": 400, "progress": False}
@@ -36,21 +36,21 @@ def _run_config(agent_name: str, agent_cfg, network=None, plasticity=None, **run
 
 
 def _sac(plasticity=None, **agent):
-    from agents.sac import SACConfig
+    from plasticity_zoo.agents.sac import SACConfig
 
     return _run_config("sac", SACConfig(**{"buffer_size": 2000, "batch_size": 32, "learning_starts": 200, **agent}),
                        plasticity=plasticity)
 
 
 def _plasticity(**kw):
-    from training.config import PlasticityConfig
+    from plasticity_zoo.training.config import PlasticityConfig
 
     return PlasticityConfig(**{"metrics_every": 0, **kw})
 
 
 def _mrq(plasticity=None):
-    from agents.mrq import MRQConfig
-    from training.config import NetworkConfig
+    from plasticity_zoo.agents.mrq import MRQConfig
+    from plasticity_zoo.training.config import NetworkConfig
 
     agent = MRQConfig(batch_size=32, buffer_size=2000, learning_starts=100, target_update_freq=50)
     return _run_config("mrq", agent, network=NetworkConfig(width=64), total_steps=300, eval_every=150,
@@ -58,7 +58,7 @@ def _mrq(plasticity=None):
 
 
 def _ppo(trust_region: str, action_mode: str = "rescale"):
-    from agents.ppo import PPOConfig
+    from plasticity_zoo.agents.ppo import PPOConfig
 
     # recorded with actions rescaled from [-1, 1] (PPO's default before the clip mode); Pendulum's
     # bounds are +-2, so the clip mode (the ppo_clip_actions case) takes another path
@@ -68,10 +68,10 @@ def _ppo(trust_region: str, action_mode: str = "rescale"):
 
 
 def _ravl(workdir: Path):
-    from agents.dynamics import DynamicsConfig
-    from agents.ravl import RAVLConfig
-    from envs import datasets
-    from training.config import NetworkConfig
+    from plasticity_zoo.agents.dynamics import DynamicsConfig
+    from plasticity_zoo.agents.ravl import RAVLConfig
+    from plasticity_zoo.envs import datasets
+    from plasticity_zoo.training.config import NetworkConfig
 
     path = workdir / "toyreach-random.hdf5"
     if not path.exists():
@@ -118,7 +118,7 @@ def fingerprint(name: str, workdir: Path) -> dict:
 
     import jax
 
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     cfg = CASES[name](workdir)
     cfg = dataclasses.replace(cfg, run_dir=str(workdir / name))

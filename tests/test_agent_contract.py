@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import agents
-from agents import api
-from buffers.replay import Transition
-from envs.multitask import TaskSpec
-from networks.config import NetworkConfig
+from plasticity_zoo import agents
+from plasticity_zoo.agents import api
+from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.envs.multitask import TaskSpec
+from plasticity_zoo.networks.config import NetworkConfig
 
 OBS, ACT = 3, 1
 TINY = NetworkConfig(width=16, depth=1)
@@ -123,7 +123,7 @@ def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry)
 
 
 def test_on_policy_agent_runs_a_rollout_update():
-    from training.onpolicy import empty_loop
+    from plasticity_zoo.training.onpolicy import empty_loop
 
     agent = agents.get("ppo")
     cfg = agent.CONFIG(num_steps=8, num_minibatches=2, update_epochs=1)
@@ -157,7 +157,7 @@ def test_offline_agent_samples_its_data_and_updates():
 def test_every_agent_takes_the_plasticity_metrics(name):
     """Each registered agent declares networks the metrics read: plastic ones (which interventions may
     rewrite) or, failing that, measured ones (``MeasuredAgent``) with a reason interventions are refused."""
-    from plasticity.api import measured
+    from plasticity_zoo.plasticity.api import measured
 
     agent = agents.get(name)
     assert measured(agent)
@@ -191,9 +191,9 @@ def test_recurrent_agent_acts_step_by_step_with_its_memory():
 @pytest.mark.slow
 def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_path):
     """The example agent trains end to end through the same entry point as train.py."""
-    from agents.api import OffPolicyConfig  # noqa: F401  (its config extends the shared replay settings)
-    from training.config import PlasticityConfig, RunConfig
-    from training.run import run
+    from plasticity_zoo.agents.api import OffPolicyConfig  # noqa: F401  (its config extends the shared replay settings)
+    from plasticity_zoo.training.config import PlasticityConfig, RunConfig
+    from plasticity_zoo.training.run import run
 
     agent = agents.get("example")
     cfg = RunConfig(env="Pendulum-v1", total_steps=300, eval_every=300, eval_episodes=1, log_every=100,
@@ -212,9 +212,9 @@ def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, 
     """Kron / NE masks and SIGReg are static configuration the agent is built with: the choice is
     a static field of the state (part of every jitted program's cache key), NE masks sit in the
     plastic optimizers' states, and nothing changes without it."""
-    from plasticity import optim
-    from plasticity.api import StaticPlasticity
-    from plasticity.sigreg import SIGRegSpec
+    from plasticity_zoo.plasticity import optim
+    from plasticity_zoo.plasticity.api import StaticPlasticity
+    from plasticity_zoo.plasticity.sigreg import SIGRegSpec
 
     agent = agents.get(name)
     spec = StaticPlasticity(optim.OptimSpec(ne=optim.NESpec(0.8), ne_networks=tuple(agent.PLASTIC)), SIGRegSpec(0.2))

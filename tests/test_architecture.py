@@ -17,8 +17,11 @@ ALLOWED = {
 }
 
 
-def imports(path: Path) -> set[str]:
-    """Every module name ``path`` imports (absolute imports; the project uses no relative ones)."""
+NAMESPACE = "plasticity_zoo."  # the installed import name of every top-level folder (pyproject.toml)
+
+
+def raw_imports(path: Path) -> set[str]:
+    """Every module name ``path`` imports, as written (absolute imports; the project uses no relative ones)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -28,6 +31,11 @@ def imports(path: Path) -> set[str]:
             out.add(node.module)
             out.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from envs import datasets`
     return out
+
+
+def imports(path: Path) -> set[str]:
+    """The project modules ``path`` imports, named by folder (``plasticity_zoo.envs.x`` -> ``envs.x``)."""
+    return {name.removeprefix(NAMESPACE) for name in raw_imports(path)}
 
 
 def project_modules() -> set[str]:
@@ -44,6 +52,14 @@ def test_imports_point_down():
                 if top in PACKAGES and top != pkg and top not in ALLOWED[pkg]:
                     upward.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not upward, "imports that point up a layer:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_every_import_of_the_project_goes_through_its_namespace():
+    """A bare ``import envs`` would find a user's own ``envs`` package first (or fail once installed)."""
+    bare = [f"{path.relative_to(ROOT)} imports {name}"
+            for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))
+            for name in raw_imports(path) if name.split(".")[0] in PACKAGES and name.split(".")[0] != "scripts"]
+    assert not bare, "imports outside the plasticity_zoo namespace:\n" + "\n".join(sorted(set(bare)))
 
 
 def test_envs_has_no_import_cycle():
@@ -67,7 +83,8 @@ def test_envs_has_no_import_cycle():
 
 def test_the_checker_sees_function_level_imports(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from training.replay import Transition\n    import agents.sac\n")
+    src.write_text("def f():\n    from plasticity_zoo.training.replay import Transition\n"
+                   "    import plasticity_zoo.agents.sac\n")
     assert {"training.replay", "training.replay.Transition", "agents.sac"} <= imports(src)
 
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import sac
-from buffers import replay
-from training import checkpoint
-from training.offpolicy import init_state, train
+from plasticity_zoo.agents import sac
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training.offpolicy import init_state, train
 
 
 def _bits(tree):
@@ -95,8 +95,8 @@ def test_keep_checkpoints_prunes_the_oldest_stale_temporaries_and_skipped_newer_
 
 
 def test_keep_checkpoints_flag_is_checked_and_may_change_on_resume(tiny_sac_config):
-    from training import config as config_lib
-    from training.offpolicy import check
+    from plasticity_zoo.training import config as config_lib
+    from plasticity_zoo.training.offpolicy import check
 
     with pytest.raises(ValueError, match="--keep-checkpoints must be >= 1"):
         check(tiny_sac_config(keep_checkpoints=0))
@@ -170,7 +170,7 @@ def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, 
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("format", "trimmed")}))
     with pytest.raises(checkpoint.CheckpointError, match=r"written before checkpoints carried a manifest.json.*"
-                                                         r"python -m training.checkpoint trust "):
+                                                         r"python -m plasticity_zoo.training.checkpoint trust "):
         checkpoint.load_latest(tmp_path, _template(1, 1000))
     checkpoint.main(["trust", str(tmp_path)])
     assert "added manifest.json to 1 checkpoint(s)" in capsys.readouterr().out
@@ -223,7 +223,7 @@ def test_a_csv_log_is_never_renamed_over_something_that_is_not_a_regular_file(tm
     import os
     import stat
 
-    from training.logger import CSVTable
+    from plasticity_zoo.training.logger import CSVTable
 
     link = tmp_path / "null.csv"
     link.symlink_to("/dev/null")

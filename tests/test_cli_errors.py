@@ -170,8 +170,8 @@ def outcomes(tmp_path_factory):
     base = tmp_path_factory.mktemp("cli_errors")
     sys.path.insert(0, str(ROOT / "scripts"))
     import train as train_script
-    from envs import datasets
-    from training.config import to_json
+    from plasticity_zoo.envs import datasets
+    from plasticity_zoo.training.config import to_json
 
     data = base / "pendulum.hdf5"
     rng = np.random.default_rng(0)
@@ -262,7 +262,7 @@ def test_at_least_25_bad_command_lines():
 
 def test_a_non_finite_loss_stops_with_one_line_naming_it_and_exit_1(monkeypatch, capsys):
     """The NaN stop's own message (statistic, step, last good checkpoint), without a traceback."""
-    from training.loop import NonFiniteLossError
+    from plasticity_zoo.training.loop import NonFiniteLossError
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import train as train_script
@@ -285,7 +285,7 @@ def test_a_non_finite_loss_stops_with_one_line_naming_it_and_exit_1(monkeypatch,
 def test_the_nan_stop_names_the_loss_first_then_the_other_statistics(tmp_path):
     """Issue #23 item 7: the message began with whatever statistic came first by name (e.g.
     values/q_std_random) rather than the loss; now the losses/* entries come first."""
-    from training.loop import NonFiniteLossError, raise_non_finite
+    from plasticity_zoo.training.loop import NonFiniteLossError, raise_non_finite
 
     nan = np.full(2, np.nan)
     metrics = {"charts/alpha": np.ones(2), "values/q_std_random": nan, "losses/critic": nan,
@@ -300,8 +300,8 @@ def test_the_nan_stop_names_the_loss_first_then_the_other_statistics(tmp_path):
 
 def test_ravl_takes_an_explicit_env_equal_to_the_default(tmp_path):
     """Issue #23 item 4: ``--env Pendulum-v1`` (RunConfig's default) was taken as "not given"."""
-    from envs import datasets
-    from training.run import preflight
+    from plasticity_zoo.envs import datasets
+    from plasticity_zoo.training.run import preflight
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import train as train_script
@@ -323,8 +323,8 @@ def test_ravl_takes_an_explicit_env_equal_to_the_default(tmp_path):
 
 def _failing_loop(monkeypatch, write_checkpoint=False):
     """Replace the off-policy loop by one that opens its run directory, then fails like a user error."""
-    from training import offpolicy
-    from training.logger import RunLogger
+    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.logger import RunLogger
 
     def train(cfg, agent, run_dir, resume=False, stop_at=None):
         logger = RunLogger(run_dir, cfg.tensorboard)
@@ -344,7 +344,7 @@ def _config(run_dir):
 
 
 def test_a_user_error_inside_the_loop_removes_the_fresh_empty_run_dir(monkeypatch, tmp_path):
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     _failing_loop(monkeypatch)
     with pytest.raises(ValueError, match="does not apply"):
@@ -353,7 +353,7 @@ def test_a_user_error_inside_the_loop_removes_the_fresh_empty_run_dir(monkeypatc
 
 
 def test_the_safety_net_keeps_checkpoints_and_directories_that_existed(monkeypatch, tmp_path):
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     _failing_loop(monkeypatch, write_checkpoint=True)
     with pytest.raises(ValueError):

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from training import loop
+from plasticity_zoo.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("import json, jax; from networks.runtime import use_persistent_cache; d = use_persistent_cache(); "
+PROBE = ("import json, jax; from plasticity_zoo.networks.runtime import use_persistent_cache; d = use_persistent_cache(); "
          "c = jax.config; print(json.dumps([d, c.jax_compilation_cache_dir, "
          "c.jax_persistent_cache_min_compile_time_secs]))")
 

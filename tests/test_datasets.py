@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 import pytest
 
-from envs import datasets as D
+from plasticity_zoo.envs import datasets as D
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -361,11 +361,11 @@ def test_make_dataset_files_load_validate_and_are_real_transitions(made):
 
 
 def test_medium_replay_is_the_start_of_the_sac_buffer(made):
-    from agents import sac
-    from envs import VectorEnv
-    from training import checkpoint
-    from training.offpolicy import init_state
-    from training.run import load_config
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.envs import VectorEnv
+    from plasticity_zoo.training import checkpoint
+    from plasticity_zoo.training.offpolicy import init_state
+    from plasticity_zoo.training.run import load_config
 
     _, out, paths = made
     rep = D.load(paths["medium-replay"], env_id="Hopper-v5")

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import ppo
-from plasticity.config import PlasticityConfig
+from plasticity_zoo.agents import ppo
+from plasticity_zoo.plasticity.config import PlasticityConfig
 from tests import device_toy
-from training.config import NetworkConfig, RunConfig
+from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_playground = pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is None,
@@ -37,7 +37,7 @@ def tiny(**kw):
 
 def short_episodes(limit: int, name: str = "CartpoleBalance"):
     """A Playground task whose episodes are truncated after ``limit`` agent steps (to see ends quickly)."""
-    from envs.playground import Playground
+    from plasticity_zoo.envs.playground import Playground
 
     @dataclass(frozen=True)
     class Short(Playground):
@@ -56,7 +56,7 @@ def short_episodes(limit: int, name: str = "CartpoleBalance"):
 @pytest.mark.slow
 @needs_playground
 def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_same_step():
-    from envs.playground import env_keys
+    from plasticity_zoo.envs.playground import env_keys
 
     env = short_episodes(3)
     raw = env.env
@@ -92,8 +92,8 @@ def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_s
 @needs_playground
 @pytest.mark.parametrize("mode", ["clip", "rescale"])
 def test_actions_reach_the_physics_inside_the_control_range(mode):
-    from envs.actions import to_env_action
-    from envs.playground import make
+    from plasticity_zoo.envs.actions import to_env_action
+    from plasticity_zoo.envs.playground import make
 
     env = make(ENV, action_mode=mode)
     low, high = env.bounds()
@@ -107,7 +107,7 @@ def test_actions_reach_the_physics_inside_the_control_range(mode):
 def test_the_host_vector_env_pickles_exactly_and_reports_finished_episodes():
     import pickle
 
-    from envs import make_vector_env
+    from plasticity_zoo.envs import make_vector_env
 
     env = make_vector_env(ENV, 2, 7)
     env.pg = short_episodes(4)
@@ -125,7 +125,7 @@ def test_the_host_vector_env_pickles_exactly_and_reports_finished_episodes():
 
 
 def test_without_the_extra_a_playground_id_names_the_extra(monkeypatch):
-    from envs import playground
+    from plasticity_zoo.envs import playground
 
     monkeypatch.setitem(sys.modules, "mujoco_playground", None)  # import fails as if not installed
     with pytest.raises(ValueError, match=r"\.\[mjx\]"):
@@ -135,14 +135,14 @@ def test_without_the_extra_a_playground_id_names_the_extra(monkeypatch):
 @pytest.mark.slow
 @needs_playground
 def test_unknown_tasks_and_loops_that_cannot_run_are_refused_before_anything_is_created(tmp_path):
-    from training import run
+    from plasticity_zoo.training import run
 
     with pytest.raises(ValueError, match="unknown Playground task playground:Nope.*playground:CheetahRun"):
         run.preflight(tiny(env="playground:Nope"))
     with pytest.raises(ValueError, match="loop device runs on-policy .* and off-policy"):
-        run.preflight(RunConfig(env=ENV, loop="device", agent_name="ravl", agent=__import__("agents.ravl").ravl.RAVLConfig()))
+        run.preflight(RunConfig(env=ENV, loop="device", agent_name="ravl", agent=importlib.import_module("plasticity_zoo.agents.ravl").RAVLConfig()))
     with pytest.raises(ValueError, match="least cuts episodes from the host"):
-        run.preflight(RunConfig(env=ENV, loop="device", agent_name="sac", agent=__import__("agents.sac").sac.SACConfig(),
+        run.preflight(RunConfig(env=ENV, loop="device", agent_name="sac", agent=importlib.import_module("plasticity_zoo.agents.sac").SACConfig(),
                                 plasticity=PlasticityConfig(least=True)))
     with pytest.raises(ValueError, match="needs an env that steps on the device"):
         run.preflight(tiny(env="Pendulum-v1", loop="device"))
@@ -187,9 +187,9 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     """Two iterations of 2 seeds x 2 envs with episodes of 5 steps (truncations inside the rollouts):
     the host loop stepping the same envs from Python and the device loop agree on every stored
     transition (final values at truncations included) and on the updated agents."""
-    from envs.playground import PlaygroundVectorEnv
-    from training.device import DeviceOnPolicyIteration, make_chunk
-    from training.onpolicy import OnPolicyIteration
+    from plasticity_zoo.envs.playground import PlaygroundVectorEnv
+    from plasticity_zoo.training.device import DeviceOnPolicyIteration, make_chunk
+    from plasticity_zoo.training.onpolicy import OnPolicyIteration
 
     cfg = tiny(env=TOY)
     env = short_episodes(5, device_toy.NAME)
@@ -225,7 +225,7 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
 @pytest.mark.slow
 @needs_playground
 def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(tmp_path, assert_same_logs, toy):
-    from training import device
+    from plasticity_zoo.training import device
 
     cfg = tiny(env=TOY)
     full = device.train(cfg, ppo, tmp_path / "full")
@@ -239,9 +239,9 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
             np.testing.assert_array_equal(x, y)
     assert_same_logs(tmp_path / "full", tmp_path / "part")
     assert_same_logs(tmp_path / "full", tmp_path / "one")
-    from envs.playground import make
+    from plasticity_zoo.envs.playground import make
 
-    from training.evaluation import restore_policy
+    from plasticity_zoo.training.evaluation import restore_policy
 
     restored = restore_policy(tmp_path / "full")  # what scripts/evaluate.py loads: the device carry's agent
     assert restored.step == 64
@@ -268,7 +268,7 @@ def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path, toy):
     the log rows at those steps."""
     import csv
 
-    from training import device
+    from plasticity_zoo.training import device
 
     cfg = tiny(env=TOY, plasticity=PlasticityConfig(metrics_every=8, redo=True, reset_every=8), eval_every=1000,
                checkpoint_every=1000)
@@ -287,21 +287,21 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
     """SAC, 2 seeds x 2 envs, episodes of 5 steps, learning from env step 12: 10 vector steps of the
     host loop (env stepped from Python, ``store`` and ``learn_and_act`` per step) and one device
     chunk of 10 agree on every replay row (truncations included) and on the updated agents."""
-    from envs.playground import PlaygroundVectorEnv
-    from training.device import DeviceOffPolicyIteration, make_offpolicy_chunk
-    from training.offpolicy import OffPolicyIteration
+    from plasticity_zoo.envs.playground import PlaygroundVectorEnv
+    from plasticity_zoo.training.device import DeviceOffPolicyIteration, make_offpolicy_chunk
+    from plasticity_zoo.training.offpolicy import OffPolicyIteration
 
     cfg = tiny_sac_config(env=TOY, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64,
                           total_steps=40)
     env = short_episodes(5, device_toy.NAME)
-    host = OffPolicyIteration(cfg, __import__("agents.sac").sac)
+    host = OffPolicyIteration(cfg, importlib.import_module("plasticity_zoo.agents.sac"))
     host.env = PlaygroundVectorEnv(TOY, 4, cfg.seed * 10_000)
     host.env.pg = env
     host.fresh()
     drv = _NoHostWork()
     for _ in range(10):
         host.run_one(drv)
-    device = DeviceOffPolicyIteration(cfg, __import__("agents.sac").sac)
+    device = DeviceOffPolicyIteration(cfg, importlib.import_module("plasticity_zoo.agents.sac"))
     device.env = env
     device.chunk_fn = make_offpolicy_chunk(device.agent, cfg.agent, env, 2, 2)
     device.fresh()
@@ -323,14 +323,14 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
 @pytest.mark.parametrize("agent_name", ["sac", "mrq"])
 def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupted_run(
         agent_name, tmp_path, tiny_sac_config, assert_same_logs, toy):
-    import agents
-    from training import device
+    from plasticity_zoo import agents
+    from plasticity_zoo.training import device
 
     if agent_name == "sac":
         cfg = tiny_sac_config(env=TOY, seeds=2, num_envs=2, total_steps=48, learning_starts=16, eval_every=24,
                               eval_episodes=1, log_every=8, checkpoint_every=24)
     else:
-        from agents.mrq import MRQConfig
+        from plasticity_zoo.agents.mrq import MRQConfig
 
         cfg = RunConfig(env=TOY, seeds=2, num_envs=2, total_steps=48, eval_every=24, eval_episodes=1, log_every=8,
                         checkpoint_every=24, progress=False, network=NetworkConfig(width=16), agent_name="mrq",
@@ -360,8 +360,8 @@ def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupt
 def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_capacity(tiny_sac_config, toy):
     """The replay is carried through the chunk's loop and written in place: XLA's memory analysis of
     the compiled chunk must not depend on the capacity (a copy of the buffer per step would)."""
-    import agents
-    from training.device import DeviceOffPolicyIteration
+    from plasticity_zoo import agents
+    from plasticity_zoo.training.device import DeviceOffPolicyIteration
 
     temps = []
     for capacity in (4_096, 65_536):
@@ -385,7 +385,7 @@ def test_ppo_on_the_device_learns_to_balance_the_cartpole(tmp_path):
     returns must rise and one seed must balance."""
     import csv
 
-    from training import device
+    from plasticity_zoo.training import device
 
     cfg = RunConfig(env=ENV, seeds=2, num_envs=64, total_steps=1_000_000, eval_every=1_000_000, eval_episodes=2,
                     log_every=200_000, checkpoint_every=1_000_000, progress=False, agent_name="ppo",
@@ -412,9 +412,9 @@ def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
     (about 300) by 200 (the runs behind this test: 773 and 745 at 10k / 20k steps)."""
     import csv
 
-    import agents
-    from agents.sac import SACConfig
-    from training import device
+    from plasticity_zoo import agents
+    from plasticity_zoo.agents.sac import SACConfig
+    from plasticity_zoo.training import device
 
     cfg = RunConfig(env=ENV, seeds=2, num_envs=16, total_steps=20_000, eval_every=10_000, eval_episodes=2,
                     log_every=2_000, checkpoint_every=20_000, progress=False, network=NetworkConfig(width=64),

@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from networks.distributions import (gaussian_log_prob, tanh_gaussian_log_prob, tanh_gaussian_mode,
+from plasticity_zoo.networks.distributions import (gaussian_log_prob, tanh_gaussian_log_prob, tanh_gaussian_mode,
                                     tanh_gaussian_sample)
 
 

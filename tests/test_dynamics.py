@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import dynamics as dyn
-from networks.core import path_names
-from envs import termination
+from plasticity_zoo.agents import dynamics as dyn
+from plasticity_zoo.networks.core import path_names
+from plasticity_zoo.envs import termination
 
 OBS, ACT = 3, 2
 # Small but real: 4 members, 2 x 32 SiLU, per-layer weight decay, bootstrap, early-stopping rule active.

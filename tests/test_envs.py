@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import sac
-from envs import make_env, make_vector_env
-from buffers import replay
+from plasticity_zoo.agents import sac
+from plasticity_zoo.envs import make_env, make_vector_env
+from plasticity_zoo.buffers import replay
 
 
 def test_truncation_and_termination_reach_the_buffer_and_the_target():

@@ -29,8 +29,8 @@ ENV.pop("RLZOO_DEBUG", None)
 
 def _sac_config(run_dir, **kw):
     """tests/conftest.py's tiny_sac_config (its shapes, so the compilations are shared), with two seeds."""
-    from agents.sac import SACConfig
-    from training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.agents.sac import SACConfig
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     agent = SACConfig(buffer_size=5000, batch_size=32, learning_starts=kw.pop("learning_starts", 200))
     base = dict(env="Pendulum-v1", total_steps=600, eval_every=300, eval_episodes=2, log_every=100,
@@ -69,7 +69,7 @@ def _gif(path):
 @pytest.fixture(scope="module")
 def sac_run(tmp_path_factory):
     """SAC on Pendulum, 2 seeds, 600 steps: evaluations and checkpoints at steps 300 and 600."""
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     d = tmp_path_factory.mktemp("evaluate") / "sac"
     run(_sac_config(d, seeds=2, keep_checkpoints=3))
@@ -78,7 +78,7 @@ def sac_run(tmp_path_factory):
 
 
 def evaluate_steps(d):
-    from training.evaluation import checkpoint_steps
+    from plasticity_zoo.training.evaluation import checkpoint_steps
 
     return checkpoint_steps(d)
 
@@ -134,7 +134,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(sac_run, tmp_path
 @pytest.mark.slow
 def test_ppo_evaluates_with_its_observation_normaliser_and_clipped_actions(tmp_path):
     from tests import golden
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     cfg = dataclasses.replace(golden.CASES["ppo_clip_actions"](tmp_path), run_dir=str(tmp_path / "ppo"))
     run(cfg)
@@ -145,7 +145,7 @@ def test_ppo_evaluates_with_its_observation_normaliser_and_clipped_actions(tmp_p
 @pytest.mark.slow
 def test_offline_ravl_evaluates_on_the_datasets_env(tmp_path):
     from tests import golden
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     cfg = dataclasses.replace(golden.CASES["ravl_toy"](tmp_path), run_dir=str(tmp_path / "ravl"))
     run(cfg)
@@ -206,7 +206,7 @@ def _rendered(done) -> bool:
 def test_video_of_a_nonstationary_dmc_run_follows_its_schedule(tmp_path):
     """cartpole with an action repeat of 8: 1000 control steps are 125 agent steps (126 frames); the
     reward flips every 100 steps, and the run's last evaluation (step 300, phase 3) is flipped."""
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     d = tmp_path / "dmc"
     run(_sac_config(d, env="ns:reward_flip:dmc:cartpole-balance:term=all,every=100", action_repeat=8,
@@ -227,7 +227,7 @@ def test_video_of_a_nonstationary_dmc_run_follows_its_schedule(tmp_path):
 
 @pytest.mark.slow
 def test_video_of_a_gymnasium_mujoco_env(tmp_path):
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     d = tmp_path / "ip"
     run(_sac_config(d, env="InvertedPendulum-v5", total_steps=200, learning_starts=100, eval_every=200,

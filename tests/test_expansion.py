@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from plasticity import expansion, optim
-from plasticity.hooks import check_applicable, check_optimizers
-from buffers import replay
-from training.config import NetworkConfig, PlasticityConfig
+from plasticity_zoo.plasticity import expansion, optim
+from plasticity_zoo.plasticity.hooks import check_applicable, check_optimizers
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.training.config import NetworkConfig, PlasticityConfig
 
 HAS_KRON = importlib.util.find_spec("psgdax") is not None  # the kron extra (make test installs it)
 
@@ -207,9 +207,9 @@ def test_auto_batch_halves_the_batch_while_the_critics_fau_is_below_036():
 @pytest.mark.slow
 @pytest.mark.parametrize("fau,half", [(0.30, True), (0.35, True), (0.37, False), (0.9, False)])
 def test_an_ne_event_sets_the_half_batch_flag_from_the_critics_fau(monkeypatch, tiny_sac_config, fau, half):
-    from agents import sac
-    from plasticity import hooks
-    from training import offpolicy
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.plasticity import hooks
+    from plasticity_zoo.training import offpolicy
 
     p_cfg = PlasticityConfig(ne=True, metrics_every=0, reset_batch=16)
     state, buffer, _ = offpolicy.init_state(sac, tiny_sac_config(plasticity=p_cfg), 3, 1)
@@ -269,7 +269,7 @@ def test_ne_and_kron_are_refused_where_they_do_not_apply():
 @pytest.fixture
 def counted_train(monkeypatch):
     """training.offpolicy.train, recording the jitted step function and the hooks it built."""
-    from training import offpolicy
+    from plasticity_zoo.training import offpolicy
 
     seen = {}
     make, hooks_cls = offpolicy.make_step_fn, offpolicy.Hooks
@@ -295,8 +295,8 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
 
     Without psgdax installed (the kron extra) it runs NE with Adam.
     """
-    from agents import sac
-    from training import checkpoint
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training import checkpoint
 
     offpolicy, seen = counted_train
     cfg = tiny_sac_config(total_steps=400, learning_starts=100, eval_every=400, eval_episodes=1, log_every=40,
@@ -308,7 +308,7 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     out = offpolicy.train(cfg, sac, tmp_path / "r")
     st = out["state"]
     if HAS_KRON:  # Kron: 301 finite updates; the opt state is PSGD-Kron's, not Adam's
-        from plasticity.api import StaticPlasticity
+        from plasticity_zoo.plasticity.api import StaticPlasticity
 
         adam = sac._optimizers(cfg.agent, StaticPlasticity())[0].init(jax.tree.map(lambda x: x[0], st.actor_params))
         assert isinstance(adam[0], optax.ScaleByAdamState)
@@ -357,8 +357,8 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
 @pytest.mark.slow
 def test_an_ne_run_with_review_and_auto_batch_resumes_bit_identically(tiny_sac_config, tmp_path, assert_same_logs):
     """The schedule, masks and replay controls (review probability, half-batch flag) are checkpointed."""
-    from agents import sac
-    from training import offpolicy
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training import offpolicy
 
     cfg = tiny_sac_config(total_steps=600, learning_starts=100, checkpoint_every=300, log_every=100,
                           network=NetworkConfig(width=16, depth=1),

@@ -61,9 +61,9 @@ import numpy as np
 import optax
 import pytest
 
-from networks import MLPHead, TrunkSpec, build, instrument
-from plasticity import metrics, resets
-from plasticity.sigreg import sketched_isotropy
+from plasticity_zoo.networks import MLPHead, TrunkSpec, build, instrument
+from plasticity_zoo.plasticity import metrics, resets
+from plasticity_zoo.plasticity.sigreg import sketched_isotropy
 from tests.fidelity import flat, load_into
 
 FIXTURES = Path(__file__).parent / "fixtures"

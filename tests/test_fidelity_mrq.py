@@ -73,11 +73,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from agents import mrq
-from buffers import lap
-from buffers.lap import Window
-from networks.config import NetworkConfig
-from plasticity.sigreg import regularized
+from plasticity_zoo.agents import mrq
+from plasticity_zoo.buffers import lap
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity.sigreg import regularized
 from tests.fidelity import flat, load_into, torch_linear
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mrq_reference.npz"

@@ -85,10 +85,10 @@ import optax
 import pytest
 from flax import nnx
 
-from agents import mrq_mt
-from buffers.lap import Window
-from envs.multitask import TaskSpec
-from networks.config import NetworkConfig
+from plasticity_zoo.agents import mrq_mt
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.envs.multitask import TaskSpec
+from plasticity_zoo.networks.config import NetworkConfig
 from tests.fidelity import flat, load_into, torch_linear
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mrq_mt_reference.npz"

@@ -43,7 +43,7 @@ import numpy as np
 import optax
 import pytest
 
-from plasticity import expansion, optim
+from plasticity_zoo.plasticity import expansion, optim
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

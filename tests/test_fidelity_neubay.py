@@ -63,7 +63,7 @@ import optax
 import pytest
 from flax import nnx
 
-from agents import dynamics, neubay
+from plasticity_zoo.agents import dynamics, neubay
 from tests.fidelity import flat, load_into
 
 FIXTURE = Path(__file__).parent / "fixtures" / "neubay_reference.npz"

@@ -72,9 +72,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import ppo
+from plasticity_zoo.agents import ppo
 from tests.fidelity import flat, load_into, torch_linear
-from networks.distributions import gaussian_log_prob
+from plasticity_zoo.networks.distributions import gaussian_log_prob
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ppo_reference.npz"
 RTOL, ATOL = 1e-5, 1e-6

@@ -60,11 +60,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import dynamics, ravl, sac
-from buffers import replay
-from buffers.replay import Transition
-from networks import distributions
-from networks.config import NetworkConfig
+from plasticity_zoo.agents import dynamics, ravl, sac
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.networks import distributions
+from plasticity_zoo.networks.config import NetworkConfig
 from tests.fidelity import flat, load_into, torch_linear
 from tests.test_fidelity_sac import _tanh_eps_correction, _tanh_eps_term, corl_actor, corl_critic
 

@@ -64,12 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import sac
-from buffers.replay import Transition
-from networks import Net, distributions
-from networks.config import NetworkConfig
+from plasticity_zoo.agents import sac
+from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.networks import Net, distributions
+from plasticity_zoo.networks.config import NetworkConfig
 from tests.fidelity import flat, load_into, torch_linear
-from plasticity.sigreg import regularized
+from plasticity_zoo.plasticity.sigreg import regularized
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sac_reference.npz"
 RTOL, ATOL = 1e-5, 1e-6

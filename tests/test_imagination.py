@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import dynamics as dyn
-from networks.core import path_names
-from agents import imagination as im
-from networks.recurrent import RecurrentSpec, build_recurrent
+from plasticity_zoo.agents import dynamics as dyn
+from plasticity_zoo.networks.core import path_names
+from plasticity_zoo.agents import imagination as im
+from plasticity_zoo.networks.recurrent import RecurrentSpec, build_recurrent
 
 OBS, ACT = 2, 1
 LENGTHS = (5, 8, 6)  # ends: a timeout, a termination, the dataset's last row

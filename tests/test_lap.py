@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from buffers import lap
-from buffers.replay import Transition
+from plasticity_zoo.buffers import lap
+from plasticity_zoo.buffers.replay import Transition
 
 
 def _simulate(num_envs, steps, capacity, seed=0, p_term=0.08, p_trunc=0.08):

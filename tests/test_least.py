@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from plasticity.least import LEAST, History, should_stop
+from plasticity_zoo.plasticity.least import LEAST, History, should_stop
 
 
 def test_stop_rule_hand_cases():
@@ -62,9 +62,9 @@ def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_
 
     import jax
 
-    from agents import sac
-    from training.config import PlasticityConfig
-    from training.offpolicy import train
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training.config import PlasticityConfig
+    from plasticity_zoo.training.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=0, least=True, least_warmup=0.0, least_window=20)
     cfg = tiny_sac_config(total_steps=1200, env="InvertedPendulum-v5", plasticity=pcfg, checkpoint_every=1200)
@@ -72,8 +72,8 @@ def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_
     rows = list(csv.DictReader(open(tmp_path / "r" / "metrics.csv")))
     stops = max(float(r["plasticity/least_stops"]) for r in rows)
     assert stops > 0
-    from training import checkpoint
-    from training.offpolicy import init_state
+    from plasticity_zoo.training import checkpoint
+    from plasticity_zoo.training.offpolicy import init_state
     (_, buffer, _), host, _ = checkpoint.load(checkpoint.latest(tmp_path / "r"), init_state(sac, cfg, 4, 1))
     data = jax.tree.map(lambda x: np.asarray(x[0]), buffer.data)
     n = int(np.asarray(buffer.size)[0])
@@ -92,9 +92,9 @@ def test_noise_rises_with_the_share_of_early_stops():
 
 
 def test_noise_increase_is_refused_without_exploration_noise():
-    from agents import sac
-    from plasticity.hooks import check_applicable
-    from training.config import PlasticityConfig
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.plasticity.hooks import check_applicable
+    from plasticity_zoo.training.config import PlasticityConfig
 
     with pytest.raises(ValueError, match="no explicit exploration noise"):
         check_applicable(PlasticityConfig(least=True, least_noise_max=0.3), sac, "sac")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs import datasets as D
+from plasticity_zoo.envs import datasets as D
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--size", "300", "--ref-episodes", "3", "--num-envs", "3", "--max-episode-steps", "20", "--no-progress"]
@@ -27,19 +27,18 @@ def make_dataset():
 @pytest.fixture
 def no_sac(make_dataset, monkeypatch):
     """Any SAC build or training step fails the test."""
-    import agents.sac
-    import training.offpolicy
-    import training.run
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training import offpolicy, run
 
     def boom(*args, **kwargs):
         raise AssertionError("a random-only dataset built or trained SAC")
 
     monkeypatch.setattr(make_dataset.SacRun, "__init__", boom)
     monkeypatch.setattr(make_dataset.SacRun, "ensure_trained", boom)
-    monkeypatch.setattr(training.offpolicy, "train", boom)
-    monkeypatch.setattr(training.run, "run", boom)
-    monkeypatch.setattr(agents.sac, "init", boom)
-    monkeypatch.setattr(agents.sac, "update", boom)
+    monkeypatch.setattr(offpolicy, "train", boom)
+    monkeypatch.setattr(run, "run", boom)
+    monkeypatch.setattr(sac, "init", boom)
+    monkeypatch.setattr(sac, "update", boom)
 
 
 def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4rl(make_dataset, no_sac, tmp_path,
@@ -71,7 +70,7 @@ def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4r
 
 
 def test_random_only_without_any_ref_max_records_nan_and_warns(make_dataset, no_sac, tmp_path, capsys):
-    from training.offline import scores
+    from plasticity_zoo.training.offline import scores
 
     path = make_dataset.main(["--env", "Pendulum-v1", "--kind", "random", "--out", str(tmp_path / "p.hdf5"),
                               *SMALL])["random"]

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import mrq
-from buffers import lap
-from training.config import NetworkConfig, RunConfig
-from buffers.lap import Window
-from buffers.replay import Transition
+from plasticity_zoo.agents import mrq
+from plasticity_zoo.buffers import lap
+from plasticity_zoo.training.config import NetworkConfig, RunConfig
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.buffers.replay import Transition
 
 GAMMA = 0.99
 
@@ -193,7 +193,7 @@ def test_paper_size_parameter_count_width_scaling_and_act(tiny):
 
 @pytest.mark.slow
 def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and_seeds_differ():
-    from training.offpolicy import init_state, make_train_block, seed_slice
+    from plasticity_zoo.training.offpolicy import init_state, make_train_block, seed_slice
 
     cfg = RunConfig(env="Pendulum-v1", seeds=2, network=NetworkConfig(width=16), agent_name="mrq",
                     agent=mrq.MRQConfig(batch_size=16, buffer_size=256))
@@ -242,7 +242,7 @@ def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and
 @pytest.mark.optimized
 @pytest.mark.slow
 def test_mrq_learns_pendulum(tmp_path):
-    from training.offpolicy import train
+    from plasticity_zoo.training.offpolicy import train
 
     # width 64 (z_a 32), batch 64, otherwise the paper's settings (T_target 250, LAP, H_Q 3, H_enc 5).
     # Three seeds of this setting swung up after 2000-4500 steps (eval at 4000: -224, -139, -127).

@@ -2,17 +2,18 @@
 discrete regression, RunningScale and the masked multi-step target with two sampled heads; the
 task embedding's gradient, action masks, the UTD credit, and runs through train.py."""
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import mrq_mt
-from buffers.lap import Window
-from buffers.replay import Transition
-from envs.multitask import TaskSpec
-from networks.config import NetworkConfig
+from plasticity_zoo.agents import mrq_mt
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.envs.multitask import TaskSpec
+from plasticity_zoo.networks.config import NetworkConfig
 
 TINY = NetworkConfig(width=16)
 # three tasks: observation widths 4 / 2 / 3, action widths 1 / 2 / 1, episodes 500 / 1000 / 50 steps
@@ -200,9 +201,9 @@ def test_learning_starts_after_five_random_episodes_per_env_as_scalemrl_seeds(ta
 
 
 def test_the_schedule_fills_only_what_the_command_line_and_the_config_leave_unset():
-    from training.cli import parse
-    from training.config import RunConfig
-    from training.run import protocol_defaults
+    from plasticity_zoo.training.cli import parse
+    from plasticity_zoo.training.config import RunConfig
+    from plasticity_zoo.training.run import protocol_defaults
 
     env = "mt:dmc:cartpole-balance,dmc:cartpole-swingup"  # two tasks of 500 agent steps
     cfg = parse(["mrq-mt", "--env", env, "--run-dir", "/nonexistent/x"])
@@ -243,7 +244,7 @@ def test_model_sizes_follow_scalemrls_table(size, heads):
 
 
 def _run_config(**kw):
-    from training.config import PlasticityConfig, RunConfig
+    from plasticity_zoo.training.config import PlasticityConfig, RunConfig
 
     agent = mrq_mt.CONFIG(**{"model_size": "S", "buffer_size": 512, "batch_size": 8, "learning_starts": 20,
                              "utd": 0.5, **kw.pop("agent", {})})
@@ -260,9 +261,9 @@ def test_a_resumed_run_with_plasticity_metrics_and_redo_equals_the_uninterrupted
     and resumed, the run ends bit-identical to an uninterrupted one, with per-task eval rows."""
     import csv
 
-    from training import offpolicy
+    from plasticity_zoo.training import offpolicy
 
-    agent = __import__("agents").get("mrq-mt")
+    agent = importlib.import_module("plasticity_zoo.agents").get("mrq-mt")
     cfg = _run_config()
     full = offpolicy.train(cfg, agent, tmp_path / "full")
     part = offpolicy.train(cfg, agent, tmp_path / "part", stop_at=40)
@@ -292,10 +293,10 @@ def test_a_short_run_on_two_tasks_beats_its_untrained_policy_on_each(tmp_path):
     minutes on 2 cores)."""
     import csv
 
-    from training import offpolicy
-    from training.config import PlasticityConfig
+    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.config import PlasticityConfig
 
-    agent = __import__("agents").get("mrq-mt")
+    agent = importlib.import_module("plasticity_zoo.agents").get("mrq-mt")
     env = "mt:Pendulum-v1,dmc:cartpole-swingup"
     cfg = _run_config(env=env, seeds=1, total_steps=6000, eval_every=6000, eval_episodes=4, log_every=1000,
                       checkpoint_every=100_000, network=NetworkConfig(width=64), plasticity=PlasticityConfig(),

@@ -5,9 +5,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from envs import make_env, make_vector_env
-from envs.dmc import DMCEnv
-from envs.multitask import SUITES, TaskSpec, is_multitask, member_ids, task_spec
+from plasticity_zoo.envs import make_env, make_vector_env
+from plasticity_zoo.envs.dmc import DMCEnv
+from plasticity_zoo.envs.multitask import SUITES, TaskSpec, is_multitask, member_ids, task_spec
 
 CART_PEND = "mt:dmc:cartpole-balance,dmc:pendulum-swingup"
 CART_REACH = "mt:dmc:cartpole-balance,dmc:reacher-easy"

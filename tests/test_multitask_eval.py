@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.evaluation import Evaluator, eval_base_seed, run_evaluator, task_max_return, task_results
-from training.logger import EVAL_COLUMNS, MT_EVAL_COLUMNS, RunLogger
+from plasticity_zoo.training.evaluation import Evaluator, eval_base_seed, run_evaluator, task_max_return, task_results
+from plasticity_zoo.training.logger import EVAL_COLUMNS, MT_EVAL_COLUMNS, RunLogger
 
 ROOT = Path(__file__).resolve().parents[1]
 MT = "mt:cartpole2"
@@ -32,8 +32,8 @@ def _script(name):
 
 
 def _mt_config(run_dir, **kw):
-    from agents.sac import SACConfig
-    from training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.agents.sac import SACConfig
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     agent = SACConfig(buffer_size=5000, batch_size=32, learning_starts=100)
     base = dict(env=MT, seeds=2, num_envs=2, total_steps=300, eval_every=150, eval_episodes=1, log_every=150,
@@ -49,7 +49,7 @@ def _rows(run_dir):
 @pytest.fixture(scope="module")
 def mt_run(tmp_path_factory):
     """SAC on mt:cartpole2, 2 seeds x 2 envs (one per task), evaluations at 0, 150 and 300."""
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     d = tmp_path_factory.mktemp("mt") / "sac"
     out = run(_mt_config(d))
@@ -106,7 +106,7 @@ def test_logger_writes_task_rows_empty_scores_without_a_maximum_and_tensorboard_
 def test_the_evaluator_gives_each_task_k_episodes_per_seed_at_the_fixed_env_seeds():
     """Episode k of seed j runs task k % T from env seed base + j * K * T + k: each return equals that
     task's env, reset with that seed, driven by the same policy."""
-    from envs import make_env
+    from plasticity_zoo.envs import make_env
 
     env_id, K, S, base = "mt:Pendulum-v1,ToyChain-v0", 2, 2, 700
     ev = Evaluator(env_id, S, K, base)
@@ -134,7 +134,7 @@ def test_the_evaluator_gives_each_task_k_episodes_per_seed_at_the_fixed_env_seed
 
 
 def test_run_evaluator_strides_by_the_runs_block_of_k_times_t_episodes(tmp_path):
-    import agents
+    from plasticity_zoo import agents
 
     cfg = _mt_config(tmp_path, eval_episodes=2, seeds=3)
     ev = run_evaluator(cfg, agents.get("sac"), seeds=1, first_seed=2)
@@ -174,8 +174,8 @@ def test_a_resumed_mt_run_writes_the_same_eval_csv(mt_run, tmp_path, assert_same
     resuming drops that evaluation's task and aggregate rows and writes them again."""
     import shutil
 
-    from training import checkpoint
-    from training.run import run
+    from plasticity_zoo.training import checkpoint
+    from plasticity_zoo.training.run import run
 
     d = tmp_path / "part"
     run(_mt_config(d), stop_at=200)
@@ -202,8 +202,8 @@ def test_evaluate_py_reports_per_task_returns_equal_to_the_runs_own(mt_run, tmp_
 
 @pytest.mark.slow
 def test_a_single_task_run_keeps_its_eval_columns(tiny_sac_config, tmp_path):
-    from agents import sac
-    from training.offpolicy import train
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training.offpolicy import train
 
     train(tiny_sac_config(total_steps=300, eval_every=300, learning_starts=100), sac, tmp_path / "r")
     with open(tmp_path / "r" / "eval.csv", newline="") as f:
@@ -243,8 +243,8 @@ def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(
 
 @pytest.mark.slow
 def test_reports_and_sweeps_read_the_aggregate_rows(mt_run, tmp_path):
-    from training import aggregate as agg
-    from training.sweep import latest_return
+    from plasticity_zoo.training import aggregate as agg
+    from plasticity_zoo.training.sweep import latest_return
 
     d = mt_run[0]
     rows = [r for r in _rows(d) if r["task"] == "all"]

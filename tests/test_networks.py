@@ -4,7 +4,7 @@ import numpy as np
 from pathlib import Path
 import pytest
 
-from networks import GaussianPolicyHead, MLPHead, TrunkSpec, build, instrument
+from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, TrunkSpec, build, instrument
 
 
 @pytest.mark.parametrize("block", ["mlp", "simba", "multiskip"])
@@ -110,7 +110,7 @@ def test_threefry_unrolled_on_request_gives_the_same_bits_as_jaxs_rolled_loop(tm
 
     from jax._src.random import threefry2x32 as threefry
 
-    from networks import runtime
+    from plasticity_zoo.networks import runtime
 
     assert not runtime.THREEFRY_UNROLLED  # the default
     rng = np.random.default_rng(0)
@@ -122,7 +122,7 @@ def test_threefry_unrolled_on_request_gives_the_same_bits_as_jaxs_rolled_loop(tm
     assert "while" in rolled.lower(k1, k2, x1, x2).as_text()
     for a, b in zip(unrolled(k1, k2, x1, x2), rolled(k1, k2, x1, x2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check = ("import jax, numpy as np; from networks import runtime; assert runtime.THREEFRY_UNROLLED; "
+    check = ("import jax, numpy as np; from plasticity_zoo.networks import runtime; assert runtime.THREEFRY_UNROLLED; "
              "draw = jax.jit(lambda key: jax.random.normal(key, (256, 16))); "
              "assert 'while' not in draw.lower(jax.random.key(0)).compile().as_text(); "
              f"np.save({str(tmp_path / 'draws.npy')!r}, np.asarray(draw(jax.random.key(3))))")
@@ -136,7 +136,7 @@ def test_threefry_unrolled_on_request_gives_the_same_bits_as_jaxs_rolled_loop(tm
 def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
     """The offline epoch programs' compiler options: on CPU with a jaxlib that knows the option, a
     reduction over a leading axis is no longer a YNNPACK fusion (a dot still is) and gives the same sums."""
-    from networks.runtime import DOTS_ONLY_LIBRARY_FUSION, dots_only_library_fusion
+    from plasticity_zoo.networks.runtime import DOTS_ONLY_LIBRARY_FUSION, dots_only_library_fusion
 
     x = np.random.default_rng(0).normal(size=(2048, 256)).astype(np.float32)
     w = np.random.default_rng(1).normal(size=(256, 64)).astype(np.float32)
@@ -164,8 +164,8 @@ def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
 
 @pytest.mark.slow
 def test_fan_in_uniform_redraws_linear_layers_only():
-    from networks import fan_in_uniform_init
-    from networks.core import path_names
+    from plasticity_zoo.networks import fan_in_uniform_init
+    from plasticity_zoo.networks.core import path_names
     spec = TrunkSpec(width=64, depth=2, layer_norm=True)
     make = lambda r: MLPHead(40, 3, spec, rngs=r)  # noqa: E731
     net, before = build("q", make, jax.random.key(0), ensemble=2)
@@ -201,9 +201,9 @@ def test_lapack_calls_run_one_matrix_each_under_vmap_with_the_batched_values():
     tests/test_plasticity_metrics.py)."""
     from flax import nnx
 
-    import agents
-    from networks import orthogonal
-    from networks.config import NetworkConfig
+    from plasticity_zoo import agents
+    from plasticity_zoo.networks import orthogonal
+    from plasticity_zoo.networks.config import NetworkConfig
 
     keys = jax.random.split(jax.random.key(3), 2)
     ppo = agents.get("ppo")

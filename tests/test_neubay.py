@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from pathlib import Path
 
-from agents import dynamics as dyn
-from agents import imagination as im
-from agents import neubay
+from plasticity_zoo.agents import dynamics as dyn
+from plasticity_zoo.agents import imagination as im
+from plasticity_zoo.agents import neubay
 
 OBS, ACT = 3, 2
 SMALL = neubay.NeuBayConfig(critics=4, sampled_critics=2, head_width=16, d_model=16, d_hidden=8, lru_layers=1,
@@ -80,7 +80,7 @@ def test_the_critic_loss_targets_the_drawn_heads_of_all_the_target_heads():
 def test_networks_start_as_the_reference_codes_layers():
     """Equinox's default U(+-1/sqrt(fan_in)) for every Linear (weights and biases), the critics'
     output at U(+-sqrt(0.01 / fan_in)) with a zero bias, LayerNorms at 1 / 0, the LRU's own init."""
-    from networks.core import path_names
+    from plasticity_zoo.networks.core import path_names
     state = neubay.init(jax.random.key(0), OBS, ACT, SMALL)
     fans = {"pre": OBS + ACT + 1, "out": 16, "gate": 16}
     for owner, params in (("actor", state.actor_params), ("critic", state.critic_params)):
@@ -258,9 +258,9 @@ def test_the_markov_ablation_acts_on_the_state_alone(tape):
 @pytest.mark.slow
 @pytest.mark.parametrize("markov", [False, True])
 def test_plasticity_metrics_read_the_encoders_and_the_heads(tape, markov):
-    from plasticity import hooks
-    from plasticity.api import MeasuredAgent, PlasticAgent
-    from plasticity.config import PlasticityConfig
+    from plasticity_zoo.plasticity import hooks
+    from plasticity_zoo.plasticity.api import MeasuredAgent, PlasticAgent
+    from plasticity_zoo.plasticity.config import PlasticityConfig
 
     assert isinstance(neubay, MeasuredAgent) and not isinstance(neubay, PlasticAgent)
     hooks.check_applicable(PlasticityConfig(metrics_every=10), neubay, "neubay")  # metrics: accepted
@@ -293,8 +293,8 @@ def test_plasticity_metrics_read_the_encoders_and_the_heads(tape, markov):
 
 
 def _run_config(dataset, run_dir, total=400, **kw):
-    from plasticity.config import PlasticityConfig
-    from training.config import RunConfig
+    from plasticity_zoo.plasticity.config import PlasticityConfig
+    from plasticity_zoo.training.config import RunConfig
 
     world = dyn.neubay_config(members=4, elites=3, width=32, depth=2, max_epochs=30, batch_size=128)
     agent = neubay.NeuBayConfig(dataset=str(dataset), critics=4, head_width=32, d_model=32, d_hidden=16,
@@ -317,7 +317,7 @@ def toy_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finished_run(toy_dataset, tmp_path_factory):
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     run_dir = tmp_path_factory.mktemp("neubay-run") / "a"
     return run(_run_config(toy_dataset, run_dir)), run_dir
@@ -352,8 +352,8 @@ def test_a_short_run_beats_its_untrained_policy(finished_run, toy_dataset):
 def test_resume_is_bit_identical_and_evaluate_reproduces_the_run(finished_run, toy_dataset, tmp_path):
     import dataclasses
 
-    from training.evaluation import restore_policy
-    from training.run import run
+    from plasticity_zoo.training.evaluation import restore_policy
+    from plasticity_zoo.training.run import run
 
     full, full_dir = finished_run
     run(_run_config(toy_dataset, tmp_path / "b"), stop_at=200)
@@ -373,7 +373,7 @@ def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
     """The evaluator's recurrent policy against a hand-written loop over one env with act_step."""
     import gymnasium as gym
 
-    from training.evaluation import Evaluator, policy_maker
+    from plasticity_zoo.training.evaluation import Evaluator, policy_maker
 
     out, _ = finished_run
     state = out["state"]
@@ -412,7 +412,7 @@ def toy_world(n=30):
 @pytest.mark.slow
 @pytest.mark.parametrize("markov", [False, True])
 def test_one_collection_owes_utd_times_its_transitions(markov):
-    from envs import termination
+    from plasticity_zoo.envs import termination
 
     cfg = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12,
                                                  "utd": 0.25, "updates": 100, "markov": markov}))
@@ -437,7 +437,7 @@ def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
     transition; a training tape's inputs r_{t-1} are the rewards the agent saw when acting, its
     rewards to learn those less the penalty.  Without a penalty the buffer holds no penalty array,
     so its checkpoints keep their layout."""
-    from envs import termination
+    from plasticity_zoo.envs import termination
 
     plain = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12}))
     penalised = dataclasses_replace(plain, penalty=0.5)
@@ -481,7 +481,7 @@ def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
 
 
 def types_real(n):
-    from buffers.replay import Transition
+    from plasticity_zoo.buffers.replay import Transition
 
     z = jnp.zeros
     return Transition(z((n, OBS)), z((n, ACT)), z(n), z((n, OBS)), z(n, bool), z(n, bool))
@@ -533,7 +533,7 @@ def test_history_values_are_the_training_critics_and_read_only_the_past():
 
 
 def test_first_true_and_open_loop_replay_against_a_step_by_step_loop():
-    from training.offline_diagnostics import first_true, open_loop_ends
+    from plasticity_zoo.training.offline_diagnostics import first_true, open_loop_ends
 
     assert first_true([[False, True, True], [False, False, False], [True, False, True]]).tolist() == [2, 0, 1]
     model = dyn.init_model(jax.random.key(4), OBS, ACT, dyn.neubay_config(members=5, elites=4, width=8, depth=1))

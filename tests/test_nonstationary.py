@@ -3,9 +3,9 @@ import pickle
 import numpy as np
 import pytest
 
-from envs.vector import CountingVectorEnv
-from envs import make_env, make_vector_env
-from envs import nonstationary as ns
+from plasticity_zoo.envs.vector import CountingVectorEnv
+from plasticity_zoo.envs import make_env, make_vector_env
+from plasticity_zoo.envs import nonstationary as ns
 
 
 def run(env, actions, reset_seed=0):
@@ -183,7 +183,7 @@ def test_vector_env_members_share_one_counter_switch_together_and_pickle():
 
 
 def test_plain_vector_env_members_switch_together_with_private_counters():
-    from envs import VectorEnv
+    from plasticity_zoo.envs import VectorEnv
 
     env = VectorEnv("ns:reward_flip:ToyChain-v0:every=4,switch=hard,term=all", 2, seed=0)
     env.reset()

@@ -7,11 +7,11 @@ import numpy as np
 import optax
 import pytest
 
-from networks import MLPHead, TrunkSpec, build, instrument
-from plasticity import resets
-from plasticity.hooks import check_applicable
-from plasticity.sigreg import SIGRegSpec, regularized, sigreg
-from training.config import PlasticityConfig
+from plasticity_zoo.networks import MLPHead, TrunkSpec, build, instrument
+from plasticity_zoo.plasticity import resets
+from plasticity_zoo.plasticity.hooks import check_applicable
+from plasticity_zoo.plasticity.sigreg import SIGRegSpec, regularized, sigreg
+from plasticity_zoo.training.config import PlasticityConfig
 
 
 def _net_with_dead_units(ensemble=0):
@@ -134,7 +134,7 @@ def test_sigreg_matches_numpy_and_separates_gaussian_from_collapsed(variant):
 
 def test_sigregs_cos_and_sin_match_numpy_in_every_quadrant_up_to_1e5():
     """SIGReg's own argument-reduced cos / sin (one elementwise pass) against float64 numpy."""
-    from plasticity.sigreg import _cos_sin
+    from plasticity_zoo.plasticity.sigreg import _cos_sin
 
     quarter = np.pi / 2
     edges = np.array([q * quarter + d for q in range(-8, 9) for d in (-1e-3, 0.0, 1e-3)])  # around each quadrant switch
@@ -180,8 +180,8 @@ def test_interventions_are_refused_where_they_do_not_apply():
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [dict(redo=True, redo_tau=0.1), dict(regrama=True, sigreg_coef=0.2)])
 def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
-    from agents import sac
-    from training.offpolicy import train
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=100, reset_every=100, **flags)
     out = train(tiny_sac_config(total_steps=500, seeds=2, plasticity=pcfg), sac, tmp_path / "r")
@@ -201,9 +201,9 @@ def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
 def test_flags_work_on_ppo_and_least_is_refused(tmp_path):
     import dataclasses
 
-    from agents import ppo
-    from training.config import NetworkConfig, RunConfig
-    from training.onpolicy import train as train_onpolicy
+    from plasticity_zoo.agents import ppo
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.training.onpolicy import train as train_onpolicy
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
     pcfg = PlasticityConfig(metrics_every=8, regrama=True, reset_every=8, sigreg_coef=0.2)

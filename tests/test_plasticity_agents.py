@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from plasticity import optim
-from training.config import NetworkConfig, PlasticityConfig, RunConfig
+from plasticity_zoo.plasticity import optim
+from plasticity_zoo.training.config import NetworkConfig, PlasticityConfig, RunConfig
 
 HAS_KRON = importlib.util.find_spec("psgdax") is not None  # the kron extra
 
@@ -34,7 +34,7 @@ def _masked_exactly(st, fields):
 
 
 def _mrq_cfg(plasticity, env="Pendulum-v1", total_steps=120, **agent):
-    from agents import mrq
+    from plasticity_zoo.agents import mrq
 
     agent_cfg = mrq.MRQConfig(batch_size=16, buffer_size=512, learning_starts=40, target_update_freq=10,
                               **agent)
@@ -45,8 +45,8 @@ def _mrq_cfg(plasticity, env="Pendulum-v1", total_steps=120, **agent):
 
 @pytest.mark.slow
 def test_mrq_least_sigreg_and_metrics(tmp_path):
-    from agents import mrq
-    from training.offpolicy import train
+    from plasticity_zoo.agents import mrq
+    from plasticity_zoo.training.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=20, metrics_batch=32, sigreg_coef=0.2, least=True, least_max_len=5,
                             least_window=8, least_warmup=0.0, least_noise_max=0.3)
@@ -69,10 +69,10 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
-    from agents import mrq
-    from plasticity.api import StaticPlasticity
-    from plasticity.sigreg import SIGRegSpec
-    from buffers.replay import Transition
+    from plasticity_zoo.agents import mrq
+    from plasticity_zoo.plasticity.api import StaticPlasticity
+    from plasticity_zoo.plasticity.sigreg import SIGRegSpec
+    from plasticity_zoo.buffers.replay import Transition
 
     state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1))
     rng = np.random.default_rng(0)
@@ -95,8 +95,8 @@ def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
 
 @pytest.mark.slow
 def test_mrq_regrama_and_ne(tmp_path):
-    from agents import mrq
-    from training.offpolicy import train
+    from plasticity_zoo.agents import mrq
+    from plasticity_zoo.training.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=0, regrama=True, reset_every=20, ne=True, ne_every=20, ne_review=False)
     out = train(_mrq_cfg(pcfg), mrq, tmp_path / "r")
@@ -116,9 +116,9 @@ def test_mrq_regrama_and_ne(tmp_path):
 def test_mrq_kron_with_ne_masks_one_encoder_and_rl_step():
     """Kron (+ NE masks) through MR.Q's optimizer chain: finite steps, LayerNorms stay frozen, pruned
     weights stay 0.  (Unit-level: a full loop run with Kron on MR.Q's four nets compiles for ~45 s.)"""
-    from agents import mrq
+    from plasticity_zoo.agents import mrq
 
-    from plasticity.api import StaticPlasticity
+    from plasticity_zoo.plasticity.api import StaticPlasticity
 
     spec = optim.OptimSpec(kron=True, ne=optim.NESpec(), ne_networks=tuple(mrq.PLASTIC))
     state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1),
@@ -148,8 +148,8 @@ def test_mrq_kron_with_ne_masks_one_encoder_and_rl_step():
 
 
 def test_mrq_refuses_ne_review(tmp_path):
-    from agents import mrq
-    from training.offpolicy import train
+    from plasticity_zoo.agents import mrq
+    from plasticity_zoo.training.offpolicy import train
 
     with pytest.raises(ValueError, match="ne-review does not apply to agent 'mrq'"):
         train(_mrq_cfg(PlasticityConfig(ne=True, ne_review=True)), mrq, tmp_path / "r")
@@ -157,8 +157,8 @@ def test_mrq_refuses_ne_review(tmp_path):
 
 @pytest.mark.parametrize("name", ["mrq", "ppo", "ravl"])
 def test_ne_replay_controls_are_refused_the_same_way_for_every_kind_without_uniform_replay(name):
-    import agents
-    from plasticity.hooks import auto_batch_on, check_applicable
+    from plasticity_zoo import agents
+    from plasticity_zoo.plasticity.hooks import auto_batch_on, check_applicable
 
     agent = agents.get(name)
     with pytest.raises(ValueError, match=f"ne-review does not apply to agent '{name}'.*--plasticity.no-ne-review"):
@@ -175,8 +175,8 @@ def test_ne_replay_controls_are_refused_the_same_way_for_every_kind_without_unif
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_compilation_cache_writes")  # Kron: see test_mrq_kron_with_ne_masks_one_encoder_and_rl_step
 def test_ppo_ne_kron(tmp_path):
-    from agents import ppo
-    from training.onpolicy import train
+    from plasticity_zoo.agents import ppo
+    from plasticity_zoo.training.onpolicy import train
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
     pcfg = PlasticityConfig(metrics_every=8, ne=True, ne_every=8, kron=HAS_KRON, ne_review=False)  # PPO: no replay

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import sac
-from plasticity import metrics as M
-from training.config import NetworkConfig
-from buffers.replay import Transition
+from plasticity_zoo.agents import sac
+from plasticity_zoo.plasticity import metrics as M
+from plasticity_zoo.training.config import NetworkConfig
+from plasticity_zoo.buffers.replay import Transition
 
 WIDTH = 8
 
@@ -277,12 +277,12 @@ def test_singular_values_take_one_matrix_per_lapack_call_under_vmap_and_grad():
 def mrq_hook():
     """A full-size (512-wide) MR.Q state, 1 seed, built as the off-policy loop builds it, with a small
     replay of random rows, and the metrics hook as the loop calls it (``--plasticity.metrics-every 1``)."""
-    from agents import mrq
-    from buffers import lap
-    from plasticity.config import PlasticityConfig
-    from plasticity.hooks import Hooks
-    from training.config import RunConfig
-    from training.offpolicy import init_state
+    from plasticity_zoo.agents import mrq
+    from plasticity_zoo.buffers import lap
+    from plasticity_zoo.plasticity.config import PlasticityConfig
+    from plasticity_zoo.plasticity.hooks import Hooks
+    from plasticity_zoo.training.config import RunConfig
+    from plasticity_zoo.training.offpolicy import init_state
 
     cfg = RunConfig(env="dmc:cartpole-balance", seeds=1, agent_name="mrq", agent=mrq.MRQConfig(buffer_size=512),
                     network=NetworkConfig(), plasticity=PlasticityConfig(metrics_every=1))

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import stats
+from plasticity_zoo.training import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import train as train_script  # noqa: E402
 
-import agents  # noqa: E402
-from training import config as config_lib  # noqa: E402
-from training.cli import parse  # noqa: E402
-from training.presets import PRESETS  # noqa: E402
+from plasticity_zoo import agents  # noqa: E402
+from plasticity_zoo.training import config as config_lib  # noqa: E402
+from plasticity_zoo.training.cli import parse  # noqa: E402
+from plasticity_zoo.training.presets import PRESETS  # noqa: E402
 
 
 def _value(cfg, flag: str):

@@ -7,11 +7,11 @@ import subprocess
 
 import jax
 
-from agents import sac
-from training import config as config_lib
-from training import provenance as prov
-from training.config import RunConfig
-from training.logger import RunLogger
+from plasticity_zoo.agents import sac
+from plasticity_zoo.training import config as config_lib
+from plasticity_zoo.training import provenance as prov
+from plasticity_zoo.training.config import RunConfig
+from plasticity_zoo.training.logger import RunLogger
 
 
 def test_provenance_names_the_commit_the_versions_and_the_device():
@@ -44,7 +44,7 @@ def test_tensorboard_has_one_run_per_seed_with_untagged_names_and_the_flags_as_h
     import pytest
 
     pytest.importorskip("tensorboardX")
-    from training.logger import hparams
+    from plasticity_zoo.training.logger import hparams
 
     log = RunLogger(tmp_path, tensorboard=True)
     log.write_config(config_lib.to_json(RunConfig(agent=sac.CONFIG())))
@@ -63,7 +63,7 @@ def test_wandb_offline_writes_one_run_per_seed_with_config_metrics_and_commit(ti
     import pytest
 
     pytest.importorskip("wandb")
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # not the user's ~/.config/wandb
@@ -90,7 +90,7 @@ def test_wandb_without_the_package_is_one_clear_line_before_anything_is_created(
 
     import pytest
 
-    from training.run import preflight
+    from plasticity_zoo.training.run import preflight
 
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import ravl
-from buffers import replay
-from buffers.replay import Transition
+from plasticity_zoo.agents import ravl
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.buffers.replay import Transition
 
 
 def _transitions(n, obs_dim=3, act_dim=2, reward=0.0, start=0):
@@ -69,7 +69,7 @@ def test_config_checks():
 
 def _toy_dataset(path, n=2000):
     """Uniform-random actions on ToyReach-v0, with reference returns (random 0-ish, 'expert' 30)."""
-    from envs import datasets
+    from plasticity_zoo.envs import datasets
 
     rng = np.random.default_rng(0)
     ds = datasets.collect("ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), n, 0, num_envs=4,
@@ -80,8 +80,8 @@ def _toy_dataset(path, n=2000):
 
 
 def _ravl_config(dataset, run_dir, total=2000, **kw):
-    from agents.dynamics import DynamicsConfig
-    from training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.agents.dynamics import DynamicsConfig
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     dyn = DynamicsConfig(members=3, elites=2, width=32, depth=2, min_epochs=15, max_epochs=30, batch_size=128)
     agent_kw = {"dataset": str(dataset), "critics": 3, "eta": 1.0, "rollout_batch": 400, "horizon": 5,
@@ -105,7 +105,7 @@ def toy_dataset(tmp_path_factory):
 def test_short_ravl_run_beats_its_untrained_policy(toy_dataset, tmp_path):
     import csv
 
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     out = run(_ravl_config(toy_dataset, tmp_path / "run", seeds=2))
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))
@@ -123,7 +123,7 @@ def test_short_ravl_run_beats_its_untrained_policy(toy_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_offline_resume_equals_uninterrupted(toy_dataset, tmp_path):
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     full = run(_ravl_config(toy_dataset, tmp_path / "a", total=400, updates_per_epoch=100, checkpoint_every=200,
                             eval_every=200))
@@ -133,7 +133,7 @@ def test_offline_resume_equals_uninterrupted(toy_dataset, tmp_path):
                                                    checkpoint_every=200, eval_every=200), resume=str(tmp_path / "b")))
     for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    from training.run import load_config  # what `train.py --resume DIR` reads
+    from plasticity_zoo.training.run import load_config  # what `train.py --resume DIR` reads
 
     assert load_config(tmp_path / "b").agent.dataset == str(toy_dataset)
     ea = (tmp_path / "a" / "eval.csv").read_text()
@@ -160,8 +160,8 @@ def test_offline_cli_errors(toy_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset, tmp_path):
-    from agents import dynamics
-    from envs import datasets
+    from plasticity_zoo.agents import dynamics
+    from plasticity_zoo.envs import datasets
 
     ds = datasets.load(toy_dataset)
     path = tmp_path / "model.npz"
@@ -184,7 +184,7 @@ def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset,
 # ----------------------------------------------------------------------------- diagnostics
 
 def test_returns_to_go_restart_at_episode_ends():
-    from training.offline_diagnostics import episode_ends, returns_to_go
+    from plasticity_zoo.training.offline_diagnostics import episode_ends, returns_to_go
 
     # hand-derived, gamma 0.5: episode [1, 2] -> [1 + 0.5 * 2, 2]; episode [3, 4] -> [5, 4]
     np.testing.assert_allclose(returns_to_go([1, 2, 3, 4], [False, True, False, True], 0.5), [2, 2, 5, 4])
@@ -199,7 +199,7 @@ def test_returns_to_go_restart_at_episode_ends():
 
 
 def test_episode_values_locate_the_peak_of_min_q():
-    from training.offline_diagnostics import episode_values
+    from plasticity_zoo.training.offline_diagnostics import episode_values
 
     q = np.array([[1.0, 5.0, 9.0, 2.0],   # critic 0 along a 4-step episode
                   [3.0, 4.0, 7.0, 8.0]])  # critic 1; min-Q per step: 1, 4, 7, 2
@@ -209,7 +209,7 @@ def test_episode_values_locate_the_peak_of_min_q():
 
 
 def test_nearest_distances_scale_chunk_and_skip_the_points_own_episode():
-    from training.offline_diagnostics import episode_coverage, nearest_distances
+    from plasticity_zoo.training.offline_diagnostics import episode_coverage, nearest_distances
 
     reference = np.array([[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
     points = np.array([[0.0, 0.0], [3.0, 4.0]])
@@ -229,7 +229,7 @@ def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, 
     import json
 
     from scripts.diagnose_offline import main
-    from training.run import run
+    from plasticity_zoo.training.run import run
 
     run(_ravl_config(toy_dataset, tmp_path / "run", total=200, updates_per_epoch=100, checkpoint_every=200,
                      eval_every=200))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from networks import instrument
-from networks.recurrent import LRU, RecurrentSpec, build_recurrent, linear_recurrence
+from plasticity_zoo.networks import instrument
+from plasticity_zoo.networks.recurrent import LRU, RecurrentSpec, build_recurrent, linear_recurrence
 
 SMALL = RecurrentSpec(d_model=8, d_hidden=6, layers=2)
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import mrq, sac
-from networks import MLPHead, TrunkSpec, build
-from networks.config import NetworkConfig
-from plasticity import resets
+from plasticity_zoo.agents import mrq, sac
+from plasticity_zoo.networks import MLPHead, TrunkSpec, build
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity import resets
 
 
 def _leaf(p, *path):

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import checkpoint
-from training.run import claim, run
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training.run import claim, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,8 +122,8 @@ def test_a_run_claims_its_directory_and_the_default_one_steps_aside(tiny_sac_con
 
 def test_a_user_error_in_the_loop_after_overwrite_keeps_the_moved_run_and_drops_the_empty_new_one(
         tiny_sac_config, tmp_path, monkeypatch):
-    from training import offpolicy
-    from training.logger import RunLogger
+    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.logger import RunLogger
 
     def train(cfg, agent, run_dir, resume=False, stop_at=None):
         RunLogger(run_dir).write_config({"agent_name": cfg.agent_name})
@@ -140,9 +140,9 @@ def test_a_user_error_in_the_loop_after_overwrite_keeps_the_moved_run_and_drops_
 def test_an_offline_run_without_env_is_named_after_its_dataset(tmp_path, monkeypatch):
     """train.py passes env None for an offline agent without --env: the default run directory (and the
     config.json written when it is claimed) name the dataset's env, not RunConfig's Pendulum-v1 default."""
-    from envs import datasets
+    from plasticity_zoo.envs import datasets
     from scripts.train import parse
-    from training import offline
+    from plasticity_zoo.training import offline
 
     rng = np.random.default_rng(0)
     ds = datasets.collect("MountainCarContinuous-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0,
@@ -189,8 +189,8 @@ class _Counting:
 
 
 def _interrupted(cfg, run_dir, iteration, capsys):
-    from agents import sac
-    from training.driver import Driver
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training.driver import Driver
 
     hooks = types.SimpleNamespace(host_state=lambda: {}, restore=lambda host: None)
     driver = Driver(cfg, sac, run_dir, hooks, evaluator=None)
@@ -232,7 +232,7 @@ def test_an_evaluation_shows_on_the_progress_bar_at_once(tiny_sac_config, tmp_pa
     """Issue #23 item 7: during a run the bar's eval= showed an evaluation only at the next log row."""
     import jax.numpy as jnp
 
-    from training.driver import Driver
+    from plasticity_zoo.training.driver import Driver
 
     agent = types.SimpleNamespace(act=lambda s, o, k, explore: o[..., :1])
     drv = Driver(tiny_sac_config(seeds=1), agent, tmp_path, hooks=None, evaluator=lambda policy: [[1.0, 3.0]])
@@ -244,7 +244,7 @@ def test_an_evaluation_shows_on_the_progress_bar_at_once(tiny_sac_config, tmp_pa
 
 def test_the_progress_bar_ends_showing_the_final_evaluation(tiny_sac_config, capsys):
     """Issue #23 item 7: the bar's eval= lagged one evaluation behind the final `done:` line."""
-    from training.loop import Schedule, finish, progress
+    from plasticity_zoo.training.loop import Schedule, finish, progress
 
     cfg = tiny_sac_config(total_steps=600, progress=True)
     bar = progress(cfg, 0)

@@ -3,9 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import sac
-from training.config import NetworkConfig
-from buffers.replay import Transition
+from plasticity_zoo.agents import sac
+from plasticity_zoo.training.config import NetworkConfig
+from plasticity_zoo.buffers.replay import Transition
 
 
 def test_td_target_hand_computed():

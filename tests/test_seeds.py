@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training.seeds import over_seeds
+from plasticity_zoo.training.seeds import over_seeds
 
 
 def _update(params, x, key, scale):
@@ -53,11 +53,11 @@ def test_several_seeds_are_vmapped_and_each_seed_equals_its_own_one_seed_run():
 def test_the_seeds_initial_states_are_one_program_with_the_op_by_op_values():
     """init_over_seeds: jitted, the same bits as jax.vmap(agent.init) run op by op, one seed's
     state per key (the seeds differ), and the program is built once per configuration."""
-    import agents
-    from agents.sac import SACConfig
-    from networks.config import NetworkConfig
-    from plasticity.api import StaticPlasticity
-    from training import seeds
+    from plasticity_zoo import agents
+    from plasticity_zoo.agents.sac import SACConfig
+    from plasticity_zoo.networks.config import NetworkConfig
+    from plasticity_zoo.plasticity.api import StaticPlasticity
+    from plasticity_zoo.training import seeds
 
     sac, cfg, net = agents.get("sac"), SACConfig(), NetworkConfig(width=8, depth=1)
     keys = jax.random.split(jax.random.key(0), 2)
@@ -72,7 +72,7 @@ def test_the_seeds_initial_states_are_one_program_with_the_op_by_op_values():
 
 
 def test_program_builders_are_cached_on_hashable_arguments_and_rebuild_otherwise():
-    from networks.runtime import cached_per_config
+    from plasticity_zoo.networks.runtime import cached_per_config
 
     calls = []
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from training import checkpoint
-from training import sweep as sw
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training import sweep as sw
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "scripts" / "sweep.py"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from buffers import tapes
+from plasticity_zoo.buffers import tapes
 
 
 def _episodes(lengths, first_id=0, horizon=4):

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import sac
-from training import checkpoint
-from training.logger import RunLogger
-from training.loop import StopAtIterationEnd, StopSignals
-from training.offpolicy import NonFiniteLossError, seed_slice, train
+from plasticity_zoo.agents import sac
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training.logger import RunLogger
+from plasticity_zoo.training.loop import StopAtIterationEnd, StopSignals
+from plasticity_zoo.training.offpolicy import NonFiniteLossError, seed_slice, train
 
 
 def leaves(state):
@@ -137,7 +137,7 @@ def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
     cfg = tiny_sac_config(total_steps=300)
     train(cfg, sac, tmp_path / "r")
     path = checkpoint.latest(tmp_path / "r")
-    from training.offpolicy import init_state
+    from plasticity_zoo.training.offpolicy import init_state
     other = init_state(sac, tiny_sac_config(critics=4), 3, 1)
     with pytest.raises(ValueError, match="config"):
         checkpoint.load(path, other)
@@ -153,7 +153,7 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
         m["losses/critic"] = jnp.where(new.updates > 150, jnp.nan, m["losses/critic"])
         return new, m
 
-    from buffers import replay
+    from plasticity_zoo.buffers import replay
 
     def bad_train_block(state, buffer, key, num_updates, replay_control=None):
         return replay.scan_updates(bad_update, state, buffer, key, num_updates, state.cfg.batch_size, replay_control)
@@ -170,7 +170,7 @@ def test_non_finite_loss_stops_with_step_and_name_and_keeps_last_checkpoint(tiny
 @pytest.mark.optimized
 @pytest.mark.slow
 def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
-    from training.config import NetworkConfig
+    from plasticity_zoo.training.config import NetworkConfig
 
     # 64-wide networks (a quarter of the paper's 256, 3x faster here; seeds 0-3 end at -96 to -219),
     # 2 vmapped seeds; SAC swings Pendulum up within ~4-6k steps
@@ -200,11 +200,11 @@ def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(case):
     step (hoisted out of its 0/1-trip loop).  262,144 slots make one per-slot float (1 MB) stand
     out above the small programs' other temporaries; the sum trees' log2(capacity) depth may add
     a little."""
-    import agents
-    from buffers import replay
-    from plasticity.expansion import ReplayControl
-    from training import offpolicy
-    from training.config import NetworkConfig, RunConfig
+    from plasticity_zoo import agents
+    from plasticity_zoo.buffers import replay
+    from plasticity_zoo.plasticity.expansion import ReplayControl
+    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     name = case.split("_")[0]
     agent = agents.get(name)

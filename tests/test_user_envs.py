@@ -10,7 +10,7 @@ from pathlib import Path
 import gymnasium as gym
 import pytest
 
-from envs import make_env
+from plasticity_zoo.envs import make_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = '''import gymnasium as gym
@@ -26,6 +26,16 @@ gym.register("ZooUserCartPole-v0", entry_point="gymnasium.envs.classic_control.c
 def user_dir(tmp_path):
     (tmp_path / "zoo_user_pkg").mkdir()
     (tmp_path / "zoo_user_pkg" / "__init__.py").write_text(PACKAGE)
+    return tmp_path
+
+
+@pytest.fixture
+def user_project(tmp_path):
+    """A researcher's project whose own packages are named like the zoo's folders: ``envs`` registers the env,
+    ``training`` is theirs too.  The zoo is imported as ``plasticity_zoo.*``, so neither shadows it."""
+    for pkg, text in (("envs", PACKAGE), ("training", "raise ImportError('the user\\'s own training package')\n")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(text)
     return tmp_path
 
 
@@ -45,28 +55,28 @@ def test_a_module_id_imports_the_module_and_makes_its_env_or_says_what_is_wrong(
 
 
 @pytest.mark.slow
-def test_a_users_env_trains_resumes_evaluates_and_reports_from_the_cli(user_dir):
+def test_a_users_env_trains_resumes_evaluates_and_reports_from_the_cli(user_project):
     env = {**os.environ}
     env.pop("PYTHONPATH", None)
 
     def cli(*args):
-        out = subprocess.run([sys.executable, *args], cwd=user_dir, env=env, capture_output=True, text=True,
+        out = subprocess.run([sys.executable, *args], cwd=user_project, env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout
 
-    cli(str(ROOT / "scripts" / "train.py"), "sac", "--env", "zoo_user_pkg:ZooUserPendulum-v0", "--total-steps", "200",
+    cli(str(ROOT / "scripts" / "train.py"), "sac", "--env", "envs:ZooUserPendulum-v0", "--total-steps", "200",
         "--learning-starts", "100", "--eval-every", "200", "--eval-episodes", "1", "--network.width", "16",
         "--no-progress", "--run-dir", "runs/u")
     assert "done: 300 steps" in cli(str(ROOT / "scripts" / "train.py"), "--resume", "runs/u", "--total-steps", "300",
                                     "--no-progress")
     assert "the same returns" in cli(str(ROOT / "scripts" / "evaluate.py"), "runs/u", "--episodes", "1")
     cli(str(ROOT / "scripts" / "report.py"), "runs/u", "--out", "rep")
-    assert "zoo_user_pkg:ZooUserPendulum-v0" in (user_dir / "rep" / "report.md").read_text()
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "sac", "--env", "zoo_user_pkg:Nope-v0",
-                          "--run-dir", "runs/bad"], cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("error: env 'zoo_user_pkg:Nope-v0'")
-    assert not (user_dir / "runs" / "bad").exists()
+    assert "envs:ZooUserPendulum-v0" in (user_project / "rep" / "report.md").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "sac", "--env", "envs:Nope-v0",
+                          "--run-dir", "runs/bad"], cwd=user_project, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("error: env 'envs:Nope-v0'")
+    assert not (user_project / "runs" / "bad").exists()
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.logger import AGGREGATE_TASK  # the task column of a multitask run's aggregate rows
+from plasticity_zoo.training.logger import AGGREGATE_TASK  # the task column of a multitask run's aggregate rows
 
 # (random, TD3) returns at 1M steps, Gymnasium MuJoCo (MR.Q paper, Fujimoto et al. 2025, the Gym table).
 TD3_NORMALISATION = {"Ant": (-70.3, 3942.0), "HalfCheetah": (-289.4, 10574.0), "Hopper": (18.8, 3226.0),
@@ -129,7 +129,7 @@ def reference(env: str, given: dict, y: str = "return_mean") -> tuple[tuple[floa
     if env.startswith("mt:"):
         if y == "score":
             return SCORE_RANGE, "multitask score: mean over tasks of return / task maximum"
-        from envs.multitask import member_ids
+        from plasticity_zoo.envs.multitask import member_ids
 
         try:
             members = member_ids(env)

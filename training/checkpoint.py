@@ -157,7 +157,7 @@ def verify(path) -> dict:
         if legacy:
             raise Unverified(path, "it was written before checkpoints carried a manifest.json, so host.pkl "
                                    "(a pickle) cannot be verified before it is loaded; if you trust this run "
-                                   f"directory, add one with: python -m training.checkpoint trust {path}")
+                                   f"directory, add one with: python -m plasticity_zoo.training.checkpoint trust {path}")
         raise Damaged(path, "manifest.json missing (an incomplete or damaged checkpoint)")
     manifest = _read_json(path, "manifest.json")
     files = manifest.get("files")
@@ -306,13 +306,13 @@ def trust(path) -> list[Path]:
         missing = [name for name in FILES if not (d / name).is_file()]
         if missing:
             raise Damaged(d, f"{', '.join(missing)} missing")
-        _write_manifest(d, int(meta["step"]), trusted="added by `python -m training.checkpoint trust`")
+        _write_manifest(d, int(meta["step"]), trusted="added by `python -m plasticity_zoo.training.checkpoint trust`")
         done.append(d)
     return done
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m training.checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m plasticity_zoo.training.checkpoint",
                                      description="Add manifests to checkpoints written before manifests existed.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trust", help="add manifest.json to the old checkpoints of trusted run directories")

@@ -14,10 +14,10 @@ from typing import Annotated, Optional
 
 import tyro
 
-import agents
-from training import config as config_lib
-from training import presets as presets_lib
-from training.run import is_user_error, load_config, protocol_defaults
+from plasticity_zoo import agents
+from plasticity_zoo.training import config as config_lib
+from plasticity_zoo.training import presets as presets_lib
+from plasticity_zoo.training.run import is_user_error, load_config, protocol_defaults
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
 DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
@@ -126,7 +126,7 @@ def _one_env_per_task(cfg, flags: list[str]):
     """A new run on a multitask env id (``mt:``): without ``--num-envs``, one env per task (ScaleMRL's
     layout), since the tasks step side by side and the envs must be a multiple of the tasks; then the
     agent's paper schedule for what the flags leave unset (``training.run.protocol_defaults``)."""
-    from envs.multitask import is_multitask, member_ids
+    from plasticity_zoo.envs.multitask import is_multitask, member_ids
 
     if not isinstance(cfg.env, str) or not is_multitask(cfg.env):
         return cfg

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from networks.config import NetworkConfig
-from plasticity.config import PlasticityConfig
+from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.plasticity.config import PlasticityConfig
 
 
 @dataclass

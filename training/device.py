@@ -38,15 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import playground
-from training.config import RunConfig
-from training.seeds import add_over_seeds, over_seeds
-from training.driver import Driver
-from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from training import offpolicy, onpolicy
-from training.onpolicy import seed_fns
-from buffers import replay
-from plasticity.hooks import Hooks
+from plasticity_zoo.envs import playground
+from plasticity_zoo.training.config import RunConfig
+from plasticity_zoo.training.seeds import add_over_seeds, over_seeds
+from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training import offpolicy, onpolicy
+from plasticity_zoo.training.onpolicy import seed_fns
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.plasticity.hooks import Hooks
 
 KINDS = ("onpolicy", "offpolicy")  # agent kinds with a device loop
 

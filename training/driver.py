@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from training import checkpoint
-from training.config import RunConfig, to_json
-from training.evaluation import policy_maker, task_results
-from training.logger import RunLogger, wandb_settings
-from training.loop import CompileNotices, Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
-from training.provenance import provenance
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training.config import RunConfig, to_json
+from plasticity_zoo.training.evaluation import policy_maker, task_results
+from plasticity_zoo.training.logger import RunLogger, wandb_settings
+from plasticity_zoo.training.loop import CompileNotices, Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
+from plasticity_zoo.training.provenance import provenance
 
 
 class Driver:

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import make_vector_env
-from networks.runtime import cached_per_config
-from envs.multitask import is_multitask, member_ids
-from training.logger import AGGREGATE_TASK
+from plasticity_zoo.envs import make_vector_env
+from plasticity_zoo.networks.runtime import cached_per_config
+from plasticity_zoo.envs.multitask import is_multitask, member_ids
+from plasticity_zoo.training.logger import AGGREGATE_TASK
 
 EVAL_SEED_OFFSET = 5_000  # evaluation env seeds: cfg.seed * 10_000 + 5_000 + i (training envs: cfg.seed * 10_000 + i)
 
@@ -147,7 +147,7 @@ def deterministic_act(agent):
 
 def is_recurrent(agent) -> bool:
     """Whether the agent acts from the episode's history (``agents.api.RecurrentAgent``)."""
-    from agents.api import RecurrentAgent
+    from plasticity_zoo.agents.api import RecurrentAgent
 
     return isinstance(agent, RecurrentAgent)
 
@@ -259,21 +259,21 @@ def checkpoint_template(cfg, agent, obs_dim: int, act_dim: int):
     the arrays are zeros, which the OS allocates lazily, so a large replay capacity costs nothing
     until the checkpoint's rows are read).  The agent state is its first element."""
     kind = agent.KIND
-    from training import device
+    from plasticity_zoo.training import device
 
     if kind != "offline" and device.uses_device_loop(cfg, agent):
         build = lambda: device.initial_tree(cfg, agent)  # noqa: E731  (the device loop's carry)
     elif kind == "offpolicy":
-        from training.offpolicy import init_state
+        from plasticity_zoo.training.offpolicy import init_state
 
         build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (state, buffer, key)
     elif kind == "onpolicy":
-        from training.onpolicy import init_state
+        from plasticity_zoo.training.onpolicy import init_state
 
         build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (state, loop, key)
     elif kind == "offline":
-        from buffers.replay import Transition
-        from training.offline import _buffers, initial_state
+        from plasticity_zoo.buffers.replay import Transition
+        from plasticity_zoo.training.offline import _buffers, initial_state
 
         class _Shapes:  # the dataset as initial_state reads it; its rows are not checkpointed
             def __init__(self, real):
@@ -319,7 +319,7 @@ class RestoredRun:
         ev = run_evaluator(self.cfg, self.agent, env_id or self.env_id, episodes,
                            seeds=None if seed is None else 1, first_seed=seed or 0)
         if env_id in (None, self.env_id) and self.counter is not None:
-            from envs import nonstationary
+            from plasticity_zoo.envs import nonstationary
 
             nonstationary.follow(ev.env, self.counter)
         return ev
@@ -352,10 +352,10 @@ def restore_policy(run_dir, step: int | None = None, warn=None) -> RestoredRun:
 
     Raises SystemExit (a message) for a directory that is not a run or has no such checkpoint, and
     ``checkpoint.CheckpointError`` (a ValueError) for a checkpoint that cannot be read."""
-    import agents
-    from envs import make_env
-    from training import checkpoint
-    from training.run import load_config
+    from plasticity_zoo import agents
+    from plasticity_zoo.envs import make_env
+    from plasticity_zoo.training import checkpoint
+    from plasticity_zoo.training.run import load_config
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -156,7 +156,7 @@ class RunLogger:
         self.evals.append(rows)
 
     def _log_task_eval(self, step: int, returns, extra, tasks):
-        from training.evaluation import task_results
+        from plasticity_zoo.training.evaluation import task_results
 
         rows = []
         for j, r in enumerate(returns):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training import checkpoint
+from plasticity_zoo.training import checkpoint
 
 
 class NonFiniteLossError(RuntimeError):
@@ -32,7 +32,7 @@ def agent_config(agent, cfg):
     ``with_tasks`` (multitask agents, ``agents.api.TaskConditionedAgent``)."""
     if not hasattr(agent, "with_tasks"):
         return cfg.agent
-    from envs.multitask import is_multitask, task_spec
+    from plasticity_zoo.envs.multitask import is_multitask, task_spec
 
     spec = task_spec(cfg.env, cfg.action_repeat) if is_multitask(cfg.env) else None
     return agent.with_tasks(cfg.agent, spec)

@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import datasets
-from plasticity.hooks import Hooks, check_optimizers, static_plasticity
-from training.config import RunConfig
-from networks.runtime import cached_per_config, dots_only_library_fusion
-from training.seeds import init_over_seeds, over_seeds
-from training.driver import Driver
-from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from training.loop import check_positive, run_counts
+from plasticity_zoo.envs import datasets
+from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
+from plasticity_zoo.training.config import RunConfig
+from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library_fusion
+from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
+from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training.loop import check_positive, run_counts
 
 
 

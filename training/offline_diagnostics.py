@@ -34,17 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import agents
-from agents import dynamics as dynamics_lib
-from agents import imagination
-from envs import datasets, termination
-from envs.make import VectorEnv
-from networks.distributions import tanh_gaussian_sample
-from buffers import replay
-from training import checkpoint
-from training.offline import initial_state, resolve_dataset, _buffers
-from training.evaluation import is_recurrent, policy_maker, restore_policy
-from training.run import load_config
+from plasticity_zoo import agents
+from plasticity_zoo.agents import dynamics as dynamics_lib
+from plasticity_zoo.agents import imagination
+from plasticity_zoo.envs import datasets, termination
+from plasticity_zoo.envs.make import VectorEnv
+from plasticity_zoo.networks.distributions import tanh_gaussian_sample
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.training import checkpoint
+from plasticity_zoo.training.offline import initial_state, resolve_dataset, _buffers
+from plasticity_zoo.training.evaluation import is_recurrent, policy_maker, restore_policy
+from plasticity_zoo.training.run import load_config
 
 
 def returns_to_go(rewards, ends, gamma: float) -> np.ndarray:

@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import make_vector_env, nonstationary
-from networks.runtime import cached_per_config
-from plasticity.hooks import Hooks, check_optimizers, static_plasticity
-from plasticity.least import LEAST
-from buffers import replay
-from training.config import RunConfig
-from training.seeds import add_over_seeds, init_over_seeds, over_seeds
-from training.driver import Driver
-from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
+from plasticity_zoo.envs import make_vector_env, nonstationary
+from plasticity_zoo.networks.runtime import cached_per_config
+from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
+from plasticity_zoo.plasticity.least import LEAST
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.training.config import RunConfig
+from plasticity_zoo.training.seeds import add_over_seeds, init_over_seeds, over_seeds
+from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 

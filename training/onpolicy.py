@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from envs import make_vector_env
-from envs import nonstationary
-from training.config import RunConfig
-from training.seeds import init_over_seeds, over_seeds
-from training.driver import Driver
-from training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity.hooks import Hooks, check_optimizers, static_plasticity
-from training.loop import check_positive, run_counts
+from plasticity_zoo.envs import make_vector_env
+from plasticity_zoo.envs import nonstationary
+from plasticity_zoo.training.config import RunConfig
+from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
+from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
+from plasticity_zoo.training.loop import check_positive, run_counts
 
 
 class LoopState(NamedTuple):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-import agents
-from training import config as config_lib
-from training.config import RunConfig
+from plasticity_zoo import agents
+from plasticity_zoo.training import config as config_lib
+from plasticity_zoo.training.config import RunConfig
 
 # What a mistaken command line raises: scripts/train.py prints these as one `error:` line.  A
 # SystemExit counts only when it carries a message (tyro's own exits carry a status code).
@@ -48,7 +48,7 @@ def load_config(run_dir) -> RunConfig:
         raise SystemExit(f"--resume {run_dir}: {path} is not a readable run config ({type(e).__name__}: {e})") from e
 
 
-LOOPS = {"offpolicy": "training.offpolicy", "onpolicy": "training.onpolicy", "offline": "training.offline"}
+LOOPS = {"offpolicy": "plasticity_zoo.training.offpolicy", "onpolicy": "plasticity_zoo.training.onpolicy", "offline": "plasticity_zoo.training.offline"}
 
 
 def loop_module(agent, cfg: RunConfig | None = None):
@@ -59,7 +59,7 @@ def loop_module(agent, cfg: RunConfig | None = None):
     if agent.KIND not in LOOPS:
         raise ValueError(f"agent {agent.__name__!r} has unknown kind {agent.KIND!r}; kinds: {', '.join(LOOPS)}")
     if cfg is not None and agent.KIND != "offline":
-        from training import device
+        from plasticity_zoo.training import device
 
         if device.uses_device_loop(cfg, agent):
             return device
@@ -68,7 +68,7 @@ def loop_module(agent, cfg: RunConfig | None = None):
 
 def check_loop(cfg: RunConfig, agent):
     """The run's loop's ``check(cfg)`` (the device loop's also refuses agent kinds it cannot run)."""
-    from training import device
+    from plasticity_zoo.training import device
 
     module = loop_module(agent, cfg)
     if getattr(cfg, "loop", "auto") == "device" or module is device:
@@ -89,7 +89,7 @@ def run_files(run_dir) -> list[str]:
 
 def holds_a_run(run_dir, held) -> str:
     """The refusal for a new run into ``run_dir``, which holds ``held`` (from ``run_files``)."""
-    from training import checkpoint
+    from plasticity_zoo.training import checkpoint
 
     d = Path(run_dir)
     over = f"pass --overwrite to move its files into {d / REPLACED}<time>/ and start a new run there"
@@ -102,7 +102,7 @@ def holds_a_run(run_dir, held) -> str:
 def check_relations(cfg: RunConfig, agent):
     """Settings that are each valid but cannot work together (a ValueError naming the flags)."""
     if isinstance(cfg.env, str) and cfg.env.startswith("mt:"):
-        from envs.multitask import member_ids
+        from plasticity_zoo.envs.multitask import member_ids
 
         tasks = len(member_ids(cfg.env))
         if cfg.num_envs % tasks:
@@ -126,11 +126,11 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
     an intervention the agent cannot take; the agent's own option checks (ranges such as the
     discount's, the replay's batch and capacity).
     """
-    from plasticity.hooks import check_applicable
+    from plasticity_zoo.plasticity.hooks import check_applicable
 
     agent = agents.get(cfg.agent_name) if agent is None else agent
     if cfg.resume:
-        from training import checkpoint
+        from plasticity_zoo.training import checkpoint
 
         if overwrite:
             raise SystemExit(f"--overwrite starts a new run; it cannot be combined with --resume {cfg.resume}")
@@ -144,20 +144,20 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
         raise SystemExit(holds_a_run(cfg.run_dir, run_files(cfg.run_dir)))
     check_loop(cfg, agent)  # counts below 1, the kind's own arithmetic, the device loop's needs
     if cfg.wandb:
-        from training.logger import require_wandb
+        from plasticity_zoo.training.logger import require_wandb
 
         require_wandb()
     check_relations(cfg, agent)
     if agent.KIND == "offline":
-        from training.offline import resolve_dataset
+        from plasticity_zoo.training.offline import resolve_dataset
 
-        from training.offline import dataset_config
+        from plasticity_zoo.training.offline import dataset_config
 
         _, dataset, env_id = resolve_dataset(cfg)  # the dataset file exists, is readable HDF5 and fits its env
         cfg = dataset_config(cfg, agent, dataset, env_id)  # the agent's config as the run will build it
         obs_dim, act_dim = dataset.obs_dim, dataset.act_dim
     else:
-        from envs import make_env
+        from plasticity_zoo.envs import make_env
 
         env = make_env(cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl)  # an unknown or malformed env id fails here
         obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
@@ -172,9 +172,9 @@ def check_agent_config(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
     arrays are allocated and nothing is compiled."""
     import jax
 
-    from plasticity.hooks import check_optimizers, static_plasticity
+    from plasticity_zoo.plasticity.hooks import check_optimizers, static_plasticity
 
-    from training.loop import agent_config
+    from plasticity_zoo.training.loop import agent_config
 
     static = static_plasticity(cfg.plasticity, agent)
     agent_cfg = agent_config(agent, cfg)
@@ -257,7 +257,7 @@ def protocol_defaults(cfg: RunConfig, agent, given: frozenset | None = None, log
     protocol = getattr(agent, "protocol", None)
     if protocol is None or cfg.agent is None or getattr(cfg.agent, "learning_starts", 0) is not None:
         return cfg
-    from envs.multitask import is_multitask, task_spec
+    from plasticity_zoo.envs.multitask import is_multitask, task_spec
 
     if not isinstance(cfg.env, str) or not is_multitask(cfg.env):
         return cfg  # the agent refuses the env in preflight (with_tasks), naming what it needs
@@ -279,8 +279,8 @@ def default_metrics(cfg: RunConfig, agent, log=print) -> RunConfig:
     """The default plasticity metrics (``--plasticity.metrics-every`` left at its default) switched off,
     saying so, for an agent that declares no plastic networks; an explicit other value is refused
     by ``preflight`` as before."""
-    from plasticity.api import measured
-    from plasticity.config import PlasticityConfig
+    from plasticity_zoo.plasticity.api import measured
+    from plasticity_zoo.plasticity.config import PlasticityConfig
 
     default = PlasticityConfig().metrics_every
     if measured(agent) or cfg.plasticity.metrics_every != default:
@@ -294,7 +294,7 @@ def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrit
 
     A new run claims its directory (``claim``); with ``overwrite`` a run already there is first
     moved into ``run_dir/.replaced-<time>/`` (``move_aside``)."""
-    from networks.runtime import use_persistent_cache
+    from plasticity_zoo.networks.runtime import use_persistent_cache
 
     use_persistent_cache()  # compiled programs persist between runs (RLZOO_COMPILATION_CACHE=0: off)
     agent = agents.get(cfg.agent_name)
@@ -306,10 +306,10 @@ def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrit
             raise SystemExit(f"--overwrite starts a new run; it cannot be combined with --resume {cfg.resume}")
         run_dir, resume, existed = Path(cfg.resume), True, True
     else:
-        from training.loop import default_run_dir
+        from plasticity_zoo.training.loop import default_run_dir
 
         if agent.KIND == "offline" and cfg.env is None:  # the command line's "not given": the dataset's env
-            from training.offline import resolve_dataset
+            from plasticity_zoo.training.offline import resolve_dataset
 
             cfg = dataclasses.replace(cfg, env=resolve_dataset(cfg)[2])
         run_dir, resume = (Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)), False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from networks.runtime import cached_per_config
+from plasticity_zoo.networks.runtime import cached_per_config
 
 
 def over_seeds(fn, in_axes=0):

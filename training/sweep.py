@@ -288,8 +288,8 @@ def attempt_argv(ledger: Ledger, trial: Trial) -> tuple[list[str], str]:
     """The train.py arguments for the next attempt and what it does: 'resume' from the run's last
     checkpoint, 'restart' a run that stopped before its first one (--overwrite moves its files
     aside), or 'start'."""
-    from training import checkpoint
-    from training.run import run_files
+    from plasticity_zoo.training import checkpoint
+    from plasticity_zoo.training.run import run_files
 
     d = ledger.run_dir(trial)
     if checkpoint.latest(d) is not None:
@@ -301,9 +301,9 @@ def attempt_argv(ledger: Ledger, trial: Trial) -> tuple[list[str], str]:
 
 def preflight(trials: list[Trial], ledger: Ledger):
     """Every distinct trial command through train.py's parsing and checks, before anything runs."""
-    from training.cli import parse
-    from training.run import is_user_error
-    from training.run import preflight as check_run
+    from plasticity_zoo.training.cli import parse
+    from plasticity_zoo.training.run import is_user_error
+    from plasticity_zoo.training.run import preflight as check_run
 
     seen = set()
     for t in trials:

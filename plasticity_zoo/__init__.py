@@ -1,0 +1,12 @@
+"""plasticity-zoo: a JAX deep-RL agent zoo for continuous control with switchable plasticity interventions.
+
+Every part of the zoo is imported through this one name (``plasticity_zoo.agents``, ``plasticity_zoo.training``,
+...), so a user's own ``envs`` or ``training`` package never shadows it.  The installed distribution maps each
+subpackage to its top-level folder of the repository (pyproject.toml's package-dir); run from a checkout that
+was not installed, the same folders are found beside this one.
+"""
+from pathlib import Path as _Path
+
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "agents" / "__init__.py").is_file() and not (_Path(__file__).parent / "agents").exists():
+    __path__.append(str(_checkout))  # a checkout: plasticity_zoo.agents is ../agents
