@@ -1,4 +1,4 @@
-"""Value and dynamics diagnostics of an offline run's last checkpoint (training/offline_diagnostics.py).
+"""Value and dynamics diagnostics of an offline run's last checkpoint (analysis/offline_diagnostics.py).
 
     python scripts/diagnose_offline.py RUN_DIR [--episodes 3] [--samples 4096]
 
@@ -7,7 +7,7 @@ discounted returns-to-go, the value drift along model rollouts, and the policy's
 the dynamics model's error and spread and the distance to the nearest dataset state along them;
 for a NeuBay run, imagination from start states and real prefixes beside the real episodes, with
 the critics' Q against the return that followed and the world-model posterior's error,
-uncertainty and open-loop replay along them (``training/offline_diagnostics.py:
+uncertainty and open-loop replay along them (``analysis/offline_diagnostics.py:
 diagnose_posterior``); writes RUN_DIR/diagnostics.json.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plasticity_zoo.training import offline_diagnostics  # noqa: E402
+from plasticity_zoo.analysis import offline_diagnostics  # noqa: E402
 
 
 @dataclass

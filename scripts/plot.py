@@ -42,10 +42,10 @@ import numpy as np
 from matplotlib.figure import Figure
 
 try:
-    from plasticity_zoo.training import stats
+    from plasticity_zoo.analysis import stats
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from plasticity_zoo.training import stats
+    from plasticity_zoo.analysis import stats
 
 N_BOOT = 2000
 CI = 0.95

@@ -19,7 +19,7 @@ Finds every run directory (config.json + eval.csv) at or under the paths and gro
 
 Multitask (``mt:``) runs are read at their aggregate rows (``task=all``, the mean over tasks);
 ``--y score`` takes their normalised score (the mean over tasks of return / task maximum).
-Normalisation (training/aggregate.py): ``dmc:`` envs 0-1000 (and ``mt:`` envs of ``dmc:`` tasks),
+Normalisation (analysis/aggregate.py): ``dmc:`` envs 0-1000 (and ``mt:`` envs of ``dmc:`` tasks),
 the MR.Q paper's Gymnasium tasks TD3-normalised, others with ``--norm ENV=LOW:HIGH``; an env
 without one is left out of the cross-env aggregates (a report over one env aggregates its raw scores).  The baseline is
 ``--baseline LABEL``, else a label named ``none``, ``base`` or ``baseline``, else the first label in
@@ -38,11 +38,11 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from plasticity_zoo.training import aggregate as agg
+    from plasticity_zoo.analysis import aggregate as agg
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from plasticity_zoo.training import aggregate as agg
-from plasticity_zoo.training import stats
+    from plasticity_zoo.analysis import aggregate as agg
+from plasticity_zoo.analysis import stats
 
 PLOT = Path(__file__).resolve().parent / "plot.py"
 N_BOOT = 2000

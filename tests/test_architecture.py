@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("networks", "buffers", "envs", "plasticity", "agents", "training", "scripts")
+PACKAGES = ("networks", "buffers", "envs", "plasticity", "agents", "training", "analysis", "scripts")
 # what each layer may import (besides itself and third-party packages)
 ALLOWED = {
     "networks": set(),
@@ -13,7 +13,8 @@ ALLOWED = {
     "plasticity": {"networks"},
     "agents": {"networks", "buffers", "envs", "plasticity"},
     "training": {"networks", "buffers", "envs", "plasticity", "agents"},
-    "scripts": {"networks", "buffers", "envs", "plasticity", "agents", "training"},
+    "analysis": {"networks", "buffers", "envs", "plasticity", "agents", "training"},
+    "scripts": {"networks", "buffers", "envs", "plasticity", "agents", "training", "analysis"},
 }
 
 

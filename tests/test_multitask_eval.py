@@ -243,7 +243,7 @@ def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(
 
 @pytest.mark.slow
 def test_reports_and_sweeps_read_the_aggregate_rows(mt_run, tmp_path):
-    from plasticity_zoo.training import aggregate as agg
+    from plasticity_zoo.analysis import aggregate as agg
     from plasticity_zoo.training.sweep import latest_return
 
     d = mt_run[0]

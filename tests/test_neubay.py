@@ -533,7 +533,7 @@ def test_history_values_are_the_training_critics_and_read_only_the_past():
 
 
 def test_first_true_and_open_loop_replay_against_a_step_by_step_loop():
-    from plasticity_zoo.training.offline_diagnostics import first_true, open_loop_ends
+    from plasticity_zoo.analysis.offline_diagnostics import first_true, open_loop_ends
 
     assert first_true([[False, True, True], [False, False, False], [True, False, True]]).tolist() == [2, 0, 1]
     model = dyn.init_model(jax.random.key(4), OBS, ACT, dyn.neubay_config(members=5, elites=4, width=8, depth=1))

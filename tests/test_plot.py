@@ -1,4 +1,4 @@
-"""Tests for training/stats.py and scripts/plot.py."""
+"""Tests for analysis/stats.py and scripts/plot.py."""
 
 import importlib.util
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plasticity_zoo.training import stats
+from plasticity_zoo.analysis import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

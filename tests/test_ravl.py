@@ -184,7 +184,7 @@ def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset,
 # ----------------------------------------------------------------------------- diagnostics
 
 def test_returns_to_go_restart_at_episode_ends():
-    from plasticity_zoo.training.offline_diagnostics import episode_ends, returns_to_go
+    from plasticity_zoo.analysis.offline_diagnostics import episode_ends, returns_to_go
 
     # hand-derived, gamma 0.5: episode [1, 2] -> [1 + 0.5 * 2, 2]; episode [3, 4] -> [5, 4]
     np.testing.assert_allclose(returns_to_go([1, 2, 3, 4], [False, True, False, True], 0.5), [2, 2, 5, 4])
@@ -199,7 +199,7 @@ def test_returns_to_go_restart_at_episode_ends():
 
 
 def test_episode_values_locate_the_peak_of_min_q():
-    from plasticity_zoo.training.offline_diagnostics import episode_values
+    from plasticity_zoo.analysis.offline_diagnostics import episode_values
 
     q = np.array([[1.0, 5.0, 9.0, 2.0],   # critic 0 along a 4-step episode
                   [3.0, 4.0, 7.0, 8.0]])  # critic 1; min-Q per step: 1, 4, 7, 2
@@ -209,7 +209,7 @@ def test_episode_values_locate_the_peak_of_min_q():
 
 
 def test_nearest_distances_scale_chunk_and_skip_the_points_own_episode():
-    from plasticity_zoo.training.offline_diagnostics import episode_coverage, nearest_distances
+    from plasticity_zoo.analysis.offline_diagnostics import episode_coverage, nearest_distances
 
     reference = np.array([[0.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
     points = np.array([[0.0, 0.0], [3.0, 4.0]])

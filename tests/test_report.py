@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plasticity_zoo.training import aggregate as agg
-from plasticity_zoo.training import stats
+from plasticity_zoo.analysis import aggregate as agg
+from plasticity_zoo.analysis import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import report  # noqa: E402
