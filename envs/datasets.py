@@ -17,6 +17,9 @@ rebuild them from ``observations[i+1]``, which is the next episode's reset state
 never both set on a row.  Actions are stored in the env's own action units (D4RL's convention;
 the gym-mujoco locomotion bounds are [-1, 1], so agent units and env units coincide there).
 
+Minari datasets reach the offline agents through ``envs/minari_data.py`` (``--dataset minari:<id>``,
+converted once with the ``minari`` package); a Minari file given as a path is refused with that hint.
+
 Also here: Minari HDF5 datasets read without the ``minari`` package (spec 2.2), D4RL normalised
 scores (spec 1.3) and the project's own references, the dataset cache, and ``collect`` (roll a
 policy in a vector env into a dataset; used by scripts/make_dataset.py, spec 2.3).
@@ -491,6 +494,9 @@ def load(path, env_id: Optional[str] = None, validate: bool = True, allow_missin
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"{path}: no such dataset file")
+    minari = [d for d in (path / "data", path) if path.is_dir() and (d / "metadata.json").is_file()]
+    if minari:  # a Minari dataset's folder (or its data folder)
+        raise DatasetError(minari_file_hint(minari[0] / "main_data.hdf5"))
     arrays: dict = {}
     try:
         with h5py.File(path, "r") as f:
@@ -502,6 +508,8 @@ def load(path, env_id: Optional[str] = None, validate: bool = True, allow_missin
                     "observations[i+1] is the next episode's reset state at an episode end, which corrupts "
                     "dynamics-model targets). Pass allow_missing_next=True to rebuild them within episodes "
                     "and drop the rows where they are unknown.")
+            if missing and any(re.fullmatch(r"episode_\d+", k) for k in f):
+                raise DatasetError(minari_file_hint(path))
             if missing:
                 raise DatasetError(f"{path}: missing key(s) {', '.join(missing)} (the file has: {', '.join(sorted(f))})")
             for k in KEYS:
@@ -550,6 +558,28 @@ def minari_root(root=None) -> Path:
     if root is not None:
         return Path(root)
     return Path(os.environ.get("MINARI_DATASETS_PATH") or Path.home() / ".minari" / "datasets")
+
+
+def minari_file_hint(path) -> str:
+    """What to do with a Minari file (``<root>/<id>/data/main_data.hdf5``) or folder given as ``--dataset PATH``:
+    train on it as ``--dataset minari:<id>`` (``envs/minari_data.py`` converts it once), with
+    ``MINARI_DATASETS_PATH`` pointing at its root where that is not the Minari data path in use."""
+    path = Path(path)
+    name = None
+    try:
+        name = json.loads((path.parent / "metadata.json").read_text()).get("dataset_id")
+    except (OSError, ValueError, AttributeError):
+        pass
+    head = f"{path if path.exists() else path.parent}: a Minari dataset, not the zoo's flat D4RL layout"
+    data = path.parent.resolve()
+    parts = len(Path(name).parts) if isinstance(name, str) else 0
+    root = data.parents[parts] if 0 < parts < len(data.parents) else None
+    if root is None or data != root / name / "data":
+        return (f"{head}; train on it with --dataset minari:<id>, its Minari id, with MINARI_DATASETS_PATH set to "
+                "the folder holding <id>/data/ (converted once into the dataset cache; docs/offline-data.md)")
+    env = "" if root == minari_root().expanduser().resolve() else f" with MINARI_DATASETS_PATH={root}"
+    return f"{head}; train on it with --dataset minari:{name}{env} (converted once into the dataset cache; " \
+           "docs/offline-data.md)"
 
 
 def _minari_data_dir(name_or_path, root) -> Path:

@@ -43,9 +43,13 @@ from plasticity_zoo.training.loop import check_positive, run_counts
 
 
 def resolve_dataset(cfg: RunConfig):
-    """-> (path, Dataset, env id for evaluation), from ``--dataset PATH`` or ``--env E --kind K``."""
+    """-> (path, Dataset, env id for evaluation), from ``--dataset PATH | minari:<id>`` or ``--env E --kind K``."""
     a = cfg.agent
-    if a.dataset:
+    if a.dataset and a.dataset.startswith("minari:"):  # converted once into the dataset cache (envs/minari_data.py)
+        from plasticity_zoo.envs import minari_data
+
+        path = minari_data.resolve(a.dataset, cache_root=a.dataset_root)
+    elif a.dataset:
         path = Path(a.dataset).expanduser()
     elif a.kind:
         if cfg.env is None:  # train.py's default for offline agents: --env not given
