@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[kron,sweep,video,mjx,wandb]'
+	$(BIN)/pip install -q -e '.[dev,kron,sweep,search,video,mjx,wandb,minari]'
 	touch $(STAMP)
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint typecheck check bench clean
 install: $(STAMP)
 
 # SAC on Pendulum-v1 until it swings up (a few minutes on a 2-core CPU), then its learning curve.
@@ -25,6 +25,16 @@ demo: $(STAMP)
 # file again in a new worker, the crashing test included, up to 8 times.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0
+
+# What CI runs before the tests (.ci/run); .pre-commit-config.yaml runs the same two on each commit.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The contract (agents/api.py, plasticity/api.py), the run machinery (training/) and the Python API.
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmark.py

@@ -63,12 +63,18 @@ metric_params, metric_losses) and LEAST's optional signals (``plasticity.api.LEA
 Protocols live there and are re-exported here.
 
 ``OffPolicyConfig`` holds the replay and schedule settings every off-policy agent's config has.
+
+An agent config declares the valid values of its numeric fields beside them, in a ``RANGES`` class
+table of ``networks.config.Range`` (merged along the config's bases: ``OffPolicyConfig.RANGES`` holds
+the replay's); the agent's ``init`` checks them with ``networks.config.check_ranges`` (one ``error:``
+line naming the flag and its range), and checks the relations between values itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE
 from plasticity_zoo.plasticity.api import ExplorationNoiseAgent, LEASTAgent, MeasuredAgent, PlasticAgent, StaticPlasticity
 
 __all__ = ["Agent", "TaskConditionedAgent", "RecurrentAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "MeasuredAgent", "LEASTAgent",
@@ -170,6 +176,9 @@ class OffPolicyConfig:
     updates_per_step: int = 1
     """gradient steps per env step (update-to-data ratio)"""
 
+    RANGES = {"buffer_size": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE, "learning_starts": NON_NEGATIVE,
+              "updates_per_step": AT_LEAST_ONE}  # learning_starts None: the agent's protocol sets it
+
 
 @dataclass(frozen=True)
 class OfflineDataConfig:
@@ -183,19 +192,9 @@ class OfflineDataConfig:
     """dataset cache directory (default: $RLZOO_DATASETS or ~/.cache/rlzoo/datasets)"""
 
 
-def check_range(low: float, high: float, **values: float):
-    """Raise a ValueError naming the flag (``gae_lambda`` -> ``--gae-lambda``) of the first value
-    outside [low, high] (NaN included)."""
-    for name, value in values.items():
-        if not low <= value <= high:
-            raise ValueError(f"--{name.replace('_', '-')} must be in [{low:g}, {high:g}], got {value}")
-
-
 def check_replay(cfg: OffPolicyConfig):
-    """The replay settings an off-policy run cannot work with (a ValueError naming the flags)."""
-    for name, least in (("buffer_size", 1), ("batch_size", 1), ("updates_per_step", 1), ("learning_starts", 0)):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < least:  # None: the agent's protocol
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
+    """Replay settings that are each valid (``OffPolicyConfig.RANGES``, checked by ``check_ranges``) but
+    cannot work together (a ValueError naming the flags)."""
     if cfg.batch_size > cfg.buffer_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than --buffer-size {cfg.buffer_size}: "
                          "every batch would repeat rows of a replay smaller than itself")

@@ -93,13 +93,14 @@ import optax
 from flax import nnx, struct
 
 from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
-from plasticity_zoo.networks.blocks import ACTIVATIONS
+from plasticity_zoo.networks.blocks import ACTIVATIONS, PAIRED_ACTIVATIONS, concat
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
 from plasticity_zoo.buffers import lap
-from plasticity_zoo.agents.api import OffPolicyConfig, check_range, check_replay
-from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
+from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, NetworkConfig, Range,
+                                            check_ranges)
 from plasticity_zoo.buffers.lap import Window
 from plasticity_zoo.buffers.replay import Transition
 
@@ -164,6 +165,15 @@ class MRQConfig(OffPolicyConfig):
     bin_lower: float = -10.0
     bin_upper: float = 10.0
 
+    RANGES = {"gamma": UNIT, "target_update_freq": AT_LEAST_ONE, "exploration_noise": NON_NEGATIVE,
+              "target_policy_noise": NON_NEGATIVE, "noise_clip": NON_NEGATIVE, "dyn_weight": NON_NEGATIVE,
+              "reward_weight": NON_NEGATIVE, "done_weight": NON_NEGATIVE, "pre_activ_weight": NON_NEGATIVE,
+              "enc_horizon": AT_LEAST_ONE, "q_horizon": AT_LEAST_ONE, "alpha": NON_NEGATIVE,
+              "min_priority": POSITIVE, "zs_dim": AT_LEAST_ONE, "zsa_dim": AT_LEAST_ONE, "za_dim": AT_LEAST_ONE,
+              "enc_hdim": AT_LEAST_ONE, "enc_lr": POSITIVE, "enc_wd": NON_NEGATIVE, "value_hdim": AT_LEAST_ONE,
+              "value_lr": POSITIVE, "value_wd": NON_NEGATIVE, "value_grad_clip": POSITIVE,
+              "policy_hdim": AT_LEAST_ONE, "policy_lr": POSITIVE, "policy_wd": NON_NEGATIVE, "num_bins": Range(2)}
+
 
 CONFIG = MRQConfig
 KIND = "offpolicy"
@@ -218,13 +228,17 @@ class StateEncoder(nnx.Module):
 
     def __init__(self, obs_dim: int, spec: TrunkSpec, zs_dim: int, *, rngs: nnx.Rngs):
         self.trunk = Trunk(obs_dim, spec, rngs=rngs)
-        self.out = nnx.Linear(spec.width, zs_dim, rngs=rngs)
-        self.out_norm = nnx.LayerNorm(zs_dim, use_scale=False, use_bias=False, epsilon=1e-5, rngs=rngs)
+        # a paired activation (CReLU, Fourier features) gives each unit two features: zs_dim / 2 units
+        units = zs_dim // 2 if spec.activation in PAIRED_ACTIVATIONS else zs_dim
+        self.out = nnx.Linear(spec.width, units, rngs=rngs)
+        self.out_norm = nnx.LayerNorm(units, use_scale=False, use_bias=False, epsilon=1e-5, rngs=rngs)
         self.activation = spec.activation
 
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
-        zs = ACTIVATIONS[self.activation](self.out_norm(self.out(h)))
+        z = self.out_norm(self.out(h))
+        pair = PAIRED_ACTIVATIONS.get(self.activation)
+        zs = ACTIVATIONS[self.activation](z) if pair is None else concat(pair(z))
         return zs, {**taps, "features": zs}
 
 
@@ -386,17 +400,18 @@ PLASTIC = {"state_encoder": ("encoder_params", "encoder_opt"),
            "sa_encoder": ("sa_encoder_params", "sa_encoder_opt"),
            "value": ("value_params", "value_opt"),
            "policy": ("policy_params", "policy_opt")}
+# The target copy of each plastic network (a layer reset re-draws it with the network: plasticity/perturb.py).
+PLASTIC_TARGETS = {"state_encoder": "target_encoder_params", "sa_encoder": "target_sa_encoder_params",
+                   "value": "target_value_params", "policy": "target_policy_params"}
 
 _ENCODER_METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losses/terminal")
 
 
 def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig = NetworkConfig(),
          plasticity: StaticPlasticity = StaticPlasticity()) -> MRQState:
-    for name, least in (("enc_horizon", 1), ("q_horizon", 1), ("target_update_freq", 1), ("batch_size", 1),
-                        ("num_bins", 2)):
-        if getattr(cfg, name) < least:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
-    check_range(0, 1, gamma=cfg.gamma)
+    check_ranges(cfg)
+    if not cfg.bin_lower < cfg.bin_upper:
+        raise ValueError(f"--bin-lower {cfg.bin_lower} must be below --bin-upper {cfg.bin_upper}")
     check_replay(cfg)
     w = dims(cfg, network)
     over = dataclasses.replace(network, width=None)  # widths are scaled by ``dims``, not replaced

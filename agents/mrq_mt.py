@@ -72,12 +72,13 @@ import optax
 import tyro
 from flax import nnx, struct
 
-from plasticity_zoo.agents.api import OffPolicyConfig, check_range, check_replay
-from plasticity_zoo.agents.mrq import PLASTIC, StateActionEncoder, _keys, symexp, symlog
+from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
+from plasticity_zoo.agents.mrq import PLASTIC, PLASTIC_TARGETS, StateActionEncoder, _keys, symexp, symlog  # noqa: F401
 from plasticity_zoo.buffers import lap
 from plasticity_zoo.buffers.lap import Window
 from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
-from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig, Range,
+                                            check_ranges)
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
@@ -144,6 +145,13 @@ class MultitaskMRQConfig(OffPolicyConfig):
     pre_activ_weight: float = 1e-5
     tasks: tyro.conf.Suppress[Any] = None
     """the env's ``envs.multitask.TaskSpec``, bound by the loop (``with_tasks``); never a flag"""
+
+    RANGES = {"utd": POSITIVE, "horizon": AT_LEAST_ONE, "task_dim": AT_LEAST_ONE, "gamma": UNIT,
+              "discount_denom": POSITIVE, "discount_min": UNIT, "discount_max": UNIT, "lr": POSITIVE,
+              "enc_lr_scale": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip": POSITIVE, "tau": RATE,
+              "za_dim": AT_LEAST_ONE, "simnorm_dim": AT_LEAST_ONE, "num_bins": Range(2),
+              "exploration_noise": NON_NEGATIVE, "target_policy_noise": NON_NEGATIVE, "noise_clip": NON_NEGATIVE,
+              "dyn_weight": NON_NEGATIVE, "reward_weight": NON_NEGATIVE, "pre_activ_weight": NON_NEGATIVE}
 
 
 CONFIG = MultitaskMRQConfig
@@ -356,12 +364,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: MultitaskMRQConfig, network: Netw
     if obs_dim != spec.obs_dim or act_dim != spec.act_dim:
         raise ValueError(f"mrq-mt: the env gives obs {obs_dim} / act {act_dim}, its task layout says "
                          f"{spec.obs_dim} / {spec.act_dim}")
-    for name, least in (("horizon", 1), ("num_bins", 2), ("task_dim", 1), ("simnorm_dim", 1)):
-        if getattr(cfg, name) < least:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(cfg, name)}")
-    check_range(0, 1, tau=cfg.tau, **({} if cfg.gamma is None else {"gamma": cfg.gamma}))
-    if not cfg.utd > 0:
-        raise ValueError(f"--utd must be > 0, got {cfg.utd}")
+    check_ranges(cfg)
     if cfg.updates_per_step != 1:
         raise ValueError("mrq-mt sets its update rate with --utd (updates per env step); leave --updates-per-step at 1")
     check_replay(cfg)

@@ -340,6 +340,7 @@ def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
     if plasticity != StaticPlasticity():
         raise ValueError(f"plasticity interventions do not apply to agent 'neubay': {INTERVENTIONS_REFUSED}")
     cfg = resolved(cfg)
+    sac.check_target_entropy(cfg.target_entropy, act_dim)  # its policy is tanh-squashed too
     in_dim = obs_dim + act_dim + 1
     head = TrunkSpec(cfg.head_width, cfg.head_depth, activation="leaky_relu", layer_norm=True)
     k_ae, k_ah, k_ce, k_ch, k_out = jax.random.split(key, 5)

@@ -73,8 +73,8 @@ from plasticity_zoo.networks.distributions import gaussian_log_prob
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
-from plasticity_zoo.networks.config import NetworkConfig
-from plasticity_zoo.agents.api import check_range
+from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig,
+                                            check_ranges)
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
 
@@ -136,6 +136,13 @@ class PPOConfig:
     """iterations over which directional efficiency is measured"""
     ns_reset_norm: bool = True
     """non-stationary envs: reset the obs/reward normalisers at each switch (C-CHAIN, Plasticine)"""
+
+    RANGES = {"num_steps": AT_LEAST_ONE, "num_minibatches": AT_LEAST_ONE, "update_epochs": AT_LEAST_ONE,
+              "learning_rate": POSITIVE, "adam_eps": POSITIVE, "gamma": UNIT, "gae_lambda": UNIT,
+              "clip_coef": POSITIVE, "ent_coef": NON_NEGATIVE, "vf_coef": NON_NEGATIVE, "max_grad_norm": POSITIVE,
+              "target_kl": POSITIVE, "obs_clip": POSITIVE, "reward_clip": POSITIVE, "gtr_beta": NON_NEGATIVE,
+              "gtr_sigma2": POSITIVE, "gtr_logratio_sigma": POSITIVE, "gtr_anchors": AT_LEAST_ONE,
+              "gtr_decay": RATE, "gtr_ema_tau": RATE, "diag_window": AT_LEAST_ONE}
 
 
 class RunningMeanStd(NamedTuple):
@@ -260,24 +267,18 @@ def _optimizers(cfg: PPOConfig, plasticity: StaticPlasticity):
     the result by the annealed learning rate itself.  NE's masked transform returns ``-params`` on
     pruned weights so that ``apply_updates`` zeroes them; after the manual lr scaling that no
     longer holds, so ``update`` re-applies the masks to the new params (and masks the gradients
-    before the global-norm clip, so pruned weights do not shrink the clip scale).
+    before the global-norm clip, so pruned weights do not shrink the clip scale).  For the same
+    reason NaP (``--plasticity.nap``) projects the new params there (``post_scaled``, ``constrain``).
     """
     make = lambda lr, **_: optax.chain(optax.scale_by_adam(eps=cfg.adam_eps), optax.scale(-lr))  # noqa: E731
     spec = plasticity.optim
-    return (optim_lib.optimizer(1.0, "actor", make=make, spec=spec),
-            optim_lib.optimizer(1.0, "critic", make=make, spec=spec))
+    return (optim_lib.optimizer(1.0, "actor", make=make, spec=spec, post_scaled=True),
+            optim_lib.optimizer(1.0, "critic", make=make, spec=spec, post_scaled=True))
 
 
 def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig = NetworkConfig(),
          plasticity: StaticPlasticity = StaticPlasticity()) -> PPOState:
-    for name in ("num_steps", "num_minibatches", "update_epochs", "gtr_anchors", "diag_window"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.trust_region == "gtr" and (cfg.gtr_sigma2 <= 0 or cfg.gtr_logratio_sigma <= 0 or cfg.gtr_beta < 0):
-        raise ValueError("GTR needs gtr_sigma2 > 0, gtr_logratio_sigma > 0 and gtr_beta >= 0")
-    if not 0 < cfg.gtr_decay <= 1 or not 0 < cfg.gtr_ema_tau <= 1:
-        raise ValueError("gtr_decay and gtr_ema_tau must lie in (0, 1]")
-    check_range(0, 1, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda)
+    check_ranges(cfg)
     spec = network.trunk(TrunkSpec(64, 2, activation="tanh"))
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: PPOActor(obs_dim, act_dim, spec, rngs=r), k_actor)
@@ -585,9 +586,9 @@ def update(state: PPOState, batch: Rollout, key):
         grads = jax.tree.map(lambda g: g * scale, grads)
         ua, oa = tx_a.update(grads[0], opts[0], params[0])
         uc, oc = tx_c.update(grads[1], opts[1], params[1])
-        # descent directions scaled by the annealed lr; NE: pruned weights back to exactly 0
-        new = (optim_lib.apply_mask(oa, optax.apply_updates(params[0], jax.tree.map(lambda u: lr * u, ua))),
-               optim_lib.apply_mask(oc, optax.apply_updates(params[1], jax.tree.map(lambda u: lr * u, uc))))
+        # descent directions scaled by the annealed lr; NE: pruned weights back to exactly 0; NaP: projected
+        new = (optim_lib.constrain(oa, optax.apply_updates(params[0], jax.tree.map(lambda u: lr * u, ua))),
+               optim_lib.constrain(oc, optax.apply_updates(params[1], jax.tree.map(lambda u: lr * u, uc))))
         keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(stopped, x, y), a, b)  # noqa: E731
         params, opts = keep(params, new), keep(opts, (oa, oc))
         aux = {**aux, "losses/total": loss, "charts/grad_norm": gnorm, "executed": 1.0 - stopped.astype(jnp.float32)}

@@ -47,7 +47,7 @@ from plasticity_zoo.agents.dynamics import DynamicsConfig
 from plasticity_zoo.envs import termination
 from plasticity_zoo.plasticity.api import StaticPlasticity
 from plasticity_zoo.buffers import replay
-from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.networks.config import AT_LEAST_ONE, UNIT, NetworkConfig
 from plasticity_zoo.buffers.replay import Transition
 
 
@@ -76,6 +76,9 @@ class RAVLConfig(sac.SACHyperparams, OfflineDataConfig):
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     """the dynamics ensemble (spec 3.1), as --dynamics.<field>"""
 
+    RANGES = {"batch_size": AT_LEAST_ONE, "horizon": AT_LEAST_ONE, "dataset_ratio": UNIT,
+              "rollout_batch": AT_LEAST_ONE, "retain_epochs": AT_LEAST_ONE, "updates_per_epoch": AT_LEAST_ONE}
+
     def __post_init__(self):
         if isinstance(self.dynamics, dict):  # from config.json
             object.__setattr__(self, "dynamics", DynamicsConfig(**self.dynamics))
@@ -94,23 +97,16 @@ class Data(NamedTuple):
 
 def init(key, obs_dim: int, act_dim: int, cfg: RAVLConfig, network: NetworkConfig = NetworkConfig(),
          plasticity: StaticPlasticity = StaticPlasticity()):
-    """SAC-N/EDAC state with the spec's 3 x 256 networks (unless ``--network.depth`` says otherwise)."""
-    _check(cfg)
+    """SAC-N/EDAC state with the spec's 3 x 256 networks (unless ``--network.depth`` says otherwise); ``sac.init``
+    checks the ranges of both tables (``RAVLConfig.RANGES`` and SAC's)."""
     network = dataclasses.replace(network, depth=3 if network.depth is None else network.depth)
     return sac.init(key, obs_dim, act_dim, cfg, network, plasticity)
-
-
-def _check(cfg: RAVLConfig):
-    for name in ("horizon", "rollout_batch", "retain_epochs", "updates_per_epoch", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if not 0.0 <= cfg.dataset_ratio <= 1.0:
-        raise ValueError(f"--dataset-ratio must be in [0, 1], got {cfg.dataset_ratio}")
 
 
 act = sac.act
 update = sac.update
 PLASTIC = sac.PLASTIC
+PLASTIC_TARGETS = sac.PLASTIC_TARGETS
 plastic_params = sac.plastic_params
 plastic_nets = sac.plastic_nets
 EXPERIENCE_REVIEW = False  # a fixed dataset: no online stream to review

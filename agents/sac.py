@@ -30,12 +30,13 @@ import optax
 from flax import struct
 
 from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
-from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
+from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample, tanh_max_entropy
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
-from plasticity_zoo.agents.api import OffPolicyConfig, check_range, check_replay
-from plasticity_zoo.networks.config import NetworkConfig
+from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
+from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig,
+                                            check_ranges)
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.buffers.replay import Transition
 
@@ -56,9 +57,14 @@ class SACHyperparams:
     tau: float = 5e-3
     init_alpha: float = 1.0
     target_entropy: Optional[float] = None
-    """None: -|A|"""
+    """None: -|A|; at most |A| log 2 (the uniform's entropy on [-1, 1]^|A|)"""
     edac_init: bool = False
     """EDAC initialisation: hidden biases 0.1, output layers U(+-1e-3) actor / U(+-3e-3) critic"""
+
+    # alpha_lr 0 keeps the temperature at init_alpha; target_entropy is checked against the action's
+    # dimension in init (check_target_entropy)
+    RANGES = {"critics": AT_LEAST_ONE, "eta": NON_NEGATIVE, "actor_lr": POSITIVE, "critic_lr": POSITIVE,
+              "alpha_lr": NON_NEGATIVE, "gamma": UNIT, "tau": RATE, "init_alpha": POSITIVE}
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,8 @@ class SACState:
 
 # Plastic networks: name -> (params field, optimizer-state field).  Plasticity code acts on these.
 PLASTIC = {"actor": ("actor_params", "actor_opt"), "critic": ("critic_params", "critic_opt")}
+# The target copy of a plastic network (a layer reset re-draws it with the network: plasticity/perturb.py).
+PLASTIC_TARGETS = {"critic": "target_critic_params"}
 
 
 def _optimizers(cfg: SACConfig, plasticity: StaticPlasticity):
@@ -99,11 +107,10 @@ def _optimizers(cfg: SACConfig, plasticity: StaticPlasticity):
 
 def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig = NetworkConfig(),
          plasticity: StaticPlasticity = StaticPlasticity()) -> SACState:
-    if cfg.critics < 1:
-        raise ValueError(f"--critics must be >= 1, got {cfg.critics}")
+    check_ranges(cfg)  # RAVL's too (its config's own table included)
     if cfg.eta > 0 and cfg.critics < 2:
         raise ValueError("EDAC's diversity term (--eta > 0) needs at least 2 critics")
-    check_range(0, 1, gamma=cfg.gamma)  # RAVL's too
+    check_target_entropy(cfg.target_entropy, act_dim)
     if isinstance(cfg, OffPolicyConfig):
         check_replay(cfg)
     spec = network.trunk(TrunkSpec(256, 2, hidden_bias_init=0.1 if cfg.edac_init else 0.0))
@@ -132,6 +139,19 @@ def act(state: SACState, obs, key, explore: bool):
 def target_entropy(state: SACState) -> float:
     t = state.cfg.target_entropy
     return -float(state.act_dim) if t is None else t
+
+
+def check_target_entropy(target: Optional[float], act_dim: int):
+    """Refuse an entropy target no tanh-squashed policy reaches: above ``act_dim`` x log 2, the entropy
+    of the uniform distribution on [-1, 1]^act_dim (``tanh_max_entropy``), the temperature would only
+    grow.  SAC's own target is -act_dim (Haarnoja et al. 2018); any target up to the bound is taken."""
+    if target is None:
+        return
+    most = tanh_max_entropy(act_dim)
+    if not target <= most:  # NaN too
+        raise ValueError(f"--target-entropy must be <= {most:.4g} for a {act_dim}-dimensional action "
+                         f"({act_dim} x log 2: the entropy of the uniform distribution on [-1, 1]^{act_dim}, the most "
+                         f"a tanh-squashed policy can have; SAC's default is -{act_dim}), got {target}")
 
 
 def td_target(reward, terminated, next_q_min, next_log_prob, alpha, gamma):

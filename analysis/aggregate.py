@@ -2,8 +2,13 @@
 
 A run directory is a directory holding ``config.json`` and ``eval.csv`` (``.replaced-*`` folders,
 runs moved aside by ``--overwrite``, are skipped).  Runs are grouped by (env, label): the label is
-``config["label"]`` (a sweep sets it to the variant) or the agent's name.  A seed's score is the mean
-of its last ``window`` evaluations of column ``y``; seeds of runs sharing (env, label) are pooled.
+``config["label"]`` (``--label``; a sweep sets it to the variant), else ``run_labels``' default: the
+agent's name, followed by the settings that tell its runs apart (``sac plasticity.redo=true``), so that
+runs pool only when their configs match but for the seed, the run's name and how it is logged
+(``training.config.NOT_THE_EXPERIMENT``).  A seed's score is the mean of its last ``window``
+evaluations of column ``y``; seeds of runs sharing (env, label) are pooled.  A run whose last
+evaluation is below the step a finished run ends at (``training.run.final_step``) stopped early: its
+group lists it in ``stopped``.
 A multitask (``mt:``) run's eval.csv has a ``task`` column: only its aggregate rows (``task=all``:
 the mean over tasks) are read, and its ``score`` column (the mean over tasks of return / the task's
 maximum) is already normalised.
@@ -48,6 +53,82 @@ class Group:
     runs: list = field(default_factory=list)
     curves: dict = field(default_factory=dict)  # (run dir, seed) -> (steps, values)
     scores: list = field(default_factory=list)  # one final score per seed
+    stopped: list = field(default_factory=list)  # (run dir, step reached, final step) of runs that stopped early
+
+
+def _settings(config: dict) -> dict:
+    """A run's settings that make it an experiment: ``config.json`` flattened to dotted names as the flags
+    spell them (``plasticity.redo``; agent options bare: ``tau``), without the env and agent (what runs
+    are grouped by), the records beside the flags and ``NOT_THE_EXPERIMENT``."""
+    from plasticity_zoo.training.config import NOT_THE_EXPERIMENT
+
+    out = {}
+
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            name = prefix + k
+            if name in NOT_THE_EXPERIMENT or (not prefix and k in ("env", "agent_name", "provenance", "resumes")):
+                continue
+            if isinstance(v, dict):
+                walk(v, "" if name == "agent" else name + ".")
+            else:
+                out[name] = v
+
+    walk(config, "")
+    return out
+
+
+def _value(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return json.dumps(v)
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(_value, v))
+    return str(v)
+
+
+def run_labels(configs: list[dict]) -> list[str]:
+    """The label of each run (its ``config.json``, read with the others it is plotted or reported with).
+
+    ``config["label"]`` when set; else the agent's name, followed by ``name=value`` for each setting in
+    which its unlabelled runs of one env differ (the same settings on every env, so that a label names
+    one variant across envs): a ReDo run beside plain SAC runs is ``sac plasticity.redo=true``, those
+    ``sac plasticity.redo=false``, and runs that differ only in their seed share ``sac``.  Settings a run
+    does not record (an older config.json) are not compared."""
+    unlabelled = [i for i, c in enumerate(configs) if not c.get("label")]
+    settings = {i: _settings(configs[i]) for i in unlabelled}
+    by_env: dict[tuple, list[int]] = {}
+    for i in unlabelled:
+        by_env.setdefault((configs[i]["agent_name"], json.dumps(configs[i].get("env"))), []).append(i)
+    differ: dict[str, set] = {}
+    for (agent, _), runs in by_env.items():
+        shared = set.intersection(*(set(settings[i]) for i in runs))
+        differ.setdefault(agent, set()).update(
+            k for k in shared if len({json.dumps(settings[i][k], sort_keys=True) for i in runs}) > 1)
+    labels = []
+    for i, c in enumerate(configs):
+        if c.get("label"):
+            labels.append(str(c["label"]))
+            continue
+        keys = sorted(k for k in differ[c["agent_name"]] if k in settings[i])
+        labels.append(" ".join([c["agent_name"], ", ".join(f"{k}={_value(settings[i][k])}" for k in keys)]).strip())
+    return labels
+
+
+def final_step(run_dir: Path, config: dict) -> int | None:
+    """The step the run in ``run_dir`` ends at when it finishes (``training.run.final_step`` of its
+    ``config.json``, read as ``config``); None for a config.json that is not a whole run config (written
+    by hand, or by another version of the zoo)."""
+    if not isinstance(config.get("total_steps"), int) or not isinstance(config.get("agent"), dict):
+        return None  # (without loading the agent's module)
+    from plasticity_zoo.training.run import final_step as of_config
+    from plasticity_zoo.training.run import load_config
+
+    try:
+        return of_config(load_config(run_dir))
+    except (SystemExit, ValueError, TypeError, KeyError):
+        return None
 
 
 def find_runs(paths) -> list[Path]:
@@ -93,18 +174,42 @@ def load_groups(run_dirs, y: str = "return_mean", window: int = 1) -> list[Group
     if window < 1:
         raise ReportError(f"--final-window must be >= 1, got {window}")
     groups: dict[tuple[str, str], Group] = {}
+    configs = []
     for d in run_dirs:
         try:
             cfg = json.loads((d / "config.json").read_text())
-            env, label = cfg["env"], cfg.get("label") or cfg["agent_name"]
-        except (OSError, ValueError, KeyError) as e:
+            if not isinstance(cfg, dict) or "env" not in cfg or not isinstance(cfg.get("agent_name"), str):
+                raise ValueError("it needs the keys env and agent_name")
+        except (OSError, ValueError) as e:
             raise ReportError(f"{d / 'config.json'} is not a readable run config ({e})") from None
-        g = groups.setdefault((env, label), Group(env, label))
+        configs.append(cfg)
+    for d, cfg, label in zip(run_dirs, configs, run_labels(configs)):
+        g = groups.setdefault((cfg["env"], label), Group(cfg["env"], label))
         g.runs.append(d)
+        reached = None
         for seed, (steps, values) in read_eval(d, y).items():
             g.curves[(d, seed)] = (steps, values)
             g.scores.append(float(np.mean(values[-window:])))
+            reached = int(steps.max()) if reached is None else max(reached, int(steps.max()))
+        final = final_step(d, cfg)
+        if final is not None and reached is not None and reached < final:
+            g.stopped.append((d, reached, final))
     return list(groups.values())
+
+
+def steps_text(n: int) -> str:
+    """A step count as a report says it: 43k, 100k, 1.5M, 999."""
+    for size, suffix in ((1_000_000, "M"), (1_000, "k")):
+        if n >= size:
+            return f"{n / size:.4g}{suffix}"
+    return str(n)
+
+
+def stopped_note(g: Group) -> str:
+    """``<run dir's name> stopped at 43k of 100k`` (its last evaluation, and the step a finished run ends at)
+    for each run of ``g`` that stopped early, joined by ``; ``; empty if none did."""
+    return "; ".join(f"{d.name} stopped at {steps_text(reached)} of {steps_text(final)}"
+                     for d, reached, final in g.stopped)
 
 
 def parse_norm(items) -> dict[str, tuple[float, float]]:

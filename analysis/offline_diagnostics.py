@@ -43,7 +43,8 @@ from plasticity_zoo.networks.distributions import tanh_gaussian_sample
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.offline import initial_state, resolve_dataset, _buffers
-from plasticity_zoo.training.evaluation import is_recurrent, policy_maker, restore_policy
+from plasticity_zoo.training.evaluation import is_recurrent, policy_maker
+from plasticity_zoo.analysis.restore import restore_policy
 from plasticity_zoo.training.run import load_config
 
 

@@ -1,6 +1,8 @@
 """Hand-written distributions: diagonal Gaussian and tanh-squashed Gaussian."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,3 +36,11 @@ def tanh_gaussian_log_prob(action, mean, log_std, eps: float = 1e-6):
 def tanh_gaussian_mode(mean):
     """The deterministic (evaluation) action tanh(mean)."""
     return jnp.tanh(mean)
+
+
+def tanh_max_entropy(act_dim: int) -> float:
+    """The most entropy a tanh-squashed policy over ``act_dim`` dimensions can have: its actions lie in
+    [-1, 1]^act_dim, where the uniform distribution, of entropy act_dim x log 2, has the most (a
+    squashed Gaussian only approaches it).  A SAC entropy target above it can never be met: the
+    temperature would grow without bound."""
+    return act_dim * math.log(2.0)

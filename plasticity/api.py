@@ -70,7 +70,7 @@ def measured_params(agent, state) -> dict:
     return agent.metric_params(state) if isinstance(agent, MeasuredAgent) else agent.plastic_params(state)
 
 
-def measured_losses(agent, state, batch, key) -> dict:
+def measured_losses(agent, state, batch, key) -> Mapping[str, Callable[[Any], Any]]:
     """{network: loss(params)} the metrics read, keyed like ``measured_params``."""
     if isinstance(agent, MeasuredAgent):
         return agent.metric_losses(state, batch, key)

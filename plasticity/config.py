@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Range, check_ranges
+
 
 @dataclass(frozen=True)
 class PlasticityConfig:
@@ -27,6 +29,22 @@ class PlasticityConfig:
     """also restore the LayerNorm gain/bias of reset units (ReGraMa's code)"""
     reset_batch: int = 256
     """replay samples used to score neurons at each reset (and for gradients / FAU at each NE event)"""
+    shrink_perturb: bool = False
+    """Shrink & Perturb (Ash & Adams 2020): every sp-every updates theta <- sp-shrink * theta + sp-perturb *
+    a fresh draw of the network's initialiser (defaults: Plasticine's, after every update)"""
+    sp_every: int = 1
+    """Shrink & Perturb period in updates"""
+    sp_shrink: float = 0.999999
+    """Shrink & Perturb lambda, in (0, 1]"""
+    sp_perturb: float = 1e-6
+    """Shrink & Perturb sigma, >= 0 (Plasticine: 1 - lambda)"""
+    layer_reset: bool = False
+    """layer resets (Nikishin et al. 2022, primacy bias): re-draw the last layer-reset-layers layers of every
+    plastic network every layer-reset-every updates, with fresh optimizer moments; targets follow"""
+    layer_reset_every: int = 200_000
+    """layer reset period in updates (the paper's SAC on DMC: 2e5)"""
+    layer_reset_layers: int = 0
+    """how many layers, counted from the output, a layer reset re-draws (0: the whole network, the paper's SAC)"""
     sigreg_coef: float = 0.0
     """SIGReg coefficient lambda on the representation feeding the heads (0: off; RL paper sweeps 0.2, 1.0)"""
     sigreg_variant: Literal["rl", "lejepa"] = "rl"
@@ -69,22 +87,37 @@ class PlasticityConfig:
     for agents on the shared uniform replay (SAC family), off where it does not apply (PPO, MR.Q, RAVL)"""
     kron: bool = False
     """PSGD-Kron optimizer instead of Adam (lr / 3; needs the kron extra: psgdax)"""
+    l2: float = 0.0
+    """L2 toward 0 in the loss: lambda ||theta||^2 over every parameter of the plastic networks, its gradient
+    2 lambda theta added before the optimizer (not decoupled weight decay; 0: off)"""
+    l2_init: float = 0.0
+    """L2 Init / regenerative regularisation (Kumar et al. 2023, sec. 3): lambda ||theta - theta_0||^2 toward the
+    initial parameters, every parameter of the plastic networks (0: off; preset l2-init)"""
+    parseval: float = 0.0
+    """Parseval regularisation (Chung et al. 2024, sec. 3): lambda (64 / m)^2 ||W W^T - s I||_F^2 on every hidden
+    layer, per ensemble member (0: off; the paper's continuous-control setting 1e-4: preset parseval)"""
+    parseval_scale: float = 2.0
+    """Parseval's s: the rows' target squared norm (2: the authors' code, their init gain sqrt 2 squared)"""
+    nap: bool = False
+    """Normalize-and-Project (Lyle et al. 2024, sec. 4): after every step each hidden layer (kernel and bias) and
+    LayerNorm (scale and offset) is rescaled to its initial norm; needs --network.layer-norm (preset nap)"""
+
+    # Dormancy thresholds are shares of a layer's mean score: at 1 or more, every unit at or below the
+    # layer's mean counts as dormant.
+    RANGES = {"metrics_every": NON_NEGATIVE, "metrics_batch": NON_NEGATIVE, "reset_every": NON_NEGATIVE,
+              "redo_tau": Range(0, 1, high_open=True), "regrama_tau": Range(0, 1, high_open=True),
+              "reset_max_fraction": Range(0, 1, low_open=True), "reset_batch": NON_NEGATIVE,
+              "sigreg_coef": NON_NEGATIVE, "sigreg_slices": NON_NEGATIVE, "least_window": AT_LEAST_ONE,
+              "least_warmup": UNIT, "least_max_len": AT_LEAST_ONE, "least_noise_max": NON_NEGATIVE,
+              "least_coef": NON_NEGATIVE, "ne_every": AT_LEAST_ONE,
+              "sp_every": AT_LEAST_ONE, "sp_shrink": Range(0, 1, low_open=True), "sp_perturb": NON_NEGATIVE,
+              "layer_reset_every": AT_LEAST_ONE, "layer_reset_layers": NON_NEGATIVE}
 
     def validate(self):
+        check_ranges(self, prefix="--plasticity.")
         if self.redo and self.regrama:
             raise ValueError("--plasticity.redo and --plasticity.regrama are alternatives; pick one")
-        for name in ("metrics_every", "reset_every", "metrics_batch", "reset_batch", "sigreg_slices"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--plasticity.{name.replace('_', '-')} must be >= 0")
-        if not 0.0 < self.reset_max_fraction <= 1.0:
-            raise ValueError("--plasticity.reset-max-fraction must be in (0, 1]")
-        if not 0.0 <= self.least_warmup <= 1.0:
-            raise ValueError("--plasticity.least-warmup must be in [0, 1]")
-        if self.sigreg_coef < 0:
-            raise ValueError("--plasticity.sigreg-coef must be >= 0")
         if self.ne:
-            if self.ne_every < 1:
-                raise ValueError("--plasticity.ne-every must be >= 1")
             if not 0.0 <= self.ne_target_sparsity < self.ne_initial_sparsity < 1.0:
                 raise ValueError("NE needs 0 <= --plasticity.ne-target-sparsity < --plasticity.ne-initial-sparsity < 1")
             if self.ne_schedule not in ("cosine", "uniform"):
@@ -95,3 +128,9 @@ class PlasticityConfig:
                 raise ValueError("--plasticity.ne-init-space must be reference or full")
             if self.ne_auto_batch not in ("auto", "on", "off"):
                 raise ValueError("--plasticity.ne-auto-batch must be auto, on or off")
+        check_ranges(self, prefix="--plasticity.", ranges={"l2": NON_NEGATIVE, "l2_init": NON_NEGATIVE,
+                                                           "parseval": NON_NEGATIVE,
+                                                           "parseval_scale": Range(0, low_open=True)})
+        if self.nap and self.ne:
+            raise ValueError("--plasticity.nap does not combine with --plasticity.ne: NaP holds each layer at its "
+                             "initial norm while NE changes how many connections the layer has")

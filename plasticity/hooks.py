@@ -7,6 +7,8 @@ network's training loss as a function of its params) and a state field ``name`` 
 losses with ``plasticity.sigreg.regularized`` and list them in ``SIGREG_NETWORKS``.  Kron and
 NE need the agent to build its plastic networks' optimizers with ``plasticity.optim.optimizer``
 (``static_plasticity`` is what the loop builds the agent with: ``agent.init(..., plasticity)``).
+Layer resets also re-draw the agent's target copies of the networks it names in ``PLASTIC_TARGETS``
+({network: target params field}; optional).
 Interventions an agent cannot take are refused with a clear error.
 
 NE (``plasticity.expansion``) runs here every ``ne_every`` updates: its host-side ``Schedule``
@@ -29,7 +31,7 @@ from plasticity_zoo.networks.runtime import cached_per_config
 from plasticity_zoo.plasticity import expansion
 from plasticity_zoo.plasticity import metrics as metrics_lib
 from plasticity_zoo.plasticity import optim as optim_lib
-from plasticity_zoo.plasticity import resets
+from plasticity_zoo.plasticity import perturb, resets
 from plasticity_zoo.plasticity.api import (ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity,  # noqa: F401
                             declared_params, measured, measured_losses, measured_params)
 from plasticity_zoo.plasticity.sigreg import SIGRegSpec
@@ -47,7 +49,11 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     wanted = [flag for flag, on in (("--plasticity.metrics-every", cfg.metrics_every > 0 and not measured(agent)),
                                     ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
                                     ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
-                                    ("--plasticity.ne", cfg.ne), ("--plasticity.kron", cfg.kron)) if on]
+                                    ("--plasticity.ne", cfg.ne), ("--plasticity.kron", cfg.kron),
+                                    ("--plasticity.shrink-perturb", cfg.shrink_perturb),
+                                    ("--plasticity.layer-reset", cfg.layer_reset),
+                                    ("--plasticity.l2", cfg.l2 > 0), ("--plasticity.l2-init", cfg.l2_init > 0),
+                                    ("--plasticity.parseval", cfg.parseval > 0), ("--plasticity.nap", cfg.nap)) if on]
     if wanted and not isinstance(agent, PlasticAgent):
         why = (getattr(agent, "INTERVENTIONS_REFUSED", None) if measured(agent) else None) \
             or "it declares no plastic networks (plasticity.api.PlasticAgent)"
@@ -85,20 +91,25 @@ def auto_batch_on(cfg: PlasticityConfig, agent) -> bool:
 
 def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
     """What ``plasticity.optim.optimizer`` builds for this run (None: the agents' defaults)."""
-    if not (cfg.kron or cfg.ne):
+    reg = regularizer_spec(cfg)
+    if not (cfg.kron or cfg.ne or reg):
         return None
     ne = optim_lib.NESpec(cfg.ne_initial_sparsity) if cfg.ne else None
-    return optim_lib.OptimSpec(cfg.kron, ne, tuple(agent.PLASTIC) if cfg.ne else None)
+    return optim_lib.OptimSpec(cfg.kron, ne, tuple(agent.PLASTIC) if cfg.ne else None, reg)
 
 
 def static_plasticity(cfg: PlasticityConfig, agent) -> StaticPlasticity:
-    """What the agent is built with: its optimizers' Kron / NE masks and SIGReg."""
+    """What the agent is built with: its optimizers' Kron / NE masks / L2, L2 Init, Parseval, NaP, and SIGReg."""
     return StaticPlasticity(optim_spec(cfg, agent), sigreg_spec(cfg))
 
 
 def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, state):
-    """After ``agent.init(..., static_plasticity(cfg, agent))``: refuse Kron / NE if the agent's plastic
-    networks' optimizer states show it ignored them (built without ``plasticity.optim.optimizer``)."""
+    """After ``agent.init(..., static_plasticity(cfg, agent))``: refuse Kron / NE / the regularisers if the
+    agent's plastic networks' optimizer states show it ignored them (built without
+    ``plasticity.optim.optimizer``), or the agent has no plastic networks; refuse NaP on a network
+    without LayerNorm.  ``state`` may be abstract (``jax.eval_shape``)."""
+    if regularizer_spec(cfg) is not None:
+        check_regularizers(cfg, agent, agent_name, state)
     if not (cfg.kron or cfg.ne):
         return
     opt_states = {name: getattr(state, o_field) for name, (_, o_field) in agent.PLASTIC.items()}
@@ -144,6 +155,38 @@ def reset_step(agent, cfg: PlasticityConfig, state, buffer, key):
         state = state.replace(**{p_field: new_params, o_field: new_opt})
         n = sum(m.size for m in masks.values())
         out[f"plasticity/{name}/reset_fraction"] = sum(m.sum() for m in masks.values()) / n
+    return state, out
+
+
+def shrink_perturb_step(agent, cfg: PlasticityConfig, state, key):
+    """One Shrink & Perturb event for one seed (``plasticity.perturb``) -> state.  Under NE the weights
+    its masks hold at zero stay there."""
+    for i, (name, (p_field, o_field)) in enumerate(agent.PLASTIC.items()):
+        fresh = _net(agent, state, name).init(jax.random.fold_in(key, i))
+        new = perturb.shrink_perturb(getattr(state, p_field), fresh, cfg.sp_shrink, cfg.sp_perturb)
+        state = state.replace(**{p_field: optim_lib.apply_mask(getattr(state, o_field), new)})
+    return state
+
+
+def layer_reset_step(agent, cfg: PlasticityConfig, state, key):
+    """One layer-reset event for one seed (``plasticity.perturb``) -> (state, {plasticity/<net>/layer_reset_fraction}).
+
+    The agent's target copies of the networks (``PLASTIC_TARGETS``: {network: target params field})
+    take the reset layers' new values."""
+    targets = getattr(agent, "PLASTIC_TARGETS", {})
+    out = {}
+    for i, (name, (p_field, o_field)) in enumerate(agent.PLASTIC.items()):
+        params, opt = getattr(state, p_field), getattr(state, o_field)
+        new, new_opt, mask = perturb.reset_layers(_net(agent, state, name), params, opt, jax.random.fold_in(key, i),
+                                                  cfg.layer_reset_layers)
+        new = optim_lib.apply_mask(new_opt, new)  # NE: the masked-out weights of the new layers stay 0
+        state = state.replace(**{p_field: new, o_field: new_opt})
+        if name in targets:
+            t_field = targets[name]
+            state = state.replace(**{t_field: jax.tree.map(lambda m, n, t: jnp.where(m, n, t), mask, new,
+                                                           getattr(state, t_field))})
+        sizes = [(m.sum(), m.size) for m in jax.tree.leaves(mask)]
+        out[f"plasticity/{name}/layer_reset_fraction"] = sum(a for a, _ in sizes) / sum(b for _, b in sizes)
     return state, out
 
 
@@ -205,6 +248,13 @@ def _reset_program(agent, cfg: PlasticityConfig):
 
 
 @cached_per_config
+def _perturb_programs(agent, cfg: PlasticityConfig):
+    """(Shrink & Perturb, layer reset) over the seed axis, jitted and cached like the resets."""
+    return (jax.jit(jax.vmap(partial(shrink_perturb_step, agent, cfg)), donate_argnums=(0,)),
+            jax.jit(jax.vmap(partial(layer_reset_step, agent, cfg)), donate_argnums=(0,)))
+
+
+@cached_per_config
 def _metrics_programs(agent, batch_size: int):
     """(metrics(state, batch, init_params, key), sample(state, buffer, key)) over the seed axis, jitted and cached."""
     return (jax.jit(jax.vmap(partial(metrics_step, agent))),
@@ -226,6 +276,8 @@ class Hooks:
         self.init_params = None
         if self.resetting:
             self._reset = _reset_program(agent, cfg)
+        if cfg.shrink_perturb or cfg.layer_reset:
+            self._shrink_perturb, self._layer_reset = _perturb_programs(agent, cfg)
         if cfg.metrics_every:
             self._metrics, self._sample = _metrics_programs(agent, cfg.metrics_batch)
         if cfg.ne:
@@ -268,6 +320,13 @@ class Hooks:
             keys = jax.random.split(key, jax.tree.leaves(state)[0].shape[0])
             state, out = self._reset(state, buffer, keys)
             rows = _rows(out)
+        every = self.cfg.sp_every
+        if self.cfg.shrink_perturb and after // every > before // every:
+            state = self._shrink_perturb(state, jax.random.split(jax.random.fold_in(key, 3), _seeds(state)))
+        every = self.cfg.layer_reset_every
+        if self.cfg.layer_reset and after // every > before // every:
+            state, out = self._layer_reset(state, jax.random.split(jax.random.fold_in(key, 4), _seeds(state)))
+            rows = _merge(rows, _rows(out))
         every = self.cfg.metrics_every
         if every and after // every > before // every:
             n = jax.tree.leaves(state)[0].shape[0]
@@ -308,6 +367,10 @@ class Hooks:
             self.replay_control = c
 
 
+def _seeds(state) -> int:
+    return jax.tree.leaves(state)[0].shape[0]
+
+
 def _rows(out: dict) -> list[dict]:
     out = {k: np.asarray(v) for k, v in out.items()}
     n = len(next(iter(out.values())))
@@ -318,3 +381,35 @@ def _merge(a, b):
     if a is None:
         return b
     return [{**x, **y} for x, y in zip(a, b)]
+
+
+def regularizer_spec(cfg: PlasticityConfig) -> optim_lib.RegSpec | None:
+    """L2 / L2 Init / Parseval / NaP for the plastic networks' optimizers (None: all off)."""
+    spec = optim_lib.RegSpec(cfg.l2, cfg.l2_init, cfg.parseval, cfg.parseval_scale, cfg.nap)
+    return spec if spec.adds_gradient or spec.nap else None
+
+
+def check_regularizers(cfg: PlasticityConfig, agent, agent_name: str, state):
+    """Refuse the regulariser flags on an agent without plastic networks or whose plastic networks'
+    optimizers ignored them, and NaP on a plastic network without LayerNorm."""
+    reg = regularizer_spec(cfg)
+    flags = ", ".join(f for f, on in (("--plasticity.l2", cfg.l2 > 0), ("--plasticity.l2-init", cfg.l2_init > 0),
+                                      ("--plasticity.parseval", cfg.parseval > 0), ("--plasticity.nap", cfg.nap)) if on)
+    if not isinstance(agent, PlasticAgent):
+        why = (getattr(agent, "INTERVENTIONS_REFUSED", None)
+               or "it declares no plastic networks (plasticity.api.PlasticAgent)")
+        raise ValueError(f"{flags} does not apply to agent {agent_name!r}: {why}")
+    kinds = [k for k, on in ((optim_lib.regularizers.RegState, reg.adds_gradient),
+                             (optim_lib.regularizers.NaPState, reg.nap)) if on]
+    missing = sorted(name for name, (_, o_field) in agent.PLASTIC.items()
+                     if any(optim_lib.regularizers.find(getattr(state, o_field), k) is None for k in kinds))
+    if missing:
+        raise ValueError(f"{flags} does not apply to agent {agent_name!r}: the optimizers of {', '.join(missing)} "
+                         "are not built with plasticity.optim.optimizer")
+    if reg.nap:
+        bare = sorted(name for name, (p_field, _) in agent.PLASTIC.items()
+                      if not any(optim_lib.path_names(p)[-1:] == ("scale",)
+                                 for p, _ in jax.tree_util.tree_flatten_with_path(getattr(state, p_field))[0]))
+        if bare:
+            raise ValueError(f"--plasticity.nap needs a LayerNorm before each nonlinearity, and the networks "
+                             f"{', '.join(bare)} of agent {agent_name!r} have none: add --network.layer-norm")

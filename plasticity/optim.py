@@ -14,6 +14,10 @@ static configuration rather than a context, it is part of every jitted program's
   gradients are masked, and every pruned weight is set to exactly 0 by each step.  The masks
   have static shapes and live in the optimizer state, so checkpoints carry them and growing the
   network never changes a shape or recompiles.  ``plasticity.expansion`` rewrites them.
+- ``reg``: L2, L2 Init, Parseval and Normalize-and-Project (``plasticity.regularizers``): the
+  regulariser's gradient is added before the transformation above (outside NE's mask, so pruned
+  weights get none) and NaP's projection is the last step, ``chain(add_regularizer_grads, tx,
+  nap_projection)``; theta_0 and the initial norms live in the optimizer state.
 
 With ``spec=None`` (or the default spec) ``optimizer`` returns ``make(lr, **kw)``.
 """
@@ -28,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from plasticity_zoo.networks.core import path_names
+from plasticity_zoo.plasticity import regularizers
+from plasticity_zoo.plasticity.regularizers import RegSpec
 
 KRON_LR_DIVISOR = 3.0  # spec section 6: Kron lr = Adam lr / 3
 
@@ -45,33 +51,51 @@ class OptimSpec:
     ne: Optional[NESpec] = None
     ne_networks: Optional[tuple] = None
     """names of the networks NE masks (None: every network built with ``optimizer``)"""
+    reg: Optional[RegSpec] = None
+    """L2 / L2 Init / Parseval / NaP for every network built with ``optimizer`` (None: none)"""
 
 
 def optimizer(lr: float, name: str, make: Callable = optax.adam, ensemble: bool = False, *,
-              spec: Optional[OptimSpec] = None, **kw) -> optax.GradientTransformation:
-    """Network ``name``'s optimizer: ``make(lr, **kw)``, or Kron / NE-masked as ``spec`` says.
+              spec: Optional[OptimSpec] = None, post_scaled: bool = False, **kw) -> optax.GradientTransformation:
+    """Network ``name``'s optimizer: ``make(lr, **kw)``, or Kron / NE-masked / regularised as ``spec`` says.
 
     ``ensemble``: every param carries a leading ensemble-member axis (Kron then keeps one
-    preconditioner per member instead of coupling members).  With Kron only ``weight_decay``
-    of ``kw`` carries over (the rest are Adam's).
+    preconditioner per member instead of coupling members; the regularisers and NaP work per
+    member).  With Kron only ``weight_decay`` of ``kw`` carries over (the rest are Adam's).
+    ``post_scaled``: the caller multiplies the returned update by its own learning rate (PPO's
+    annealed lr); NaP's projection is then the caller's, through ``constrain`` on its new params.
     """
     spec = spec or OptimSpec()
     tx = kron(lr / KRON_LR_DIVISOR, ensemble, kw.get("weight_decay", 0.0)) if spec.kron else make(lr, **kw)
     if spec.ne is not None and (spec.ne_networks is None or name in spec.ne_networks):
         tx = masked(tx, spec.ne.initial_sparsity)
+    if spec.reg is not None:
+        tx = regularizers.wrap(tx, spec.reg, ensemble, post_scaled)
     return tx
 
 
 # ----------------------------------------------------------------------------- Kron
 
 
+def require_kron():
+    """``--plasticity.kron`` without psgdax: one clear line (a SystemExit with the message, as ``--wandb``
+    without wandb); ``kron`` calls it, so a run's preflight (its traced ``init``) stops there before a run
+    directory exists."""
+    import importlib.util
+
+    if importlib.util.find_spec("psgdax") is None:
+        raise SystemExit("--plasticity.kron needs psgdax: pip install 'plasticity-zoo[kron]' (or pip install "
+                         "'psgdax>=0.1.1,<0.2'; psgd-jax 0.2.9 does not work with optax 0.2.8)")
+
+
 def kron(lr: float, ensemble: bool = False, weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """PSGD-Kron (psgdax defaults, which follow kron_torch's) as an optax transformation."""
-    try:
+    """PSGD-Kron (psgdax defaults, which follow kron_torch's) as an optax transformation (``require_kron``
+    first: without psgdax, its message)."""
+    require_kron()
+    # psgdax.kron's default ``key=jax.random.PRNGKey(42)`` is made when the module is imported: imported
+    # first inside a trace (an agent's jitted init), it would be that trace's tracer, leaked to every later use
+    with jax.ensure_compile_time_eval():
         import psgdax
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("--plasticity.kron needs psgdax: pip install 'plasticity-zoo[kron]' "
-                          "(or pip install 'psgdax>=0.1.1,<0.2'; psgd-jax 0.2.9 does not work with optax 0.2.8)") from e
 
     def build(params):
         scanned = jax.tree.map(lambda _: True, params) if ensemble else None
@@ -206,3 +230,18 @@ def apply_mask(opt_state, params):
     leaves, treedef = jax.tree.flatten(params)
     return treedef.unflatten([x if m is None else jnp.where(m, x, jnp.zeros_like(x))
                               for x, m in zip(leaves, state.masks)])
+
+
+def constrain(opt_state, params):
+    """``params`` with every constraint ``opt_state`` holds applied: NE's masks (pruned weights 0) and
+    NaP's projection of each layer to its initial norm (unchanged without either).
+
+    For callers that scale the optimizer's update themselves after the chain (``optimizer(...,
+    post_scaled=True)``: PPO's annealed lr), applied to the params after ``apply_updates``.
+    """
+    params = apply_mask(opt_state, params)
+    nap = regularizers.find(opt_state, regularizers.NaPState)
+    if nap is None:
+        return params
+    ensemble = any(n is not None and n.ndim > 0 for n in nap.norms)
+    return regularizers.project(params, nap.norms, ensemble)

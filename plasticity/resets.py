@@ -36,8 +36,16 @@ def neuron_layout(net: Net, params) -> dict[str, dict[str, tuple]]:
             "incoming": ("trunk", *paths["incoming"]),
             "norm": None if paths["norm"] is None else ("trunk", *paths["norm"]),
             "outgoing": ("out",) if paths["outgoing"] is None else ("trunk", *paths["outgoing"]),
+            "unit_outputs": paths.get("unit_outputs", 1),
         }
     return layout
+
+
+def _outgoing_rows(mask, layout, tap):
+    """A tap's unit mask (..., U) over its outgoing kernel's rows: a paired activation's unit i
+    (``unit_outputs`` 2, ``networks/blocks.py``) feeds rows i and i + U, so the mask is tiled."""
+    k = layout[tap].get("unit_outputs", 1)
+    return mask if k == 1 else jnp.concatenate([mask] * k, axis=-1)
 
 
 def _roles(layout):
@@ -79,8 +87,8 @@ def reset_neurons(net: Net, params, opt_state, masks: dict, key, reset_norm: boo
             return jnp.where(mask, 0.0, leaf)  # their biases
         if role == "norm":
             return jnp.where(mask, 1.0 if name == "scale" else 0.0, leaf) if reset_norm else leaf
-        if name == "kernel":  # outgoing (..., H, out): the flagged units' rows zeroed
-            return jnp.where(mask[..., :, None], 0.0, leaf)
+        if name == "kernel":  # outgoing (..., H, out): the flagged units' rows zeroed (both of a pair's)
+            return jnp.where(_outgoing_rows(mask, layout, tap)[..., :, None], 0.0, leaf)
         return leaf  # the next layer's bias belongs to other units
 
     new_params = _map_roles(params, layout, new_value)
@@ -98,7 +106,7 @@ def touched_mask(params, layout, masks, reset_norm: bool = True):
         elif role == "norm":
             hit = mask if reset_norm else jnp.zeros((), bool)
         else:
-            hit = mask[..., :, None] if name == "kernel" else jnp.zeros((), bool)
+            hit = _outgoing_rows(mask, layout, tap)[..., :, None] if name == "kernel" else jnp.zeros((), bool)
         return touched | jnp.broadcast_to(hit, touched.shape)
 
     return _map_roles(none, layout, fn)

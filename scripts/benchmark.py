@@ -248,9 +248,22 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
     return {"update_s": t_update, "sigreg_update_s": block_time["sigreg"], "metrics_s": t_metrics, **resets}
 
 
+def timed_agents() -> list[str]:
+    """The agents this benchmark times: off-policy ones on a single-task env (PPO has its own,
+    scripts/benchmark_ppo.py; mrq-mt needs an mt: env with one env per task, which this loop body does not step)."""
+    out = []
+    for name in sorted(agents.AGENTS):
+        agent = agents.get(name)
+        if agent.KIND == "offpolicy" and not hasattr(agent, "with_tasks"):
+            out.append(name)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--agent", default="sac", choices=sorted(agents.AGENTS))
+    timed = timed_agents()
+    p.add_argument("--agent", default="sac", metavar="{" + ",".join(timed) + "}",
+                   help="an off-policy agent (PPO: scripts/benchmark_ppo.py)")
     p.add_argument("--env", default="HalfCheetah-v5")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 4], help="vmapped seeds, one measurement each")
     p.add_argument("--steps", type=int, default=1000, help="timed env steps per seed")
@@ -262,6 +275,9 @@ def main(argv=None):
                    help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time")
     p.add_argument("--rounds", type=int, default=7, help="with --plasticity: alternated plain / SIGReg rounds")
     args = p.parse_args(argv)
+    if args.agent not in timed:
+        where = " (PPO's benchmark is scripts/benchmark_ppo.py)" if args.agent == "ppo" else ""
+        p.error(f"argument --agent: {args.agent!r} is not timed here{where}; choose from {', '.join(timed)}")
     if args.plasticity:
         return plasticity_overhead(args.agent, args.env, args.width, args.buffer_size, args.rounds)
     buffer_size = args.buffer_size or agents.get(args.agent).CONFIG().buffer_size

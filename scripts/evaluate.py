@@ -287,20 +287,10 @@ class Renderer:
 
 def agent_step_seconds(env) -> float | None:
     """Simulated seconds per agent step (the base env's control timestep x the action repeat), if known."""
+    from plasticity_zoo.analysis.restore import action_repeat_of
     from plasticity_zoo.envs.dmc import DMCEnv
-    from plasticity_zoo.envs.nonstationary import NonStationaryEnv
-    from plasticity_zoo.envs.wrappers import ActionRepeat
 
-    repeat, e = 1, env
-    while True:
-        if isinstance(e, ActionRepeat):
-            repeat *= e.k
-        if isinstance(e, NonStationaryEnv):
-            e = e.tasks[e.active]
-        elif hasattr(e, "env"):
-            e = e.env
-        else:
-            break
+    repeat = action_repeat_of(env)
     base = env.unwrapped
     if isinstance(base, DMCEnv):
         return float(base._env.control_timestep()) * repeat
@@ -428,7 +418,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{run_dir}: no such run directory")
     if not (run_dir / "config.json").is_file():
         raise SystemExit(f"{run_dir}: not a run directory (no config.json)")
-    from plasticity_zoo.training.evaluation import restore_policy, run_env_id
+    from plasticity_zoo.analysis.restore import restore_policy, run_env_id
     from plasticity_zoo.training.logger import CSVTable
     from plasticity_zoo.training.run import load_config
 
@@ -476,7 +466,7 @@ def main(argv=None) -> dict:
                          "return_std": repr(float(r.std())), "episode_returns": " ".join(repr(float(x)) for x in r)})
             means.append(float(np.mean(r)))
             continue
-        from plasticity_zoo.training.evaluation import task_results
+        from plasticity_zoo.training.logger import task_results
 
         for res in task_results(r, tasks):
             score = "" if res["score"] is None else f"  score {res['score']:.3f}"
@@ -533,13 +523,9 @@ def _check_compatible(env_id: str, run_env: str, cfg):
 def cli(argv=None):
     """``main`` with a user error reported as one ``error: <message>`` line on stderr and exit status 2;
     ``--debug`` (anywhere in argv) or RLZOO_DEBUG=1 shows the traceback instead."""
-    from plasticity_zoo.training.cli import report_user_error, take_debug
+    from plasticity_zoo.training.cli import run_script
 
-    debug, argv = take_debug(list(sys.argv[1:] if argv is None else argv))
-    try:
-        return main(argv)
-    except BaseException as e:  # argparse's own exits (it printed the error), Ctrl-C and bugs pass through
-        report_user_error(e, debug)
+    return run_script(main, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ reused; a request of only --kind random trains nothing, see 6):
 1. Train SAC (agents/sac.py, paper defaults, one seed) for --train-steps, evaluating every
    --eval-every steps; each evaluation keeps a snapshot of the actor (``<run>/snapshots/``).
    The replay buffer holds every transition (its capacity is set to --train-steps) and the
-   final checkpoint keeps it.  Run directory: --run-dir, else ``<out dir>/runs/<env>-sac-seed<S>``.
+   final checkpoint keeps it.  Run directory: --run-dir, else ``<out dir>/runs/<env>-sac-seed<S>``
+   (``<out dir>/<env>-sac-seed<S>`` when the out dir is a ``runs`` folder).
 2. expert = the snapshot with the best mean evaluation return (--expert final: the last one);
    medium = the first snapshot after step 0 whose return reaches --medium-fraction (1/3) of the
    expert's (for a non-positive expert return: of the way from the random reference to it).
@@ -109,7 +110,8 @@ class Args:
     expert: Literal["best", "final"] = "best"
     """expert snapshot: best mean evaluation return, or the final policy"""
     run_dir: Optional[str] = None
-    """SAC run directory (default <out dir>/runs/<env>-sac-seed<S>)"""
+    """SAC run directory (default <out dir>/runs/<env>-sac-seed<S>; in an out dir named runs,
+    <out dir>/<env>-sac-seed<S>)"""
     progress: bool = True
     """progress bar while training"""
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -125,6 +127,13 @@ class Snapshot:
 
 def _sanitize(env_id: str) -> str:
     return env_id.replace(":", "_").replace("/", "_")
+
+
+def default_run_dir(root: Path, env_id: str, seed: int) -> Path:
+    """The SAC run's directory without --run-dir: ``<out dir>/runs/<env>-sac-seed<S>``, or
+    ``<out dir>/<env>-sac-seed<S>`` when the out dir is itself a ``runs`` folder (not runs/runs/)."""
+    runs = root if root.name == "runs" else root / "runs"
+    return runs / f"{_sanitize(env_id)}-sac-seed{seed}"
 
 
 def _comparable(cfg_json: dict) -> dict:
@@ -419,7 +428,7 @@ def make(args: Args, argv=None) -> dict:
     needs_sac = any(k in SAC_KINDS for k in kinds)
     _check(args, needs_sac)
     paths, root = output_paths(args, kinds)
-    run_dir = Path(args.run_dir) if args.run_dir else root / "runs" / f"{_sanitize(args.env)}-sac-seed{args.seed}"
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(root, args.env, args.seed)
     act_dim = D.env_spaces(args.env).act_dim
     medium = None
     if needs_sac:

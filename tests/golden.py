@@ -35,11 +35,17 @@ def _run_config(agent_name: str, agent_cfg, network=None, plasticity=None, **run
                      agent=agent_cfg)
 
 
-def _sac(plasticity=None, **agent):
+def _sac(plasticity=None, network=None, **agent):
     from plasticity_zoo.agents.sac import SACConfig
 
     return _run_config("sac", SACConfig(**{"buffer_size": 2000, "batch_size": 32, "learning_starts": 200, **agent}),
-                       plasticity=plasticity)
+                       plasticity=plasticity, network=network)
+
+
+def _net(**kw):
+    from plasticity_zoo.training.config import NetworkConfig
+
+    return NetworkConfig(**{"width": 16, **kw})
 
 
 def _plasticity(**kw):
@@ -109,6 +115,14 @@ CASES = {
     "sac_ne_reference": lambda d: _sac(_plasticity(ne=True, ne_every=20, reset_batch=32)),
     # recorded after the redesign: resets now re-draw MR.Q's weights from its own Xavier-uniform x sqrt(2)
     "mrq_w64_regrama": lambda d: _mrq(_plasticity(regrama=True, reset_every=50, reset_batch=32)),
+    # the plasticity baselines (plasticity/perturb.py, plasticity/regularizers.py, networks/blocks.py)
+    "sac_shrink_perturb_layer_reset": lambda d: _sac(_plasticity(shrink_perturb=True, sp_every=10, sp_shrink=0.9,
+                                                                 sp_perturb=0.1, layer_reset=True,
+                                                                 layer_reset_every=150, layer_reset_layers=1)),
+    "sac_crelu_redo": lambda d: _sac(_plasticity(redo=True, reset_every=50, reset_batch=32), network=_net(activation="crelu")),
+    "sac_fourier_multiskip": lambda d: _sac(network=_net(activation="fourier", block="multiskip")),
+    "sac_l2init_parseval_nap": lambda d: _sac(_plasticity(l2_init=0.01, parseval=1e-4, nap=True),
+                                              network=_net(layer_norm=True)),
 }
 
 

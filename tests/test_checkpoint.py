@@ -1,5 +1,6 @@
 """Checkpoints: verified before they are read, falling back past damaged ones, storing only the filled
-rows of large buffers, never unpickling unverified bytes (training/checkpoint.py)."""
+rows of large buffers, never unpickling unverified bytes, arrays named by their path in the tree, and
+checkpoints of the previous format (arrays named by leaf index) still read (training/checkpoint.py)."""
 import json
 import re
 import pickle
@@ -39,6 +40,25 @@ def _tree(seeds=2, capacity=200_000, filled=300):
 
 def _template(seeds=2, capacity=200_000):
     return _tree(seeds, capacity, filled=1)
+
+
+def as_format2(path: Path) -> Path:
+    """Rewrite checkpoint ``path`` (format 3) into the layout format 2 wrote before arrays were named by
+    path: ``arrays.npz`` with ``leaf_00000``, ... in leaf order (the same trimmed arrays), ``meta.json``
+    without ``arrays`` and ``trimmed`` keyed by those names, a format-2 manifest; ``host.pkl`` unchanged."""
+    import hashlib
+
+    meta = json.loads((path / "meta.json").read_text())
+    names = meta.pop("arrays")
+    with np.load(path / "arrays.npz") as z:
+        arrays = {f"leaf_{i:05d}": z[name] for i, name in enumerate(names)}
+    trimmed = {f"leaf_{i:05d}": meta["trimmed"][name] for i, name in enumerate(names) if name in meta["trimmed"]}
+    np.savez(path / "arrays.npz", **arrays)
+    (path / "meta.json").write_text(json.dumps({**meta, "format": 2, "trimmed": trimmed}, indent=2))
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": hashlib.sha256((path / n).read_bytes()).hexdigest()}
+             for n in checkpoint.FILES}
+    (path / "manifest.json").write_text(json.dumps({"format": 2, "step": meta["step"], "files": files}, indent=2))
+    return path
 
 
 def _flip(file: Path, offset=None):
@@ -136,9 +156,135 @@ def test_damaged_latest_checkpoint_is_skipped_with_a_message_naming_the_file(tmp
 def test_a_checkpoint_of_another_config_stops_the_walk(tmp_path):
     checkpoint.save(tmp_path, 1, _tree(), {})
     checkpoint.save(tmp_path, 2, _tree(), {})
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_000000000002 array 0 is float32\(2, 200000, 3\), "
-                                                         r"expected float32\(2, 100000, 3\): config mismatch"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000000000002 array buffer/data/obs is "
+                                                         r"float32\(2, 200000, 3\), expected float32\(2, 100000, 3\): "
+                                                         r"config mismatch"):
         checkpoint.load_latest(tmp_path, _template(capacity=100_000))
+
+
+# ------------------------------------------------------------------------------------------- array names
+def test_arrays_are_named_by_their_path_in_the_tree(tmp_path):
+    """Dict keys, dataclass / NamedTuple fields and sequence indices, joined by ``/``; a key with a ``/``
+    or another unsafe character is escaped; the names are the npz members and meta.json's list."""
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
+
+    cfg = RunConfig(network=NetworkConfig(width=16), agent=sac.SACConfig(buffer_size=1000), agent_name="sac")
+    rng = np.random.default_rng(0)  # the loop's tree, traced (nothing compiled), its float arrays random
+
+    def fill(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key(7)
+        return jnp.asarray(rng.normal(size=x.shape).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                           else np.zeros(x.shape, x.dtype))
+
+    tree = jax.tree.map(fill, jax.eval_shape(lambda: init_state(sac, cfg, 3, 1)))
+    names = checkpoint.array_names(tree)
+    assert len(names) == len(set(names)) == len(jax.tree.leaves(tree))
+    for name in ("agent/actor_params/trunk/layers/0/kernel/value", "agent/critic_params/out/bias/value",
+                 "agent/actor_opt/0/mu/trunk/layers/1/kernel/value", "agent/log_alpha", "agent/updates", "data/data/obs",
+                 "data/data/terminated", "data/size", "key"):
+        assert name in names
+    # the leaf each name stands for: the kernel of the actor's first layer is (seeds, obs_dim, width)
+    leaves = dict(zip(names, jax.tree.leaves(tree)))
+    assert leaves["agent/actor_params/trunk/layers/0/kernel/value"].shape == (1, 3, 16)
+    assert leaves["data/data/obs"].shape == (1, 1000, 3)
+    path = checkpoint.save(tmp_path, 5, tree, {"step": 5})
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format"] == checkpoint.FORMAT == 3 and meta["arrays"] == names
+    with np.load(path / "arrays.npz") as z:
+        assert sorted(z.files) == sorted(names)
+        np.testing.assert_array_equal(z["agent/actor_params/trunk/layers/0/kernel/value"],
+                                      tree[0].actor_params["trunk"]["layers"][0]["kernel"][...])
+    assert _bits(checkpoint.load(path, tree)[0]) == _bits(tree)
+
+    odd = {"a/b": jnp.ones(2), "": jnp.zeros(1), "..": jnp.ones(1), "x y%": [jnp.ones(1), (jnp.zeros(3),)],
+           "file": jnp.full(2, 7.0)}  # `file`: np.savez's own argument name
+    assert checkpoint.array_names(odd) == ["%", "%2E%2E", "a%2Fb", "file", "x%20y%25/0", "x%20y%25/1/0"]
+    path = checkpoint.save(tmp_path / "odd", 1, odd, {})
+    back = checkpoint.load(path, jax.tree.map(jnp.zeros_like, odd))[0]
+    assert _bits(back) == _bits(odd)
+    assert checkpoint.array_names(jnp.ones(3)) == ["%"]  # a tree that is one array
+
+
+class _Twice:
+    """A pytree node whose two children have the same key (names must still be unique)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Twice, lambda t: (((jax.tree_util.GetAttrKey("w"), t.a), (jax.tree_util.GetAttrKey("w"), t.b)), None),
+    lambda _, children: _Twice(*children))
+
+
+class _Pair:
+    """A pytree node with children ``a`` then ``b``; ``_PairReversed``: ``b`` then ``a``."""
+
+    ORDER = ("a", "b")
+
+    def __init__(self, first, second):
+        setattr(self, self.ORDER[0], first)
+        setattr(self, self.ORDER[1], second)
+
+
+class _PairReversed(_Pair):
+    ORDER = ("b", "a")
+
+
+for _cls in (_Pair, _PairReversed):
+    jax.tree_util.register_pytree_with_keys(
+        _cls, lambda t: (tuple((jax.tree_util.GetAttrKey(n), getattr(t, n)) for n in t.ORDER), None),
+        lambda _, children, cls=_cls: cls(*children))
+
+
+def test_names_that_would_coincide_are_made_unique_in_leaf_order(tmp_path):
+    tree = {"t": _Twice(jnp.ones(2), jnp.zeros(3)), "w~2": jnp.full(1, 5.0)}
+    assert checkpoint.array_names(tree) == ["t/w", "t/w~2", "w%7E2"]
+    path = checkpoint.save(tmp_path, 1, tree, {})
+    back = checkpoint.load(path, {"t": _Twice(jnp.zeros(2), jnp.zeros(3)), "w~2": jnp.zeros(1)})[0]
+    assert _bits(back) == _bits(tree)
+
+
+def test_a_template_of_another_structure_is_refused_naming_the_first_differing_path(tmp_path):
+    path = checkpoint.save(tmp_path, 1, _tree(1, 1000, 10), {})
+    other = {**_template(1, 1000), "v": jnp.ones(3)}
+    del other["w"]
+    with pytest.raises(checkpoint.CheckpointError, match=r"does not fit this config: it has no array v; its array w "
+                                                         r"is not in this config: was it written with another agent"):
+        checkpoint.load(path, other)
+    bigger = {**_template(1, 1000), "extra": [jnp.ones(1), jnp.ones(1)]}
+    with pytest.raises(checkpoint.CheckpointError, match=r"it has no array extra/0 \(nor 1 more\): "):
+        checkpoint.load(path, bigger)
+    # the same names in another leaf order load by name, not by position
+    path = checkpoint.save(tmp_path / "pair", 1, {"p": _Pair(jnp.ones(2), jnp.zeros(3))}, {})
+    back = checkpoint.load(path, {"p": _PairReversed(jnp.ones(3), jnp.ones(2))})[0]["p"]
+    assert isinstance(back, _PairReversed) and back.b.shape == (3,) and not back.b.any() and back.a.all()
+
+
+def test_a_checkpoint_of_the_previous_format_loads_by_leaf_index(tmp_path):
+    """Format 2 (``leaf_00000``, ... and no ``arrays`` list) is read by position, trimmed leaves, the key and
+    the fallback walk included; a mismatch there names this config's path of the array."""
+    old, new = _tree(filled=100), _tree(filled=200)
+    checkpoint.save(tmp_path, 100, old, {"step": 100})
+    path = as_format2(checkpoint.save(tmp_path, 200, new, {"step": 200}))
+    with np.load(path / "arrays.npz") as z:
+        assert sorted(z.files) == [f"leaf_{i:05d}" for i in range(len(jax.tree.leaves(new)))]
+    assert "arrays" not in json.loads((path / "meta.json").read_text())
+    tree, host, meta = checkpoint.load(path, _template())
+    assert _bits(tree) == _bits(new) and host == {"step": 200} and meta["format"] == 2
+    assert jnp.issubdtype(tree["key"].dtype, jax.dtypes.prng_key)
+    assert checkpoint.load_latest(tmp_path, _template())[3] == path
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000000000200 array 0 \(buffer/data/obs in this "
+                                                         r"config\) is float32\(2, 200000, 3\), expected"):
+        checkpoint.load(path, _template(capacity=100_000))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\(format 2: arrays by leaf index\) holds 11 arrays but "
+                                                         r"this config expects 12"):
+        checkpoint.load(path, {**_template(), "x": jnp.ones(1)})
+    _flip(path / "arrays.npz")  # still verified against its manifest: damaged, skipped
+    warnings = []
+    assert checkpoint.load_latest(tmp_path, _template(), warn=warnings.append)[1] == {"step": 100}
+    assert "arrays.npz sha256 mismatch" in warnings[0]
 
 
 class _Payload:
@@ -165,8 +311,8 @@ def test_resume_never_unpickles_bytes_the_manifest_does_not_vouch_for(tmp_path, 
 
 def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, capsys):
     tree = _tree(1, 1000, 10)
-    path = checkpoint.save(tmp_path, 7, tree, {"step": 7})
-    (path / "manifest.json").unlink()  # what the previous format wrote: no manifest, meta without format
+    path = as_format2(checkpoint.save(tmp_path, 7, tree, {"step": 7}))
+    (path / "manifest.json").unlink()  # what format 1 wrote: leaf_ names, no manifest, meta without format
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("format", "trimmed")}))
     with pytest.raises(checkpoint.CheckpointError, match=r"written before checkpoints carried a manifest.json.*"
@@ -188,7 +334,8 @@ def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, 
 def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identical(tiny_sac_config, tmp_path, capfd,
                                                                                   assert_same_logs):
     """1M-row replay buffer, 400 steps: checkpoints are small; a truncated arrays.npz or a bit-flipped
-    host.pkl at step 400 makes resume say so and continue from 200, ending as the uninterrupted run."""
+    host.pkl at step 400 makes resume say so and continue from 200, ending as the uninterrupted run; the
+    step-400 checkpoint rewritten in the previous format (arrays by leaf index) resumes to the same end."""
     cfg = tiny_sac_config(total_steps=600, checkpoint_every=200, buffer_size=1_000_000)
     full = train(cfg, sac, tmp_path / "full")
     train(cfg, sac, tmp_path / "part", stop_at=400)
@@ -214,6 +361,16 @@ def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identic
         assert_same_logs(tmp_path / "full", run_dir)
         assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == ["step_000000000400", "step_000000000600"]
         checkpoint.verify(checkpoint.path_for(run_dir, 400))  # rewritten whole by the resumed run
+    # a checkpoint of the previous format (arrays named leaf_00000, ... by index) resumes to the same bits
+    run_dir = tmp_path / "format2"
+    shutil.copytree(tmp_path / "part", run_dir)
+    as_format2(checkpoint.path_for(run_dir, 400))
+    capfd.readouterr()
+    resumed = train(cfg, sac, run_dir, resume=True)
+    assert "skipping" not in capfd.readouterr().err  # resumed from step 400, the old checkpoint
+    assert resumed["step"] == 600 and _bits(resumed["state"]) == _bits(full["state"])
+    assert_same_logs(tmp_path / "full", run_dir)
+    assert json.loads((checkpoint.path_for(run_dir, 600) / "meta.json").read_text())["format"] == checkpoint.FORMAT
 
 
 def test_a_csv_log_is_never_renamed_over_something_that_is_not_a_regular_file(tmp_path):

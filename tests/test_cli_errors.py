@@ -86,6 +86,18 @@ CASES = {
                                                "would only take random actions and train nothing"),
     "mrq-total-steps-within-learning-starts": (["mrq", "--total-steps", "10000", "--run-dir", RUN],
                                                "--learning-starts 10000 is not below --total-steps 10000"),
+    # each config's RANGES table (issue #47 item 8: these were accepted)
+    "sac-negative-actor-lr": (["sac", "--actor-lr", "-1", "--run-dir", RUN], "--actor-lr must be > 0, got -1.0"),
+    "sac-tau-above-one": (["sac", "--tau", "2", "--run-dir", RUN], "--tau must be in (0, 1], got 2.0"),
+    "sac-tau-zero": (["sac", "--tau", "0", "--run-dir", RUN], "--tau must be in (0, 1], got 0.0"),
+    "sac-unreachable-target-entropy": (["sac", "--target-entropy", "5", "--run-dir", RUN],
+                                       "--target-entropy must be <= 0.6931 for a 1-dimensional action (1 x log 2: "
+                                       "the entropy of the uniform distribution on [-1, 1]^1"),
+    "ppo-negative-learning-rate": (["ppo", "--learning-rate", "-3e-4", "--run-dir", RUN],
+                                   "--learning-rate must be > 0, got -0.0003"),
+    "ppo-negative-clip-coef": (["ppo", "--clip-coef", "-0.2", "--run-dir", RUN], "--clip-coef must be > 0, got -0.2"),
+    "negative-redo-tau": (["sac", "--plasticity.redo-tau", "-1", "--run-dir", RUN],
+                          "--plasticity.redo-tau must be in [0, 1), got -1.0"),
     # interventions that do not apply
     "ppo-least": (["ppo", "--plasticity.least", "--run-dir", RUN], "--plasticity.least does not apply to agent 'ppo'"),
     "mrq-ne-with-review": (["mrq", "--plasticity.ne", "--plasticity.ne-review", "--run-dir", RUN],
@@ -296,6 +308,58 @@ def test_the_nan_stop_names_the_loss_first_then_the_other_statistics(tmp_path):
                                "entropy, values/q_std_random; training stopped, no checkpoint was written yet")
     with pytest.raises(NonFiniteLossError, match=r"^non-finite values/q at update 7; training stopped"):
         raise_non_finite({"values/q": nan, "losses/critic": np.ones(2)}, 7, tmp_path / "r", unit="update")
+
+
+def test_kron_without_psgdax_is_one_error_line_and_creates_nothing(monkeypatch, capsys, tmp_path):
+    """Issue #47 item 8: without psgdax, --plasticity.kron printed a 41-line ImportError traceback (exit 1)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train as train_script
+
+    monkeypatch.setitem(sys.modules, "psgdax", None)  # as if not installed: the import fails, find_spec finds none
+    monkeypatch.delenv("RLZOO_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        train_script.cli(["sac", "--plasticity.kron", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --plasticity.kron needs psgdax: pip install 'plasticity-zoo[kron]'"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_config_range_names_its_flag_and_range_and_takes_its_ends():
+    """The RANGES tables (networks.config.check_ranges): a value just outside is refused with the flag and
+    the range, the ends a range includes are taken, None (the code's default) is not checked."""
+    import dataclasses
+    import math
+    import re
+
+    from plasticity_zoo import agents
+    from plasticity_zoo.networks.config import Range, check_ranges, ranges_of
+    from plasticity_zoo.plasticity.config import PlasticityConfig
+
+    assert [str(r) for r in (Range(1), Range(0, low_open=True), Range(0, 1), Range(0, 1, high_open=True),
+                             Range(high=3))] == [">= 1", "> 0", "in [0, 1]", "in [0, 1)", "<= 3"]
+    configs = [agents.get(name).CONFIG() for name in sorted(agents.AGENTS)] + [PlasticityConfig()]
+    checked = 0
+    for cfg in configs:
+        prefix = "--plasticity." if isinstance(cfg, PlasticityConfig) else "--"
+        check_ranges(cfg, prefix)  # the defaults are valid
+        for name, valid in ranges_of(cfg).items():
+            flag = prefix + name.replace("_", "-")
+            for end, is_open in ((valid.low, valid.low_open), (valid.high, valid.high_open)):
+                if math.isinf(end):
+                    continue
+                check_ranges(dataclasses.replace(cfg, **{name: end + (1e-9 if end == valid.low else -1e-9)
+                                                         if is_open else end}), prefix)
+                outside = end - 0.5 if end == valid.low else end + 0.5
+                with pytest.raises(ValueError, match="^" + re.escape(f"{flag} must be {valid}, got {outside}")):
+                    check_ranges(dataclasses.replace(cfg, **{name: outside}), prefix)
+                checked += 1
+    assert checked >= 60
+    sac = agents.get("sac")
+    sac.check_target_entropy(-6.0, 6)
+    sac.check_target_entropy(6 * math.log(2), 6)  # the uniform's entropy: the bound itself is taken
+    with pytest.raises(ValueError, match=r"--target-entropy must be <= 4\.159 for a 6-dimensional action"):
+        sac.check_target_entropy(4.2, 6)
 
 
 def test_ravl_takes_an_explicit_env_equal_to_the_default(tmp_path):

@@ -241,7 +241,7 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
     assert_same_logs(tmp_path / "full", tmp_path / "one")
     from plasticity_zoo.envs.playground import make
 
-    from plasticity_zoo.training.evaluation import restore_policy
+    from plasticity_zoo.analysis.restore import restore_policy
 
     restored = restore_policy(tmp_path / "full")  # what scripts/evaluate.py loads: the device carry's agent
     assert restored.step == 64

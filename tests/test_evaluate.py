@@ -78,7 +78,7 @@ def sac_run(tmp_path_factory):
 
 
 def evaluate_steps(d):
-    from plasticity_zoo.training.evaluation import checkpoint_steps
+    from plasticity_zoo.analysis.restore import checkpoint_steps
 
     return checkpoint_steps(d)
 

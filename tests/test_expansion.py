@@ -1,5 +1,6 @@
 """Neuroplastic Expansion (plasticity/expansion.py, plasticity/optim.py masks) and the Kron option."""
 import csv
+import json
 import importlib.util
 import types
 
@@ -343,12 +344,14 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
         for a, b in zip(jax.tree.leaves(masked), jax.tree.leaves(getattr(st, p_field))):
             np.testing.assert_array_equal(a, b)
     # the final checkpoint holds the state's leaves first, the masks among them
-    saved = np.load(checkpoint.latest(tmp_path / "r") / "arrays.npz")
+    ckpt = checkpoint.latest(tmp_path / "r")
+    saved, names = np.load(ckpt / "arrays.npz"), json.loads((ckpt / "meta.json").read_text())["arrays"]
     leaves = jax.tree.leaves(st)
     assert sum(x.dtype == bool and x.ndim >= 3 for x in leaves) == 2 * 2  # actor and critic: a mask per kernel
     for i, x in enumerate(leaves):
         if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            np.testing.assert_array_equal(saved[f"leaf_{i:05d}"], x)
+            assert names[i].startswith("agent/")  # arrays are named by their path in the checkpointed tree
+            np.testing.assert_array_equal(saved[names[i]], x)
     losses = [float(r[k]) for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv"))
               for k in ("losses/critic", "losses/actor") if r.get(k)]
     assert len(losses) >= 14 and np.all(np.isfinite(losses))

@@ -13,7 +13,8 @@ TOLERANCE = {"eval": 1e-2, "leaves": 5e-3, "abs": 5e-3, "atol": 1e-4}  # relativ
 CPU_SPREAD = {"ravl_toy": {"leaves": 1e-1, "abs": 3e-2, "atol": 2e-4},
               "mrq_w64_regrama": {"leaves": 2e-1, "abs": 2e-1, "atol": 2e-2}}
 # the cases of 3 s or more in one worker; the fast loop (``pytest -m "not slow"``) keeps SAC and PPO (clip)
-SLOW = {"mrq_w64", "mrq_w64_regrama", "sac_ne", "sac_ne_reference", "sac_n_edac", "ravl_toy", "sac_sigreg", "ppo_gtr",
+SLOW = {"mrq_w64", "mrq_w64_regrama", "sac_shrink_perturb_layer_reset", "sac_crelu_redo", "sac_fourier_multiskip",
+        "sac_l2init_parseval_nap", "sac_ne", "sac_ne_reference", "sac_n_edac", "ravl_toy", "sac_sigreg", "ppo_gtr",
         "sac_redo", "ppo_clip_actions"}
 
 

@@ -112,3 +112,14 @@ def test_random_with_a_sac_kind_still_trains_sac(make_dataset, tmp_path, monkeyp
         make_dataset.main(["--kind", "random", "--kind", "medium", "--out", str(tmp_path), *SMALL,
                            "--train-steps", "600", "--sac.learning-starts", "200"])
     assert not list(tmp_path.glob("*.hdf5"))
+
+
+def test_a_dataset_written_into_runs_names_the_sac_run_dir_without_runs_runs(make_dataset, no_sac, tmp_path,
+                                                                             capsys, monkeypatch):
+    """Issue #47 item 8: `--out runs/...` printed the SAC reference run's path as runs/runs/<env>-sac-seed0."""
+    monkeypatch.chdir(tmp_path)
+    make_dataset.main(["--env", "Pendulum-v1", "--kind", "random", "--out", "runs/p.hdf5", *SMALL])
+    out = capsys.readouterr().out
+    assert f"in {tmp_path / 'runs' / 'Pendulum-v1-sac-seed0'}," in out and "runs/runs" not in out, out
+    assert make_dataset.default_run_dir(tmp_path / "data", "dmc:cheetah-run", 2) == \
+        tmp_path / "data" / "runs" / "dmc_cheetah-run-sac-seed2"  # any other out dir keeps its runs/ folder

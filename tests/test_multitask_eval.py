@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plasticity_zoo.training.evaluation import Evaluator, eval_base_seed, run_evaluator, task_max_return, task_results
+from plasticity_zoo.training.evaluation import Evaluator, eval_base_seed, run_evaluator
+from plasticity_zoo.training.logger import task_max_return, task_results
 from plasticity_zoo.training.logger import EVAL_COLUMNS, MT_EVAL_COLUMNS, RunLogger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +215,9 @@ def test_a_single_task_run_keeps_its_eval_columns(tiny_sac_config, tmp_path):
 # ------------------------------------------------------------------------------------------ plots, reports
 @pytest.mark.slow
 def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(mt_run, tmp_path, capsys):
-    plot = _script("plot")
+    from plasticity_zoo.analysis import plot as plot_lib
+
+    plot = _script("plot")  # the command line; its functions are plot_lib's
     d = mt_run[0]
     rows = _rows(d)
     final = [float(r["return_mean"]) for r in rows if r["step"] == "300" and r["task"] == "all"]
@@ -224,9 +227,9 @@ def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(
     table = [line for line in lines if line.startswith(MT)]
     assert len(table) == 1 and f"{np.mean(final):.3f}" in table[0]
 
-    run = plot.load_run(d)
+    run = plot_lib.load_run(d)
     assert list(run.by_task) == list(TASKS) and set(run.eval["task"]) == {"all"}
-    agg = plot.aggregate(plot.group_curves([run], "score", "eval"))
+    agg = plot_lib.aggregate(plot_lib.group_curves([run], "score", "eval"))
     np.testing.assert_allclose(agg.mean[-1], np.mean(final) / 1000.0)
 
     plot.main([str(d), "--out", str(tmp_path / "tasks.png"), "--per-task", "--y", "score",
@@ -237,7 +240,7 @@ def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(
         scores = [float(r["score"]) for r in rows if r["step"] == "300" and r["task"] == task]
         row = next(line for line in lines if line.startswith(f"{MT}: {task}"))
         assert f"{np.mean(scores):.3f}" in row
-    panels = plot.task_panels(plot.group_runs([plot.load_run(d, with_metrics=True)]), ["losses/critic"])
+    panels = plot_lib.task_panels(plot_lib.group_runs([plot_lib.load_run(d, with_metrics=True)]), ["losses/critic"])
     assert [p[0] for p in panels] == [f"{MT} (all tasks)", *(f"{MT}: {t}" for t in TASKS), f"{MT}: losses/critic"]
 
 

@@ -352,7 +352,7 @@ def test_a_short_run_beats_its_untrained_policy(finished_run, toy_dataset):
 def test_resume_is_bit_identical_and_evaluate_reproduces_the_run(finished_run, toy_dataset, tmp_path):
     import dataclasses
 
-    from plasticity_zoo.training.evaluation import restore_policy
+    from plasticity_zoo.analysis.restore import restore_policy
     from plasticity_zoo.training.run import run
 
     full, full_dir = finished_run

@@ -1,4 +1,4 @@
-"""Tests for analysis/stats.py and scripts/plot.py."""
+"""Tests for analysis/stats.py, analysis/plot.py and its command line, scripts/plot.py."""
 
 import importlib.util
 import json
@@ -7,20 +7,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plasticity_zoo.analysis import stats
+from plasticity_zoo.analysis import plot, stats
+from plasticity_zoo.analysis.aggregate import run_labels
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_plot():
-    """Import scripts/plot.py by path (scripts/ is not a package)."""
+def _load_plot_cli():
+    """Import scripts/plot.py by path (scripts/ is not a package): the command line over analysis.plot."""
     spec = importlib.util.spec_from_file_location("plot_script", ROOT / "scripts" / "plot.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-plot = _load_plot()
+plot_cli = _load_plot_cli()
 
 
 # ---------------------------------------------------------------- bootstrap_ci
@@ -111,10 +112,11 @@ def _eval_return(agent_offset, seed, step):
     return agent_offset + 10.0 * seed + step / 100.0
 
 
-def _write_run(run_dir, agent, offset, label=None):
-    """A synthetic run: 2 seeds, 5 eval steps, metrics with a plasticity column."""
+def _write_run(run_dir, agent, offset, label=None, settings=None):
+    """A synthetic run: 2 seeds, 5 eval steps, metrics with a plasticity column; ``settings`` go into its
+    config.json beside the agent and env."""
     run_dir.mkdir()
-    config = {"agent_name": agent, "env": "Pendulum-v1"}
+    config = {"agent_name": agent, "env": "Pendulum-v1", **(settings or {})}
     if label:
         config["label"] = label
     (run_dir / "config.json").write_text(json.dumps(config))
@@ -139,7 +141,7 @@ def test_plot_end_to_end(tmp_path, capsys):
     sac = _write_run(tmp_path / "sac", "sac", offset=-500.0)
     td3 = _write_run(tmp_path / "td3", "td3", offset=-300.0)
     out = tmp_path / "figs" / "fig.png"
-    plot.main([str(sac), str(td3), "--out", str(out), "--smooth", "2", "--title", "t",
+    plot_cli.main([str(sac), str(td3), "--out", str(out), "--smooth", "2", "--title", "t",
                "--metrics", "plasticity/critic/dormant*", "losses/*"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
@@ -155,7 +157,7 @@ def test_plot_end_to_end(tmp_path, capsys):
 def test_plot_pools_seeds_with_same_label(tmp_path, capsys):
     a = _write_run(tmp_path / "a", "sac", offset=0.0, label="mine")
     b = _write_run(tmp_path / "b", "td3", offset=100.0, label="mine")
-    plot.main([str(a), str(b), "--out", str(tmp_path / "fig.pdf")])
+    plot_cli.main([str(a), str(b), "--out", str(tmp_path / "fig.pdf")])
     rows = [line for line in capsys.readouterr().out.splitlines() if "mine" in line]
     assert len(rows) == 1
     assert rows[0].split()[2] == "4"
@@ -189,7 +191,7 @@ def test_missing_eval_csv_is_named(tmp_path):
     run = _write_run(tmp_path / "run", "sac", offset=0.0)
     (run / "eval.csv").unlink()
     with pytest.raises(SystemExit) as err:
-        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+        plot_cli.main([str(run), "--out", str(tmp_path / "fig.png")])
     assert str(run / "eval.csv") in str(err.value)
 
 
@@ -197,7 +199,7 @@ def test_missing_config_is_named(tmp_path):
     run = _write_run(tmp_path / "run", "sac", offset=0.0)
     (run / "config.json").unlink()
     with pytest.raises(SystemExit) as err:
-        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+        plot_cli.main([str(run), "--out", str(tmp_path / "fig.png")])
     assert str(run / "config.json") in str(err.value)
 
 
@@ -205,20 +207,20 @@ def test_eval_without_rows_is_rejected(tmp_path):
     run = _write_run(tmp_path / "run", "sac", offset=0.0)
     (run / "eval.csv").write_text("step,seed,return_mean,return_std,episode_returns\n")
     with pytest.raises(SystemExit, match="no rows"):
-        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+        plot_cli.main([str(run), "--out", str(tmp_path / "fig.png")])
 
 
 def test_missing_metric_is_named(tmp_path):
     run = _write_run(tmp_path / "run", "sac", offset=0.0)
     with pytest.raises(SystemExit) as err:
-        plot.main([str(run), "--out", str(tmp_path / "fig.png"), "--metrics", "perf/sps"])
+        plot_cli.main([str(run), "--out", str(tmp_path / "fig.png"), "--metrics", "perf/sps"])
     assert "perf/sps" in str(err.value) and "metrics.csv" in str(err.value)
 
 
 def test_missing_y_column_is_named(tmp_path):
     run = _write_run(tmp_path / "run", "sac", offset=0.0)
     with pytest.raises(SystemExit, match="normalized_score"):
-        plot.main([str(run), "--out", str(tmp_path / "fig.png"), "--y", "normalized_score"])
+        plot_cli.main([str(run), "--out", str(tmp_path / "fig.png"), "--y", "normalized_score"])
 
 
 # ------------------------------------------------------------ pooled runs' step grids
@@ -243,7 +245,7 @@ def test_runs_on_different_evaluation_grids_are_refused_naming_both(tmp_path, ca
     b = _write_grid_run(tmp_path / "b", range(0, 10_001, 2000))
     out = tmp_path / "fig.png"
     with pytest.raises(SystemExit) as err:
-        plot.main([str(a), str(b), "--out", str(out)])
+        plot_cli.main([str(a), str(b), "--out", str(out)])
     message = str(err.value)
     assert message.startswith("error: ") and "evaluated at different steps" in message and "--align" in message
     assert f"{a}: 3 steps from 0 to 10000, every 5000" in message
@@ -267,7 +269,7 @@ def test_align_interpolates_every_seed_onto_the_shared_steps(tmp_path, capsys):
     a = _write_grid_run(tmp_path / "a", range(0, 10_001, 5000))
     b = _write_grid_run(tmp_path / "b", range(0, 12_001, 2000))  # runs longer: aligned up to 10000
     out = tmp_path / "fig.png"
-    plot.main([str(a), str(b), "--out", str(out), "--align"])
+    plot_cli.main([str(a), str(b), "--out", str(out), "--align"])
     row = next(line for line in capsys.readouterr().out.splitlines() if "mine" in line)
     assert row.split()[2:5] == ["4", "10000", f"{0.5 + 0.01 * 10_000:.3f}"]  # 4 seeds, mean of seeds 0, 1, 0, 1
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -281,7 +283,7 @@ def test_runs_of_different_lengths_on_one_grid_pool_up_to_the_shorter(tmp_path, 
     """Not a grid mismatch: a shorter run (with its final evaluation off the grid) ends the pooled curve."""
     a = _write_grid_run(tmp_path / "a", [0, 3000, 6000, 9000, 10_000])
     b = _write_grid_run(tmp_path / "b", range(0, 12_001, 3000))
-    plot.main([str(a), str(b), "--out", str(tmp_path / "fig.png")])
+    plot_cli.main([str(a), str(b), "--out", str(tmp_path / "fig.png")])
     row = next(line for line in capsys.readouterr().out.splitlines() if "mine" in line)
     assert row.split()[2:4] == ["4", "9000"]
 
@@ -290,7 +292,7 @@ def test_non_overlapping_runs_cannot_be_aligned(tmp_path):
     a = _write_grid_run(tmp_path / "a", [0, 1000])
     b = _write_grid_run(tmp_path / "b", [2000, 3000])
     with pytest.raises(SystemExit, match="do not overlap"):
-        plot.main([str(a), str(b), "--out", str(tmp_path / "fig.png"), "--align"])
+        plot_cli.main([str(a), str(b), "--out", str(tmp_path / "fig.png"), "--align"])
 
 
 def test_a_log_holding_two_runs_is_refused(tmp_path):
@@ -299,7 +301,7 @@ def test_a_log_holding_two_runs_is_refused(tmp_path):
     with open(run / "eval.csv", "a") as f:
         f.write("0,0,5.0,0.0,5.0\n")
     with pytest.raises(SystemExit, match=r"line 8: seed 0 goes back from step 2000 to 0; the file holds more"):
-        plot.main([str(run), "--out", str(tmp_path / "fig.png")])
+        plot_cli.main([str(run), "--out", str(tmp_path / "fig.png")])
 
 
 def test_a_metric_without_values_is_refused_not_drawn_empty(tmp_path):
@@ -309,7 +311,7 @@ def test_a_metric_without_values_is_refused_not_drawn_empty(tmp_path):
     (run / "metrics.csv").write_text("\n".join([text[0]] + [",".join(r[:3] + [""] + r[4:]) for r in rows]) + "\n")
     out = tmp_path / "fig.png"
     with pytest.raises(SystemExit, match="no values in column 'losses/critic' of metrics.csv"):
-        plot.main([str(run), "--out", str(out), "--metrics", "losses/critic"])
+        plot_cli.main([str(run), "--out", str(out), "--metrics", "losses/critic"])
     assert not out.exists()
 
 
@@ -318,3 +320,63 @@ def test_a_single_evaluation_is_drawn_as_a_point(tmp_path):
     fig = plot.make_figure(plot.group_runs([plot.load_run(run)]), "return_mean")
     (line,) = fig.axes[0].get_lines()
     assert line.get_marker() == "o" and len(line.get_xdata()) == 1
+
+
+# --------------------------------------------------------------- from Python (a notebook), and the labels
+
+
+def test_the_plot_functions_work_from_python_without_the_command_line(tmp_path):
+    """Issue #47 item 3: plots are importable (plasticity_zoo.analysis.plot), their CLI a thin wrapper."""
+    from matplotlib.figure import Figure
+
+    import plasticity_zoo as pz
+
+    a = _write_run(tmp_path / "a", "sac", offset=0.0)
+    b = _write_run(tmp_path / "b", "td3", offset=100.0)
+    fig = pz.plot.learning_curves([a, b], metrics=["losses/*"])
+    assert isinstance(fig, Figure) and len(fig.axes) == 2  # the return, then the metric's row
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["sac", "td3"]
+    table = plot.final_table([a, b])
+    assert table.splitlines()[0].split()[:3] == ["env", "label", "seeds"] and f"{_final_mean(100.0):.3f}" in table
+    assert plot.save_figure([a, b], tmp_path / "f" / "fig.png") == table
+    assert (tmp_path / "f" / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (a / "config.json").unlink()
+    with pytest.raises(plot.PlotError, match="missing config.json") as err:  # a ValueError, not an exit
+        plot.learning_curves([a, b])
+    assert isinstance(err.value, ValueError) and not isinstance(err.value, SystemExit)
+
+
+REDO = {"plasticity": {"redo": True, "redo_tau": 0.025}, "agent": {"tau": 0.005}}
+PLAIN = {"plasticity": {"redo": False, "redo_tau": 0.025}, "agent": {"tau": 0.005}}
+
+
+def test_a_redo_run_is_not_pooled_with_plain_runs_of_the_same_agent(tmp_path, capsys):
+    """Issue #47 item 8: `plot.py --align` drew a ReDo run and two plain SAC runs as one curve "sac, 3 seeds"
+    (the default label was the agent's name).  Runs now pool only when their configs match but for the seed
+    and the run's name; the default label names the settings that differ."""
+    a = _write_run(tmp_path / "a", "sac", offset=0.0, settings={**PLAIN, "seed": 0, "run_dir": "runs/a"})
+    b = _write_run(tmp_path / "b", "sac", offset=0.0, settings={**PLAIN, "seed": 1, "run_dir": "runs/b"})
+    redo = _write_run(tmp_path / "redo", "sac", offset=50.0, settings={**REDO, "seed": 2, "run_dir": "runs/redo"})
+    plot_cli.main([str(a), str(b), str(redo), "--out", str(tmp_path / "fig.png"), "--align"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Pendulum-v1")]
+    assert len(lines) == 2, lines
+    plain = next(line.split() for line in lines if "  sac plasticity.redo=false  " in line)
+    redo = next(line.split() for line in lines if "  sac plasticity.redo=true  " in line)
+    assert plain[3] == "4" and redo[3] == "2"  # seeds: 2 runs x 2 seeds pooled; the ReDo run's own 2
+    assert float(plain[5]) == pytest.approx(_final_mean(0.0)) and float(redo[5]) == pytest.approx(_final_mean(50.0))
+
+
+def test_run_labels_name_what_differs_and_keep_explicit_labels():
+    sac = {"agent_name": "sac", "env": "Pendulum-v1"}
+    runs = [{**sac, "seed": 0, "run_dir": "x", "progress": True, **PLAIN},
+            {**sac, "seed": 3, "run_dir": "y", "progress": False, "wandb": True, **PLAIN},  # bookkeeping only
+            {**sac, **REDO, "agent": {"tau": 0.01}},
+            {**sac, **REDO, "label": "mine"},
+            {"agent_name": "ppo", "env": "Pendulum-v1", "agent": {"clip_coef": 0.2}}]
+    assert run_labels(runs) == ["sac plasticity.redo=false, tau=0.005", "sac plasticity.redo=false, tau=0.005",
+                                "sac plasticity.redo=true, tau=0.01", "mine", "ppo"]
+    # a setting that differs only between envs (each env's own) does not split a label across envs
+    per_env = [{**sac, "env": env, "action_repeat": repeat, **cfg}
+               for env, repeat in (("dmc:a-b", 2), ("Pendulum-v1", 1)) for cfg in (PLAIN, REDO)]
+    assert run_labels(per_env) == ["sac plasticity.redo=false", "sac plasticity.redo=true"] * 2
+    assert run_labels([sac, {**sac, "seed": 1}]) == ["sac", "sac"]  # old config.json files: the agent's name

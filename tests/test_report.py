@@ -1,18 +1,28 @@
-"""Aggregate statistics (Agarwal et al. 2021) against hand values and brute force, and scripts/report.py end to end."""
+"""Aggregate statistics (Agarwal et al. 2021) against hand values and brute force, analysis/report.py and its
+command line, scripts/report.py, end to end."""
 import csv
+import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from plasticity_zoo.analysis import aggregate as agg
-from plasticity_zoo.analysis import stats
+from plasticity_zoo.analysis import report, stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import report  # noqa: E402
+
+def _load_report_cli():
+    """Import scripts/report.py by path (scripts/ is not a package): the command line over analysis.report."""
+    spec = importlib.util.spec_from_file_location("report_script", Path(__file__).resolve().parents[1] / "scripts"
+                                                  / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+report_cli = _load_report_cli()
 
 
 def test_iqm_mean_median_and_optimality_gap_match_hand_values():
@@ -130,8 +140,8 @@ def sweep(tmp_path):
 
 @pytest.mark.slow
 def test_report_over_a_sweep_writes_figures_and_tables_with_the_hand_computed_numbers(sweep, tmp_path):
-    out = report.main([str(sweep), "--out", str(tmp_path / "rep"), "--norm", "Pendulum-v1=-1000:0",
-                       "--metrics", "plasticity/critic/dormant*"])
+    out = report_cli.main([str(sweep), "--out", str(tmp_path / "rep"), "--norm", "Pendulum-v1=-1000:0",
+                           "--metrics", "plasticity/critic/dormant*"])
     rep = tmp_path / "rep"
     for name in ("report.md", "per_env.csv", "aggregate.csv", "improvement.csv", "curves.png", "curves.pdf",
                  "metrics.png", "aggregate.png", "aggregate.pdf", "profiles.png", "improvement.png"):
@@ -152,13 +162,13 @@ def test_report_over_a_sweep_writes_figures_and_tables_with_the_hand_computed_nu
 
 @pytest.mark.slow
 def test_final_window_averages_each_seeds_last_evaluations(sweep, tmp_path):
-    out = report.main([str(sweep / "runs" / "a"), "--out", str(tmp_path / "rep"), "--final-window", "2"])
+    out = report.write_report(sweep / "runs" / "a", tmp_path / "rep", final_window=2)
     assert out["groups"][0].scores == pytest.approx([75.0, 175.0, 275.0])  # mean of (final - 50, final)
 
 
 @pytest.mark.slow
 def test_without_a_reference_an_env_is_left_out_of_the_aggregates_and_says_so(sweep, tmp_path):
-    out = report.main([str(sweep), "--out", str(tmp_path / "rep")])
+    out = report.write_report([sweep], tmp_path / "rep")
     assert all(r["envs"] == 1 for r in out["aggregate"])  # dmc only
     assert "left out of the aggregates" in (tmp_path / "rep" / "report.md").read_text()
     assert "Pendulum-v1=LOW:HIGH" in (tmp_path / "rep" / "report.md").read_text()
@@ -176,7 +186,7 @@ def test_mistakes_are_one_error_line(sweep, tmp_path, capsys, args, message):
     (tmp_path / "empty").mkdir()
     args = [a.format(tmp=tmp_path / "empty", sweep=sweep) for a in args]
     with pytest.raises(SystemExit) as e:
-        report.cli([*args, "--out", str(tmp_path / "rep")])
+        report_cli.cli([*args, "--out", str(tmp_path / "rep")])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
@@ -185,5 +195,45 @@ def test_an_empty_eval_csv_is_refused(tmp_path, capsys):
     d = _run(tmp_path, "r", "dmc:cartpole-balance", "none", [1])
     (d / "eval.csv").write_text("step,seed,return_mean,return_std,episode_returns\n")
     with pytest.raises(SystemExit):
-        report.cli([str(d), "--out", str(tmp_path / "rep")])
+        report_cli.cli([str(d), "--out", str(tmp_path / "rep")])
     assert "has no evaluations yet" in capsys.readouterr().err
+
+
+def _full_run(root: Path, name, agent_name, total_steps, eval_steps, seed=0, **agent_flags):
+    """A run directory with the config.json train.py writes (every flag) and a linear eval.csv."""
+    from plasticity_zoo import agents
+    from plasticity_zoo.training.config import RunConfig, to_json
+
+    agent_cfg = agents.get(agent_name).CONFIG(**agent_flags)
+    d = root / name
+    d.mkdir(parents=True)
+    cfg = RunConfig(env="Pendulum-v1", total_steps=total_steps, seed=seed, run_dir=str(d), agent_name=agent_name,
+                    agent=agent_cfg)
+    (d / "config.json").write_text(json.dumps(to_json(cfg)))
+    lines = ["step,seed,return_mean,return_std,episode_returns"] + [f"{s},0,{-1000 + s / 200},0.0,{-1000 + s / 200}"
+                                                                    for s in eval_steps]
+    (d / "eval.csv").write_text("\n".join(lines) + "\n")
+    return d
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_its_last_step_is_marked_in_the_report(tmp_path, capsys):
+    """Issue #47 item 8: report.py silently pooled a run stopped at 43k of 100k steps with finished ones."""
+    _full_run(tmp_path / "runs", "done", "sac", 100_000, range(0, 100_001, 5000))
+    _full_run(tmp_path / "runs", "cut", "sac", 100_000, range(0, 43_001, 5000), seed=1)  # evaluations to 40k
+    with open(tmp_path / "runs" / "cut" / "eval.csv", "a") as f:
+        f.write("43000,0,-785.0,0.0,-785.0\n")  # stopped (Ctrl-C) at 43k: its last evaluation
+    # PPO ends at its last whole rollout: 48 x 2048 = 98,304 of 100,000 steps is a finished run
+    _full_run(tmp_path / "runs", "ppo", "ppo", 100_000, [*range(0, 98_001, 7000), 98_304])
+    out = report.write_report([tmp_path / "runs"], tmp_path / "rep")
+    notes = {(r["label"], r["note"]) for r in out["per_env"]}
+    assert notes == {("sac", "cut stopped at 43k of 100k"), ("ppo", "")}, notes
+    sac = next(r for r in out["per_env"] if r["label"] == "sac")
+    assert sac["seeds"] == 2 and sac["mean"] == pytest.approx((-500 + -785) / 2)  # kept, and said so
+    warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warning == ["warning: Pendulum-v1 sac: cut stopped at 43k of 100k (kept: its score is its last "
+                       "evaluation; marked in report.md and per_env.csv)"]
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| note |" in md and "| cut stopped at 43k of 100k |" in md
+    assert {r["label"]: r["note"] for r in csv.DictReader(open(tmp_path / "rep" / "per_env.csv"))} == \
+        {"sac": "cut stopped at 43k of 100k", "ppo": ""}

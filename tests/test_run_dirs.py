@@ -253,3 +253,33 @@ def test_the_progress_bar_ends_showing_the_final_evaluation(tiny_sac_config, cap
     err = capsys.readouterr().err
     assert last == -150.0
     assert err.rsplit("eval=", 1)[1].startswith("-150.0"), err
+
+
+def test_the_progress_bar_shows_one_rate_that_of_its_own_count(tiny_sac_config, tmp_path, capsys):
+    """Issue #47 item 8: the bar showed two rates that disagreed: tqdm's own (an average over its updates,
+    in one seed's steps) and sps= (every seed's env steps per second over the last log interval).  It shows
+    one: the rate of what it counts (one seed's steps, or an offline run's updates) since the last log row,
+    and the time left at that rate; metrics.csv keeps perf/sps (all seeds)."""
+    import time
+
+    from plasticity_zoo.training.driver import Driver
+    from plasticity_zoo.training.loop import Schedule, progress
+
+    cfg = tiny_sac_config(seeds=3, total_steps=600, progress=True)
+    agent = types.SimpleNamespace(act=lambda s, o, k, explore: o[..., :1])
+    drv = Driver(cfg, agent, tmp_path, hooks=None, evaluator=lambda policy: [[1.0]] * 3)
+    drv.schedule, seen = Schedule(cfg), []
+    drv.bar = lambda step, *a, **k: seen.append((step, a))
+    drv._t_log, drv._step_log = time.perf_counter() - 2.0, 0  # the last log row: 2 s ago, at step 0
+    drv.advance(300 * 3)  # 300 env steps of each of the 3 seeds
+    assert drv.log_if_due(300, None)
+    ((step, (rate, _, _)),) = seen
+    assert step == 300 and rate == pytest.approx(150.0, rel=0.05)  # one seed's 300 steps in 2 s
+    sps = [float(r["perf/sps"]) for r in csv.DictReader(open(tmp_path / "metrics.csv"))]
+    assert sps == pytest.approx([450.0] * 3, rel=0.05)  # the log's speed counts every seed
+    bar = progress(cfg, 0)
+    bar(300, 150.0, -3.0, -2.0)
+    bar(None)
+    shown = capsys.readouterr().err.split("\r")[-1]
+    assert "300/600" in shown and "150 steps/s, 00:02 left, return=-3.0, eval=-2.0" in shown, shown
+    assert shown.count("/s") == 1 and "sps" not in shown, shown  # no second rate (tqdm's step/s, it/s)

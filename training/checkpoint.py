@@ -3,15 +3,21 @@
 A checkpoint is a directory ``ckpt/step_<N>/`` holding
 
 - ``arrays.npz``: every leaf of the device pytrees (agent state with optimizer states and
-  counters, replay buffer, rng key), flattened in a fixed order and restored into a template
-  built by the same ``init`` (shapes and dtypes are checked leaf by leaf).  A large leaf (at least
+  counters, replay buffer, rng key), each named by its path in the tree (``array_names``: dict
+  keys, dataclass / NamedTuple field names and sequence indices joined by ``/``, e.g.
+  ``agent/actor_params/trunk/layers/0/kernel/value`` for the agent state of a host loop's
+  ``RunTree``) and restored by that path into a template built by the same ``init`` (names, shapes
+  and dtypes are checked array by array; a mismatch names the first differing path).  Checkpoints
+  of format 2 and older named them ``leaf_00000``, ... by leaf index; they still load, by index.
+  A large leaf (at least
   ``TRIM_MIN_BYTES``) is stored without its trailing run of rows, along its longest axis, whose
   elements all hold the bits of its last element: the unfilled rows of a replay buffer (zeros;
   LAP's step array: -1), so a checkpoint grows with the filled rows, not the capacity.  Loading
   refills those rows bit for bit (``meta.json["trimmed"]``: full shape, axis and fill bits);
 - ``host.pkl``: host-side state (vector envs with their MuJoCo state and generators, the
   pending observation and action, step counters, episode statistics);
-- ``meta.json``: format, step, leaf count, the trimmed leaves and the config;
+- ``meta.json``: format (``FORMAT``), step, leaf count, the array names in leaf order, the trimmed
+  leaves and the config;
 - ``manifest.json``, written last: the size and sha256 of each of the three files.
 
 It is written to a temporary directory and renamed, so a crash mid-save never leaves a
@@ -43,7 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMAT = 2  # 1: no manifest, full arrays (before verification); 2: manifest.json, trimmed leaves
+FORMAT = 3  # 1: no manifest, full arrays (before verification); 2: manifest.json, trimmed leaves;
+#            3: arrays named by their path in the tree (2 and 1: ``leaf_00000``, ... by leaf index)
+PATH_NAMES = 3  # the first format whose arrays are named by path
 FILES = ("arrays.npz", "host.pkl", "meta.json")  # what the manifest must list
 TRIM_MIN_BYTES = 1 << 16  # smaller leaves are stored whole
 
@@ -123,16 +131,91 @@ def untrim(x: np.ndarray, info: dict | None) -> np.ndarray:
     return full
 
 
+# ------------------------------------------------------------------------------------------- array names
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def _component(key) -> str:
+    """One key-path entry as a name part: a dict key, a field name, a sequence index."""
+    tu = jax.tree_util
+    if isinstance(key, tu.DictKey):
+        return str(key.key)
+    if isinstance(key, tu.GetAttrKey):
+        return key.name
+    if isinstance(key, tu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, tu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def escape(part: str) -> str:
+    """``part`` with every character outside ``[A-Za-z0-9_.-]`` written as ``%XX`` (its UTF-8 bytes),
+    so a name holds no ``/`` of its own and is safe in a file or zip member name; ``.`` and ``..``
+    become ``%2E`` and ``%2E%2E``, the empty string ``%`` (which no escaped string is)."""
+    if part in ("", ".", ".."):
+        return "%" if not part else "%2E" * len(part)
+    return "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in part)
+
+
+def path_name(path) -> str:
+    """A key path (``jax.tree_util.tree_flatten_with_path``) as a name: escaped parts joined by ``/``."""
+    return "/".join(escape(_component(k)) for k in path) if path else "%"
+
+
+def array_names(tree) -> list[str]:
+    """The name of each leaf of ``tree`` in leaf order: its path (``path_name``); names that still
+    coincide (a dict with keys ``1`` and ``"1"``) get ``~2``, ``~3``, ... in leaf order (``~`` is
+    escaped in parts, so a suffixed name is no other leaf's)."""
+    names, seen = [], {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = path_name(path)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}~{seen[name]}")
+    return names
+
+
+def _leaf_key(i: int) -> str:
+    """An array's name in checkpoints of format 2 and older."""
+    return f"leaf_{i:05d}"
+
+
+def write_npz(file: Path, arrays: dict):
+    """``np.savez`` (uncompressed, one ``<name>.npy`` member per array), without its keyword
+    arguments, which an array named ``file`` or ``allow_pickle`` would collide with."""
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, x in arrays.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(x), allow_pickle=False)
+
+
+def _mismatch(path, want: list[str], have: list[str]) -> str | None:
+    """Why checkpoint ``path``, holding the arrays ``have``, does not fit a template whose arrays are
+    ``want`` (both in leaf order): the first path of each that the other lacks; None if they hold
+    the same names (in any order: arrays are matched by name)."""
+    have_set, want_set = set(have), set(want)
+    missing = [n for n in want if n not in have_set]
+    unknown = [n for n in have if n not in want_set]
+    if not missing and not unknown:
+        return None
+    parts = ([f"it has no array {missing[0]}" + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")]
+             if missing else [])
+    parts += ([f"its array {unknown[0]} is not in this config" + (f" (nor {len(unknown) - 1} more)"
+                                                                   if len(unknown) > 1 else "")] if unknown else [])
+    return (f"checkpoint {path} does not fit this config: {'; '.join(parts)}: was it written with another "
+            "agent or network config?")
+
+
 # ------------------------------------------------------------------------------------------- manifest
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_manifest(path: Path, step: int, **extra):
+def _write_manifest(path: Path, step: int, fmt: int = FORMAT, **extra):
     files = {name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)} for name in FILES}
     with open(path / "manifest.json", "w") as f:
-        json.dump({"format": FORMAT, "step": step, "files": files, **extra}, f, indent=2)
+        json.dump({"format": fmt, "step": step, "files": files, **extra}, f, indent=2)
 
 
 def _read_json(path: Path, name: str) -> dict:
@@ -189,18 +272,18 @@ def save(run_dir, step: int, tree, host: dict, meta: dict | None = None, keep: i
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp_{final.name}"
     tmp.mkdir()
-    leaves = jax.tree.leaves(tree)
+    leaves, names = jax.tree.leaves(tree), array_names(tree)
     arrays, trimmed = {}, {}
-    for i, leaf in enumerate(leaves):
-        arrays[f"leaf_{i:05d}"], info = trim(_to_numpy(leaf))
+    for name, leaf in zip(names, leaves):
+        arrays[name], info = trim(_to_numpy(leaf))
         if info is not None:
-            trimmed[f"leaf_{i:05d}"] = info
-    np.savez(tmp / "arrays.npz", **arrays)
+            trimmed[name] = info
+    write_npz(tmp / "arrays.npz", arrays)
     with open(tmp / "host.pkl", "wb") as f:
         pickle.dump(host, f, protocol=pickle.HIGHEST_PROTOCOL)
     with open(tmp / "meta.json", "w") as f:
-        json.dump({"format": FORMAT, "step": step, "leaves": len(leaves), "trimmed": trimmed, **(meta or {})}, f,
-                  indent=2)
+        json.dump({"format": FORMAT, "step": step, "leaves": len(leaves), "arrays": names, "trimmed": trimmed,
+                   **(meta or {})}, f, indent=2)
     _write_manifest(tmp, step)  # last: a checkpoint with a valid manifest is complete
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -222,8 +305,9 @@ def load(path, template):
     """Restore (tree, host, meta) from checkpoint ``path`` into the structure of ``template``.
 
     Every file is checked against ``manifest.json`` first (``Damaged`` / ``Unverified`` otherwise);
-    ``host.pkl`` is unpickled only from the bytes whose sha256 matched.  A checkpoint of another
-    config raises a plain ``CheckpointError``."""
+    ``host.pkl`` is unpickled only from the bytes whose sha256 matched.  Arrays are matched to the
+    template's leaves by path (format 3), or by leaf index in checkpoints of format 2 and older.  A
+    checkpoint of another config raises a plain ``CheckpointError`` naming the first differing path."""
     path = Path(path)
     manifest = verify(path)
     meta = _read_json(path, "meta.json")
@@ -237,18 +321,28 @@ def load(path, template):
         with np.load(path / name, allow_pickle=False) as z:
             stored = {k: z[k] for k in z.files}
         name = "meta.json"
+        by_path = int(meta.get("format", 1)) >= PATH_NAMES
         count, trimmed = int(meta["leaves"]), meta.get("trimmed", {})
+        have = [str(n) for n in meta["arrays"]] if by_path else None
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
         if isinstance(e, Unusable):
             raise
         raise Damaged(path, f"{name} is unreadable ({type(e).__name__}: {e})") from e
     leaves, treedef = jax.tree.flatten(template)
-    if count != len(leaves):
-        raise CheckpointError(f"checkpoint {path} holds {count} arrays but this config expects "
-                              f"{len(leaves)}: was it written with another agent or network config?")
+    names = array_names(template)
+    if by_path:
+        why = _mismatch(path, names, have)
+        if why is not None:
+            raise CheckpointError(why)
+        keys = names
+    elif count != len(leaves):
+        raise CheckpointError(f"checkpoint {path} (format {meta.get('format', 1)}: arrays by leaf index) holds "
+                              f"{count} arrays but this config expects {len(leaves)}: was it written with another "
+                              "agent or network config?")
+    else:
+        keys = [_leaf_key(i) for i in range(len(leaves))]
     restored = []
-    for i, ref in enumerate(leaves):
-        key = f"leaf_{i:05d}"
+    for i, (ref, key, name) in enumerate(zip(leaves, keys, names)):
         if key not in stored:
             raise Damaged(path, f"arrays.npz has no {key}")
         try:
@@ -257,7 +351,8 @@ def load(path, template):
             raise Damaged(path, f"arrays.npz {key}: {e}") from e
         ref_np = _to_numpy(ref)
         if x.shape != ref_np.shape or x.dtype != ref_np.dtype:
-            raise CheckpointError(f"checkpoint {path} array {i} is {x.dtype}{x.shape}, expected "
+            where = name if by_path else f"{i} ({name} in this config)"
+            raise CheckpointError(f"checkpoint {path} array {where} is {x.dtype}{x.shape}, expected "
                                   f"{ref_np.dtype}{ref_np.shape}: config mismatch")
         restored.append(jax.random.wrap_key_data(jnp.asarray(x), impl=jax.random.key_impl(ref))
                         if _is_key(ref) else jnp.asarray(x))
@@ -306,7 +401,8 @@ def trust(path) -> list[Path]:
         missing = [name for name in FILES if not (d / name).is_file()]
         if missing:
             raise Damaged(d, f"{', '.join(missing)} missing")
-        _write_manifest(d, int(meta["step"]), trusted="added by `python -m plasticity_zoo.training.checkpoint trust`")
+        _write_manifest(d, int(meta["step"]), fmt=1,
+                        trusted="added by `python -m plasticity_zoo.training.checkpoint trust`")
         done.append(d)
     return done
 

@@ -20,8 +20,10 @@ from plasticity_zoo.training import presets as presets_lib
 from plasticity_zoo.training.run import is_user_error, load_config, protocol_defaults
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
-DESCRIPTION = ("Besides the flags below: --overwrite starts a new run in a --run-dir that already holds one, "
-               "moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback of an error.")
+DESCRIPTION = ("Besides the flags below: --preset NAME (repeatable) applies a paper's flags before yours, so "
+               "yours win (--preset list shows the presets); --overwrite starts a new run in a --run-dir that "
+               "already holds one, moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback "
+               "of an error.")
 
 
 def _agents() -> str:
@@ -157,7 +159,7 @@ def take_debug(argv: list[str]) -> tuple[bool, list[str]]:
 def error_message(e: BaseException) -> str:
     """The one line a user error is reported with."""
     if isinstance(e, SystemExit):
-        return e.code
+        return str(e.code)
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         return f"{e.filename}: {e.strerror}"
     return str(e) or type(e).__name__
@@ -176,3 +178,14 @@ def report_user_error(e: BaseException, debug: bool, note: str | None = None):
     if note:
         print(note, file=sys.stderr)
     raise SystemExit(2) from None
+
+
+def run_script(main, argv=None):
+    """A script's command line: ``main(argv)`` (default ``sys.argv[1:]``), with a user error reported as one
+    ``error: <message>`` line and exit status 2; ``--debug`` (anywhere in argv) or RLZOO_DEBUG=1 shows the
+    traceback instead.  argparse's own exits (it printed the error), Ctrl-C and bugs pass through."""
+    debug, argv = take_debug(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return main(argv)
+    except BaseException as e:
+        report_user_error(e, debug)

@@ -15,7 +15,9 @@ class RunConfig:
     """What to train, for how long, and where the run goes."""
 
     env: str = "Pendulum-v1"
-    """env id: a Gymnasium id (HalfCheetah-v5), dmc:<domain>-<task>, or playground:<Name> (extra .[mjx])"""
+    """env id: a Gymnasium id (HalfCheetah-v5), dmc:<domain>-<task>, playground:<Name> (extra .[mjx]), a multitask set
+    mt:<suite> or mt:<id>,<id>,..., a non-stationary env ns:<mode>:<env id>[:<key>=<value>,...] (modes chain, dynamics,
+    obs_permute, reward_flip), or <module>:<id> (an env the module registers with Gymnasium on import)"""
     seeds: int = 1
     """independent agents trained in one process (vmapped), each with its own envs"""
     seed: int = 0
@@ -45,7 +47,8 @@ class RunConfig:
     resume: Optional[str] = None
     """continue the run in this directory from its last checkpoint"""
     label: Optional[str] = None
-    """name for plots (default: the agent name)"""
+    """name for plots and reports (default: the agent name, followed by the settings in which it differs from
+    the other runs plotted with it)"""
     preset: Optional[str] = None
     """the --preset names applied, comma-separated (training/presets.py); set by the command line"""
     tensorboard: bool = False
@@ -99,7 +102,7 @@ def cli_type(agent_name: str, agent_cls):
     return dataclasses.make_dataclass(
         f"{agent_name.upper()}Run",
         [("agent_name", tyro.conf.Suppress[str], field(default=agent_name)),
-         ("preset", tyro.conf.Suppress[Optional[str]], field(default=None)),
+         ("preset", tyro.conf.Suppress[Optional[str]], field(default=None)),  # type: ignore[misc]  # tyro's Suppress marker
          ("agent", Annotated[agent_cls, tyro.conf.arg(name="")], field(default_factory=agent_cls))],
         bases=(RunConfig,))
 
@@ -109,3 +112,11 @@ def cli_type(agent_name: str, agent_cls):
 # the host looks in), so an extended or rescued run stays exact.
 RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every",
                   "keep_checkpoints", "device_chunk", "wandb", "wandb_mode", "wandb_tags"}
+
+# What does not make a run another experiment: the seed, the run's name and label, and where it is
+# written, how it is watched and how often it is measured (evaluations step envs of their own with a
+# deterministic policy; logs and checkpoints only read the state), besides what --resume may change.
+# Plots and reports pool the seeds of runs whose configs differ only in these
+# (``analysis.aggregate.run_labels``).
+NOT_THE_EXPERIMENT = RESUME_MUTABLE | {"seed", "seeds", "label", "preset", "eval_every", "eval_episodes", "log_every",
+                                       "checkpoint_every", "wandb_project", "wandb_entity", "wandb_group"}

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +139,7 @@ def _offpolicy_start(env, carry, env_keys, S: int, E: int):
 
 def initial_tree(cfg: RunConfig, agent):
     """The device tree a fresh run of this loop checkpoints, agent state first (build it under
-    ``jax.eval_shape`` for a checkpoint template: ``training/evaluation.py: checkpoint_template``)."""
+    ``jax.eval_shape`` for a checkpoint template: ``analysis/restore.py: checkpoint_template``)."""
     S, E = cfg.seeds, cfg.num_envs
     if agent.KIND == "onpolicy":
         env = playground.make(cfg.env, cfg.action_repeat, cfg.agent.action_mode, cfg.env_impl)
@@ -156,7 +156,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     counts = check(cfg, agent)
     if agent.KIND == "onpolicy":
         batch, num_iterations = counts
-        iteration = DeviceOnPolicyIteration(cfg, agent, num_iterations)
+        iteration: _DeviceIteration = DeviceOnPolicyIteration(cfg, agent, num_iterations)
         last_step = num_iterations * batch
     else:
         iteration = DeviceOffPolicyIteration(cfg, agent)
@@ -174,6 +174,30 @@ class _DeviceIteration:
     the host work at a chunk's end.  A kind sets ``steps_per_iteration`` (env steps per seed),
     ``updates_per_iteration``, ``hooks``, ``carry``, ``chunk_fn`` and implements ``_start``,
     ``_chunk_args``, ``_updates_in`` and ``_learning_iterations_before``."""
+
+    steps_per_iteration: int
+    updates_per_iteration: int
+    hooks: Any
+    carry: Any
+    chunk_fn: Callable
+
+    def _start(self):
+        raise NotImplementedError
+
+    def _chunk_args(self, drv: Driver) -> tuple:
+        raise NotImplementedError
+
+    def _updates_in(self, drv: Driver, n: int) -> int:
+        raise NotImplementedError
+
+    def _learning_iterations_before(self, drv: Driver) -> int:
+        raise NotImplementedError
+
+    def _plasticity_data(self):
+        raise NotImplementedError
+
+    def _last_log(self):
+        raise NotImplementedError
 
     def _setup(self, cfg: RunConfig, agent, action_mode: str):
         self.cfg, self.agent = cfg, agent
@@ -247,8 +271,8 @@ class _DeviceIteration:
 class OnPolicyCarry(NamedTuple):
     state: object      # the agents (leading seed axis S)
     loop: object       # training.onpolicy.LoopState per seed
-    env: object        # envs.playground.EnvState of S * E envs
-    action: jax.Array  # (S, E, act_dim): the actions the envs take next
+    env: object        # envs.playground.EnvState of S * E envs (None before the first reset)
+    action: Any        # (S, E, act_dim): the actions the envs take next (None before the first reset)
     key: jax.Array
 
 
@@ -287,7 +311,8 @@ def make_chunk(agent, env: playground.Playground, S: int, E: int, T: int):
 
         carry, totals, metrics, finite, k = jax.lax.fori_loop(
             0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key))
-        return carry, Report(metrics, finite, k, *totals, jnp.bool_(True))
+        return_sum, length_sum, episodes = totals
+        return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, jnp.bool_(True))
 
     return jax.jit(chunk, donate_argnums=(0,))
 
@@ -354,8 +379,8 @@ class OffPolicyCarry(NamedTuple):
     state: object      # the agents (leading seed axis S)
     buffer: object     # each seed's replay, on the device
     env: object        # envs.playground.EnvState of S * E envs
-    obs: jax.Array     # (S, E, obs_dim): the observations to act on
-    action: jax.Array  # (S, E, act_dim): the actions the envs take next
+    obs: Any           # (S, E, obs_dim): the observations to act on (None before the first reset)
+    action: Any        # (S, E, act_dim): the actions the envs take next (None before the first reset)
     key: jax.Array
 
 
@@ -408,7 +433,8 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
 
         carry, totals, metrics, finite, k, learned = jax.lax.fori_loop(
             0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key, jnp.bool_(False)))
-        return carry, Report(metrics, finite, k, *totals, learned)
+        return_sum, length_sum, episodes = totals
+        return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, learned)
 
     return jax.jit(chunk, donate_argnums=(0,))
 

@@ -33,7 +33,8 @@ import numpy as np
 
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.config import RunConfig, to_json
-from plasticity_zoo.training.evaluation import policy_maker, task_results
+from plasticity_zoo.training.evaluation import policy_maker
+from plasticity_zoo.training.logger import task_results
 from plasticity_zoo.training.logger import RunLogger, wandb_settings
 from plasticity_zoo.training.loop import CompileNotices, Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
 from plasticity_zoo.training.provenance import provenance
@@ -57,10 +58,11 @@ class Driver:
         self.tasks = getattr(evaluator, "tasks", None)  # an mt: env's member ids: eval.csv gets per-task rows
         self.logger = RunLogger(run_dir, cfg.tensorboard, multitask=self.tasks is not None, wandb=wandb_settings(cfg))
         self.eval_policy = policy_maker(agent)  # vmapped agent state -> the deterministic policy
-        self.step, self.schedule, self.pending = 0, None, None
-        self.episode_log = [[] for _ in range(cfg.seeds)] if episodes else None
+        self.step, self.pending = 0, None
+        self.schedule: Schedule  # set by begin(), from the step the run starts at
+        self.episode_log: list[list] | None = [[] for _ in range(cfg.seeds)] if episodes else None
         self.last_eval, self.last_return = math.nan, math.nan
-        self._count, self._t_log = 0, time.perf_counter()
+        self._count, self._t_log, self._step_log = 0, time.perf_counter(), 0
 
     # ------------------------------------------------------------------------- start and resume
     def begin(self, iteration, resume: bool, on_fresh=None):
@@ -124,6 +126,7 @@ class Driver:
 
     def episodes(self, env, envs_per_seed: int):
         """Collect the finished training episodes of a vector env of ``seeds x envs_per_seed`` envs."""
+        assert self.episode_log is not None, "a loop that counts episodes itself has no episode log"
         for i, ret, length in env.pop_finished():
             self.episode_log[i // envs_per_seed].append((ret, length))
 
@@ -132,7 +135,7 @@ class Driver:
         totals since it last reported); the next log row shows their means with every episode
         weighted once."""
         for j, (r, n, c) in enumerate(zip(np.asarray(return_sums), np.asarray(length_sums), np.asarray(counts))):
-            if c > 0:
+            if c > 0 and self.episode_log is not None:
                 self.episode_log[j].append((float(r), float(n), int(c)))
 
     def advance(self, n: int):
@@ -147,7 +150,9 @@ class Driver:
         and the plasticity rows pending since the last row."""
         if not self.schedule.log_due(step, last):
             return False
-        speed = self._count / (time.perf_counter() - self._t_log)
+        elapsed = time.perf_counter() - self._t_log
+        speed = self._count / elapsed
+        rate = (step - self._step_log) / elapsed  # the bar's count (one seed's steps or updates) per second
         extras = extra() if extra is not None else None
         rows = []
         for j in range(self.seeds):
@@ -167,8 +172,8 @@ class Driver:
         else:
             self.last_return = self.last_eval
         self.logger.log_metrics(step, rows)
-        self.bar(step, speed, self.last_return, self.last_eval)
-        self._count, self._t_log = 0, time.perf_counter()
+        self.bar(step, rate, self.last_return, self.last_eval)
+        self._count, self._t_log, self._step_log = 0, time.perf_counter(), step
         return True
 
     # ------------------------------------------------------------------------- the loop
@@ -181,12 +186,12 @@ class Driver:
     def run(self, iteration, end: int, last: int) -> float:
         """Iterate until ``step >= end`` (``last``: the run's final step, for the final evaluation)
         with checkpoints on schedule and at interruptions; returns the last evaluation's mean return."""
-        self.end, self.bar = end, progress(self.cfg, self.step)
-        self._t_log = time.perf_counter()
+        self.end, self.bar = end, progress(self.cfg, self.step, "update" if self.unit == "update" else "step")
+        self._t_log, self._step_log = time.perf_counter(), self.step
         save = lambda step: self.save(iteration, step)  # noqa: E731
         import jax
 
-        with CompileNotices(self.bar, lambda: self.step, jax.config.jax_compilation_cache_dir), \
+        with CompileNotices(self.bar, lambda: self.step, jax.config.values["jax_compilation_cache_dir"]), \
                 StopAtIterationEnd(save, self.run_dir, self.bar, self.logger, self.step) as stop:
             while self.step < end:
                 stop.begin()

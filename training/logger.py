@@ -6,7 +6,7 @@ seed (``step,seed,return_mean,return_std,episode_returns``).  A multitask (``mt:
 and seed one row per task (``task``: the member id; that task's episodes; ``score`` = return_mean
 over the task's maximum return, empty where none is known) and then one ``task=all`` row (the mean
 over tasks of the per-task means and of the per-task scores, all the seed's episodes; see
-``training.evaluation.task_results``).  Files are append-only; when a new metric name appears the
+``task_results``).  Files are append-only; when a new metric name appears the
 metrics file is rewritten with the wider header, so no row is ever lost.  ``truncate_after`` drops
 the rows a resumed run will write again.
 """
@@ -18,6 +18,8 @@ import json
 import os
 import re
 from pathlib import Path
+
+import numpy as np
 
 EVAL_COLUMNS = ["step", "seed", "return_mean", "return_std", "episode_returns"]
 MT_EVAL_COLUMNS = ["step", "seed", "task", "return_mean", "return_std", "episode_returns", "score"]  # mt: runs
@@ -136,7 +138,7 @@ class RunLogger:
         """``returns``: per seed, the list of evaluation episode returns; ``extra``: per seed, more
         columns (e.g. normalised scores).  ``tasks``: the member ids of an ``mt:`` env, whose episode
         ``k`` ran task ``k % len(tasks)``: per seed one row per task and a ``task=all`` row (which
-        gets ``extra``'s columns), as ``training.evaluation.task_results`` computes them."""
+        gets ``extra``'s columns), as ``task_results`` computes them."""
         import numpy as np
 
         if tasks is not None:
@@ -156,8 +158,6 @@ class RunLogger:
         self.evals.append(rows)
 
     def _log_task_eval(self, step: int, returns, extra, tasks):
-        from plasticity_zoo.training.evaluation import task_results
-
         rows = []
         for j, r in enumerate(returns):
             for res in task_results(r, tasks):
@@ -255,3 +255,36 @@ def hparams(config: dict, prefix: str = "") -> dict:
 
 def _fmt(v) -> str:
     return repr(float(v))
+
+
+def task_max_return(member_id: str) -> float | None:
+    """The largest return an episode of a multitask member can earn, for normalised scores:
+    1000 for ``dmc:`` tasks (Control Suite rewards are in [0, 1] per control step over 1000 steps;
+    the action repeat sums the rewards of the steps it repeats, so the episode's total is the same);
+    None for any other member (no known maximum: its score, and the aggregate's, stay empty)."""
+    return 1000.0 if member_id.startswith("dmc:") else None
+
+
+def task_results(returns, tasks) -> list[dict]:
+    """One seed's evaluation of an ``mt:`` env summarised per task, then over tasks.
+
+    ``returns``: the seed's episode returns in episode order (episode ``k`` ran task ``k % T``);
+    ``tasks``: the member ids.  -> T + 1 dicts ``{task, returns, return_mean, return_std, score}``:
+    one per task (its episodes; ``score`` = return_mean / ``task_max_return``, None without a known
+    maximum), then ``task="all"``: ``return_mean`` the mean over tasks of the per-task means,
+    ``score`` the mean over tasks of the per-task scores (None if any task has none), and
+    ``returns`` / ``return_std`` all the seed's episodes (in episode order) and their std."""
+    r, T = np.asarray(returns, float), len(tasks)
+    if r.size % T:
+        raise ValueError(f"{r.size} evaluation returns do not split over {T} tasks")
+    rows = []
+    for t, name in enumerate(tasks):
+        own, top = r[t::T], task_max_return(name)
+        mean = float(own.mean())
+        rows.append({"task": name, "returns": own.tolist(), "return_mean": mean, "return_std": float(own.std()),
+                     "score": None if top is None else mean / top})
+    scores = [row["score"] for row in rows]
+    mean = float(np.mean([row["return_mean"] for row in rows]))
+    rows.append({"task": AGGREGATE_TASK, "returns": r.tolist(), "return_mean": mean, "return_std": float(r.std()),
+                 "score": None if None in scores else float(np.mean(scores))})
+    return rows

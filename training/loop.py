@@ -9,10 +9,21 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from plasticity_zoo.training import checkpoint
+
+
+class RunTree(NamedTuple):
+    """The device arrays a host loop checkpoints: the agent states (a leading seed axis), the loop's data
+    (replay buffer, rollout, or an offline run's model buffers) and the run key.  Checkpoint arrays are
+    named by their path in it (``agent/critic_params/...``, ``data/...``, ``key``)."""
+
+    agent: Any
+    data: Any
+    key: Any
 
 
 class NonFiniteLossError(RuntimeError):
@@ -172,7 +183,7 @@ class StopAtIterationEnd:
     def __init__(self, save, run_dir, bar, logger, step: int):
         self.save, self.run_dir, self.bar, self.logger = save, run_dir, bar, logger
         self.step, self.consistent = step, True
-        self.signals = None
+        self.signals: StopSignals  # installed by __enter__
 
     def __enter__(self) -> "StopAtIterationEnd":
         self.signals = StopSignals.install()
@@ -197,6 +208,7 @@ class StopAtIterationEnd:
 def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     """On Ctrl-C: checkpoint if the loop sits between iterations, close the logs, say how to resume."""
     here, latest = checkpoint.path_for(run_dir, step), checkpoint.latest(run_dir)
+    where: str | None
     if consistent and latest == here:
         where = f"the checkpoint at step {step} is {here}"  # just written by the periodic save
     elif consistent:
@@ -234,38 +246,52 @@ def raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
                              f"training stopped, {kept}")
 
 
-def progress(cfg, start: int):
+# tqdm's default format, without its own rate (an average of its updates) and the time left drawn from it
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+def progress(cfg, start: int, unit: str = "step"):
     """A tqdm bar over ``cfg.total_steps`` (a no-op with ``--no-progress``); call ``bar(None)`` to close.
 
-    ``bar(step, status="compiling")`` shows a status beside the numbers at once (``status=""`` clears it);
-    ``bar.write(line)`` prints a line above the bar (``print`` without one)."""
+    The bar counts what ``--total-steps`` counts (one seed's env steps, or ``unit`` "update": an offline
+    run's updates) and shows one rate, that count's: ``bar(step, rate=...)`` with the units per second
+    since the last log row (``Driver.log_if_due``), and the time left at that rate.  (``perf/sps`` in
+    metrics.csv counts the env steps of all seeds.)  ``bar(step, status="compiling")`` shows a status
+    beside the numbers at once (``status=""`` clears it); ``bar.write(line)`` prints a line above the
+    bar (``print`` without one)."""
     if not cfg.progress:
         def quiet(*a, **k):
             return None
-        quiet.write = print
+        setattr(quiet, "write", print)  # noqa: B010  (the bar's line printer)
         return quiet
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.total_steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=cfg.total_steps, initial=start, unit=unit, dynamic_ncols=True, mininterval=1.0,
+               bar_format=BAR_FORMAT)
     pos, shown = [start], {}
 
-    def update(step, sps=None, ret=None, ev=None, status=None):
+    def update(step, rate=None, ret=None, ev=None, status=None):
         """Move to ``step``; the values not given keep what the bar shows (``finish`` sets the last eval)."""
         if step is None:
             bar.close()
             return
         bar.update(step - pos[0])
         pos[0] = step
-        for key, value, fmt in (("sps", sps, ".0f"), ("return", ret, ".1f"), ("eval", ev, ".1f")):
+        if rate is not None:
+            shown["rate"] = f"{rate:,.0f} {unit}s/s"
+            left = max(cfg.total_steps - step, 0) / rate if rate > 0 else None
+            shown["left"] = f"{tqdm.format_interval(left)} left" if left is not None else "? left"
+        for key, value in (("return", ret), ("eval", ev)):
             if value is not None:
-                shown[key] = format(value, fmt)
+                shown[key] = f"{key}={value:.1f}"
         if status is not None:
             shown.pop("status", None)
             if status:
                 shown["status"] = status
-        bar.set_postfix(shown, refresh=status is not None)
+        bar.set_postfix_str(", ".join(shown[k] for k in ("rate", "left", "return", "eval", "status") if k in shown),
+                            refresh=status is not None)
 
-    update.write = tqdm.write
+    setattr(update, "write", tqdm.write)  # noqa: B010
     return update
 
 
@@ -283,7 +309,8 @@ class CompileNotices:
     A context manager: the listeners are JAX's process-wide ones and go when the run ends."""
 
     def __init__(self, bar, step_fn, cache_dir: str | None = None):
-        self.bar, self.step_fn, self.cache_dir, self.hits, self.compiles = bar, step_fn, cache_dir, 0, []
+        self.bar, self.step_fn, self.cache_dir, self.hits = bar, step_fn, cache_dir, 0
+        self.compiles: list[tuple[str, float, bool]] = []  # (program, seconds, from the cache)
 
     def _request(self, event, **kw):
         if event == COMPILE_REQUEST:

@@ -38,7 +38,7 @@ from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library
 from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity_zoo.training.loop import check_positive, run_counts
+from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
 
 
 
@@ -176,7 +176,7 @@ class OfflineIteration:
         pass
 
     def tree(self):
-        return self.state, _buffers(self.data), self.key
+        return RunTree(self.state, _buffers(self.data), self.key)
 
     def load(self, tree, host):
         self.state, model_buffers, self.key = tree

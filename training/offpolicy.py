@@ -24,7 +24,7 @@ from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.seeds import add_over_seeds, init_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity_zoo.training.loop import NonFiniteLossError, agent_config, check_positive, run_counts
+from plasticity_zoo.training.loop import NonFiniteLossError, RunTree, agent_config, check_positive, run_counts
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
@@ -80,7 +80,8 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         buffer = store(buffer, transition, obs)
         return learn_and_act(state, buffer, obs, key, random_actions=random_actions, train=train, replay_control=replay_control)
 
-    step.store, step.learn_and_act = store, learn_and_act  # for the donation regression test
+    for name, fn in (("store", store), ("learn_and_act", learn_and_act)):  # for the donation regression test
+        setattr(step, name, fn)
 
     return step
 
@@ -92,7 +93,7 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     state = init_over_seeds(agent, keys[1:], obs_dim, act_dim, agent_cfg, cfg.network, static)
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim, cfg.agent))(jnp.arange(cfg.seeds))
-    return state, buffer, keys[0]
+    return RunTree(state, buffer, keys[0])
 
 
 def seed_slice(tree, j: int):
@@ -165,7 +166,7 @@ class OffPolicyIteration:
         self.action = jax.random.uniform(k0, (self.S, self.E, self.act_dim), minval=-1.0, maxval=1.0)
 
     def tree(self):
-        return self.state, self.buffer, self.key
+        return RunTree(self.state, self.buffer, self.key)
 
     def load(self, tree, host):
         (self.state, self.buffer, self.key) = tree

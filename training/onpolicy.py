@@ -40,7 +40,7 @@ from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
-from plasticity_zoo.training.loop import check_positive, run_counts
+from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
 
 
 class LoopState(NamedTuple):
@@ -62,7 +62,7 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     loop = jax.vmap(lambda _: empty_loop(agent, cfg.agent.num_steps, cfg.num_envs, obs_dim, act_dim))(
         jnp.arange(cfg.seeds))
-    return state, loop, keys[0]
+    return RunTree(state, loop, keys[0])
 
 
 def _write_policy_slot(buffer, i, obs_n, action, logp, value):
@@ -235,7 +235,8 @@ class OnPolicyIteration:
         self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
                            total_updates=num_iterations * self.updates_per_iteration)
         self.state = self.hooks.start(self.state)
-        self.metrics, self.updates_done, self.phase = None, 0, 0
+        self.metrics: dict | None = None  # the last iteration's (set by each iteration; None before the first)
+        self.updates_done, self.phase = 0, 0
 
     def _shaped(self, x):
         return np.asarray(x).reshape(self.S, self.E, *np.shape(x)[1:])
@@ -257,7 +258,7 @@ class OnPolicyIteration:
         self.state, self.loop, self.action = self.start_fn(self.state, self.loop, self._shaped(self.env.reset()), k)
 
     def tree(self):
-        return self.state, self.loop, self.key
+        return RunTree(self.state, self.loop, self.key)
 
     def load(self, tree, host):
         self.state, self.loop, self.key = tree

@@ -105,6 +105,32 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("ne-reference", ("--plasticity.ne",),
            "Liu et al. 2025 (Neuroplastic Expansion, ICLR), the reference code's defaults: an event every 100 updates, "
            "uniform growth, magnitude pruning, review off, auto batch (the zoo's --plasticity.ne-* defaults)"),
+    Preset("sp-plasticine", ("--plasticity.shrink-perturb", "--plasticity.sp-every", "1", "--plasticity.sp-shrink",
+                             "0.999999", "--plasticity.sp-perturb", "0.000001"),
+           "Yuan et al. 2025 (Plasticine, arXiv 2504.17490), standard/td3_dmc_snp.py: theta <- 0.999999 theta + 1e-6 "
+           "x a fresh initialisation after every (policy) update; the rule is Ash & Adams 2020 (NeurIPS), section 4"),
+    Preset("reset-primacy", ("--plasticity.layer-reset", "--plasticity.layer-reset-every", "200000",
+                             "--plasticity.layer-reset-layers", "0"),
+           "Nikishin et al. 2022 (The primacy bias in deep RL, ICML), section 4 and appendix: SAC on DMC resets every "
+           "network (and its targets) every 2e5 updates",
+           note="the zoo keeps SAC's temperature across a reset; the paper's agent starts it over too"),
+    Preset("l2-init", ("--plasticity.l2-init", "0.01"),
+           "Kumar, Marklund, Van Roy 2023 (L2 Init, arXiv 2308.11958), section 3: loss + lambda ||theta - theta_0||^2 "
+           "over every parameter; lambda = 0.01 is the L2 Init (regen) setting of Chung et al. 2024's DMC and "
+           "MetaWorld runs (wechu/parseval_reg main.py) and Plasticine's rr_weight",
+           note="the L2 Init paper tunes lambda per (supervised) benchmark and gives no RL value; Chung et al.'s code "
+                "divides each tensor's squared distance by its size and Plasticine's uses the unsquared norm, so "
+                "0.01 here (the paper's sum) pulls harder per weight: tune it"),
+    Preset("parseval", ("--plasticity.parseval", "0.0001", "--plasticity.parseval-scale", "2"),
+           "Chung, Cherif, Meger, Precup 2024 (Parseval regularization, NeurIPS), section 3 and the authors' code "
+           "(wechu/parseval_reg main.py): lambda = 1e-4 on CARL DMC quadruped and LunarLander (1e-3 on gridworld "
+           "and MetaWorld), s = 2, lambda scaled by (64 / width)^2 for other widths, hidden layers only",
+           note="the paper's MetaWorld runs add diagonal layers after each Parseval layer, which the zoo does not"),
+    Preset("nap", ("--plasticity.nap", "--network.layer-norm"),
+           "Lyle et al. 2024 (Normalization and effective learning rates in RL, NeurIPS), section 4: LayerNorm before "
+           "each nonlinearity and every hidden layer projected back to its initial norm after each step",
+           note="the paper finds an explicit learning-rate decay helps its Rainbow agents under NaP; the zoo keeps "
+                "each agent's own schedule"),
 )}
 
 
@@ -117,7 +143,7 @@ def listing() -> str:
     lines = ["presets (train.py AGENT --preset NAME; flags given on the command line win):"]
     for p in PRESETS.values():
         who = ", ".join(p.agents) if p.agents else "any agent"
-        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs", "playground": "playground: envs"}.get(p.env_family, "any env")
+        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs", "playground": "playground: envs"}.get(p.env_family or "", "any env")
         lines.append(f"  {p.name}  [{who}; {fam}]\n      {' '.join(p.flags)}\n      source: {p.source}"
                      + (f"\n      note: {p.note}" if p.note else ""))
     return "\n".join(lines)

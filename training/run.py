@@ -48,6 +48,17 @@ def load_config(run_dir) -> RunConfig:
         raise SystemExit(f"--resume {run_dir}: {path} is not a readable run config ({type(e).__name__}: {e})") from e
 
 
+def final_step(cfg: RunConfig) -> int:
+    """The step a finished run ends at (what ``--total-steps`` counts): ``total_steps``, except an
+    on-policy agent's run, which ends at its last whole rollout (``training.onpolicy.check``: the number
+    of iterations times the rollout batch).  A run whose last evaluation is below it stopped early."""
+    agent = agents.get(cfg.agent_name)
+    if agent.KIND == "onpolicy":
+        batch, iterations = loop_module(agent).check(cfg)  # the on-policy loop's (through LOOPS, as loop_module)
+        return batch * iterations
+    return cfg.total_steps
+
+
 LOOPS = {"offpolicy": "plasticity_zoo.training.offpolicy", "onpolicy": "plasticity_zoo.training.onpolicy", "offline": "plasticity_zoo.training.offline"}
 
 
