@@ -1,10 +1,17 @@
 """Agent registry: name -> module exposing CONFIG, init, act, update, PLASTIC."""
+
 from __future__ import annotations
 
 import importlib
 
-AGENTS = {"sac": "plasticity_zoo.agents.sac", "mrq": "plasticity_zoo.agents.mrq", "ppo": "plasticity_zoo.agents.ppo", "ravl": "plasticity_zoo.agents.ravl",
-          "mrq-mt": "plasticity_zoo.agents.mrq_mt", "neubay": "plasticity_zoo.agents.neubay"}
+AGENTS = {
+    "sac": "plasticity_zoo.agents.sac",
+    "mrq": "plasticity_zoo.agents.mrq",
+    "ppo": "plasticity_zoo.agents.ppo",
+    "ravl": "plasticity_zoo.agents.ravl",
+    "mrq-mt": "plasticity_zoo.agents.mrq_mt",
+    "neubay": "plasticity_zoo.agents.neubay",
+}
 
 
 def get(name: str):

@@ -16,7 +16,8 @@ Every agent (``Agent``):
     update(state, batch, key) -> (state, metrics)        one gradient step on a given batch
 
 Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
-    buffer_init(capacity, obs_dim, act_dim, cfg) -> buffer (cfg: the agent config);  buffer_add(buffer, transitions) -> buffer
+    buffer_init(capacity, obs_dim, act_dim, cfg) -> buffer (cfg: the agent config);
+    buffer_add(buffer, transitions) -> buffer
     sample_batch(state, buffer, key, n) -> batch         (plasticity metrics / resets use it too)
     train_block(state, buffer, key, num_updates, replay_control) -> (state, buffer, metrics)
                               the updates of one env step as one scan; ``replay_control``: NE's
@@ -69,16 +70,37 @@ table of ``networks.config.Range`` (merged along the config's bases: ``OffPolicy
 the replay's); the agent's ``init`` checks them with ``networks.config.check_ranges`` (one ``error:``
 line naming the flag and its range), and checks the relations between values itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE
-from plasticity_zoo.plasticity.api import ExplorationNoiseAgent, LEASTAgent, MeasuredAgent, PlasticAgent, StaticPlasticity
+from plasticity_zoo.plasticity.api import (
+    ExplorationNoiseAgent,
+    LEASTAgent,
+    MeasuredAgent,
+    PlasticAgent,
+    StaticPlasticity,
+)
 
-__all__ = ["Agent", "TaskConditionedAgent", "RecurrentAgent", "OffPolicyAgent", "OnPolicyAgent", "OfflineAgent", "PlasticAgent", "MeasuredAgent", "LEASTAgent",
-           "ExplorationNoiseAgent", "StaticPlasticity", "KINDS", "OffPolicyConfig", "protocol_for"]
+__all__ = [
+    "Agent",
+    "TaskConditionedAgent",
+    "RecurrentAgent",
+    "OffPolicyAgent",
+    "OnPolicyAgent",
+    "OfflineAgent",
+    "PlasticAgent",
+    "MeasuredAgent",
+    "LEASTAgent",
+    "ExplorationNoiseAgent",
+    "StaticPlasticity",
+    "KINDS",
+    "OffPolicyConfig",
+    "protocol_for",
+]
 
 
 @runtime_checkable
@@ -176,8 +198,12 @@ class OffPolicyConfig:
     updates_per_step: int = 1
     """gradient steps per env step (update-to-data ratio)"""
 
-    RANGES = {"buffer_size": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE, "learning_starts": NON_NEGATIVE,
-              "updates_per_step": AT_LEAST_ONE}  # learning_starts None: the agent's protocol sets it
+    RANGES = {
+        "buffer_size": AT_LEAST_ONE,
+        "batch_size": AT_LEAST_ONE,
+        "learning_starts": NON_NEGATIVE,
+        "updates_per_step": AT_LEAST_ONE,
+    }  # learning_starts None: the agent's protocol sets it
 
 
 @dataclass(frozen=True)
@@ -196,5 +222,7 @@ def check_replay(cfg: OffPolicyConfig):
     """Replay settings that are each valid (``OffPolicyConfig.RANGES``, checked by ``check_ranges``) but
     cannot work together (a ValueError naming the flags)."""
     if cfg.batch_size > cfg.buffer_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} is larger than --buffer-size {cfg.buffer_size}: "
-                         "every batch would repeat rows of a replay smaller than itself")
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} is larger than --buffer-size {cfg.buffer_size}: "
+            "every batch would repeat rows of a replay smaller than itself"
+        )

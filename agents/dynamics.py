@@ -25,6 +25,7 @@ Shapes: M = members, B = batch, O = obs dim, A = action dim, D = O + 1 (target (
     batch, valid = rollout(model, policy, start, 5, key, done_fn)   # (H, B, ...) and (H, B)
     save("model.npz", model); model = load("model.npz")
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,10 +42,10 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from plasticity_zoo.networks import Net, Trunk, TrunkSpec
-from plasticity_zoo.networks.core import path_names, uniform_fan_in
-from plasticity_zoo.networks.blocks import ACTIVATIONS
 from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.networks import Net, Trunk, TrunkSpec
+from plasticity_zoo.networks.blocks import ACTIVATIONS
+from plasticity_zoo.networks.core import path_names, uniform_fan_in
 
 ELITE_SAMPLING = ("row", "step", "trajectory")
 TARGET_SCALING = ("none", "zscore")
@@ -133,12 +134,14 @@ class DynamicsConfig:
         wd = self.weight_decay
         wd = (float(wd),) * (self.depth + 1) if isinstance(wd, (int, float)) else tuple(float(w) for w in wd)
         if wd == SPEC_WEIGHT_DECAY and self.depth != len(wd) - 1:
-            hidden = (wd[:-1] + (wd[-2],) * self.depth)[:self.depth]
+            hidden = (wd[:-1] + (wd[-2],) * self.depth)[: self.depth]
             wd = hidden + (wd[-1],)
         object.__setattr__(self, "weight_decay", wd)
         if len(wd) != self.depth + 1:
-            raise ValueError(f"weight_decay needs depth + 1 = {self.depth + 1} values (one per hidden layer, "
-                             f"then the heads), got {len(wd)}")
+            raise ValueError(
+                f"weight_decay needs depth + 1 = {self.depth + 1} values (one per hidden layer, "
+                f"then the heads), got {len(wd)}"
+            )
         if not 1 <= self.elites <= self.members:
             raise ValueError(f"need 1 <= elites <= members, got elites={self.elites}, members={self.members}")
         if self.activation not in ACTIVATIONS:
@@ -158,8 +161,9 @@ class DynamicsConfig:
         if self.max_holdout is not None and self.max_holdout < 1:
             raise ValueError(f"max_holdout must be >= 1 (or None), got {self.max_holdout}")
         if not 0 <= self.min_epochs <= self.max_epochs or self.max_epochs < 1:
-            raise ValueError(f"need 0 <= min_epochs <= max_epochs and max_epochs >= 1, "
-                             f"got {self.min_epochs}, {self.max_epochs}")
+            raise ValueError(
+                f"need 0 <= min_epochs <= max_epochs and max_epochs >= 1, got {self.min_epochs}, {self.max_epochs}"
+            )
         if self.patience < 1 or self.batch_size < 1 or self.width < 1 or self.depth < 1:
             raise ValueError("patience, batch_size, width and depth must be positive")
         if not 0.0 < self.lr_cut <= 1.0:
@@ -171,8 +175,16 @@ class DynamicsConfig:
 def unifloral_config(**overrides) -> DynamicsConfig:
     """Section 3.2: 4 x 200 ReLU, no input normalisation, AdamW (1e-3, wd 2.5e-5), a fixed 400
     epochs, elite resampled every step (section 6.3).  No coupled L2 term (our reading)."""
-    kw = dict(activation="relu", normalize_inputs=False, weight_decay=0.0, adamw_weight_decay=2.5e-5,
-              min_epochs=400, max_epochs=400, lr_cut=1.0, elite_sampling="step")
+    kw = dict(
+        activation="relu",
+        normalize_inputs=False,
+        weight_decay=0.0,
+        adamw_weight_decay=2.5e-5,
+        min_epochs=400,
+        max_epochs=400,
+        lr_cut=1.0,
+        elite_sampling="step",
+    )
     return DynamicsConfig(**{**kw, **overrides})
 
 
@@ -196,12 +208,36 @@ def neubay_config(kind: Optional[str] = None, **overrides) -> DynamicsConfig:
         cap = None  # e.g. "expert", "full-replay": the paper gives no cap for them
     else:
         cap = NEUBAY_EPOCH_CAPS.get(kind) if kind is not None else None
-    kw = dict(members=128, elites=100, width=200, depth=4, activation="leaky_relu", layer_norm=True,
-              normalize_inputs=True, input_clip=math.inf, weight_decay=0.0, adamw_weight_decay=5e-5, lr=1e-3,
-              batch_size=256, holdout=0.2, max_holdout=1000, bootstrap=False, min_epochs=0,
-              max_epochs=NO_EPOCH_CAP if cap is None else cap, patience=5, improvement=0.01, lr_cut=1.0,
-              max_logvar_init=0.5, min_logvar_init=-10.0, logvar_range_coef=0.0, learn_logvar_bounds=False,
-              target_scaling="zscore", init="uniform", elite_sampling="trajectory", head_output="log_sigma")
+    kw = dict(
+        members=128,
+        elites=100,
+        width=200,
+        depth=4,
+        activation="leaky_relu",
+        layer_norm=True,
+        normalize_inputs=True,
+        input_clip=math.inf,
+        weight_decay=0.0,
+        adamw_weight_decay=5e-5,
+        lr=1e-3,
+        batch_size=256,
+        holdout=0.2,
+        max_holdout=1000,
+        bootstrap=False,
+        min_epochs=0,
+        max_epochs=NO_EPOCH_CAP if cap is None else cap,
+        patience=5,
+        improvement=0.01,
+        lr_cut=1.0,
+        max_logvar_init=0.5,
+        min_logvar_init=-10.0,
+        logvar_range_coef=0.0,
+        learn_logvar_bounds=False,
+        target_scaling="zscore",
+        init="uniform",
+        elite_sampling="trajectory",
+        head_output="log_sigma",
+    )
     return DynamicsConfig(**{**kw, **overrides})
 
 
@@ -252,8 +288,12 @@ class GaussianDynamics(nnx.Module):
                 layer.kernel[...] = _trunc_normal(rngs.params(), layer.kernel[...].shape, layer.kernel[...].shape[0])
             zeros = nnx.initializers.zeros
             head = lambda: nnx.Linear(  # noqa: E731
-                cfg.width, out_dim, rngs=rngs, bias_init=zeros,
-                kernel_init=lambda k, s, d=jnp.float32: _trunc_normal(k, s, s[0]).astype(d))
+                cfg.width,
+                out_dim,
+                rngs=rngs,
+                bias_init=zeros,
+                kernel_init=lambda k, s, d=jnp.float32: _trunc_normal(k, s, s[0]).astype(d),
+            )
             self.mean = head()
             self.logvar = head()
         else:
@@ -293,11 +333,20 @@ def _initializer(obs_dim: int, act_dim: int, cfg: DynamicsConfig):
 
 def _build(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig):
     """-> (Net named "dynamics", params with a leading member axis M)."""
-    shape_cfg = DynamicsConfig(members=cfg.members, elites=1, width=cfg.width, depth=cfg.depth,
-                               activation=cfg.activation, layer_norm=cfg.layer_norm, weight_decay=0.0,
-                               max_logvar_init=cfg.max_logvar_init, min_logvar_init=cfg.min_logvar_init,
-                               learn_logvar_bounds=cfg.learn_logvar_bounds, head_output=cfg.head_output,
-                               init=cfg.init)
+    shape_cfg = DynamicsConfig(
+        members=cfg.members,
+        elites=1,
+        width=cfg.width,
+        depth=cfg.depth,
+        activation=cfg.activation,
+        layer_norm=cfg.layer_norm,
+        weight_decay=0.0,
+        max_logvar_init=cfg.max_logvar_init,
+        min_logvar_init=cfg.min_logvar_init,
+        learn_logvar_bounds=cfg.learn_logvar_bounds,
+        head_output=cfg.head_output,
+        init=cfg.init,
+    )
     net, init = _initializer(obs_dim, act_dim, shape_cfg)  # only the fields the module reads
     return net, init(key)
 
@@ -305,6 +354,7 @@ def _build(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig):
 def decay_coefficients(params, cfg: DynamicsConfig):
     """A pytree like ``params``: each Linear kernel's coefficient (hidden layer i: wd[i]; both heads:
     wd[-1]), 0 for biases, LayerNorm and the log-variance bounds."""
+
     def coef(path, _):
         names = path_names(path)
         if names[-1] != "kernel":
@@ -312,6 +362,7 @@ def decay_coefficients(params, cfg: DynamicsConfig):
         if names[0] == "trunk":
             return cfg.weight_decay[names[2]]
         return cfg.weight_decay[-1]
+
     return jax.tree_util.tree_map_with_path(coef, params)
 
 
@@ -344,8 +395,9 @@ def ensemble_loss(params, net: Net, x, y, cfg: DynamicsConfig):
     bounds = cfg.logvar_range_coef * (_leaf(params, "max_logvar").sum(-1) - _leaf(params, "min_logvar").sum(-1))
     if not cfg.learn_logvar_bounds:
         bounds = 0.0
-    decay = jax.tree.map(lambda w, c: 0.5 * c * (w ** 2).reshape(w.shape[0], -1).sum(-1),
-                         params, decay_coefficients(params, cfg))
+    decay = jax.tree.map(
+        lambda w, c: 0.5 * c * (w**2).reshape(w.shape[0], -1).sum(-1), params, decay_coefficients(params, cfg)
+    )
     l2 = sum(jax.tree.leaves(decay))
     return (nll + bounds + l2).sum(), nll
 
@@ -395,7 +447,8 @@ class EarlyStopping:
 def _decayed(params):
     """AdamW's mask when the log-variance bounds are fixed: every parameter but the bounds."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: path_names(path)[-1] not in ("max_logvar", "min_logvar"), params)
+        lambda path, _: path_names(path)[-1] not in ("max_logvar", "min_logvar"), params
+    )
 
 
 def _optimizer(cfg: DynamicsConfig):
@@ -403,15 +456,31 @@ def _optimizer(cfg: DynamicsConfig):
         return optax.inject_hyperparams(optax.adam)(learning_rate=cfg.lr)
     mask = None if cfg.learn_logvar_bounds else _decayed
     return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=cfg.lr, weight_decay=cfg.adamw_weight_decay, mask=mask)
+        learning_rate=cfg.lr, weight_decay=cfg.adamw_weight_decay, mask=mask
+    )
 
 
 def _epoch_cfg(cfg: DynamicsConfig) -> DynamicsConfig:
     """``cfg`` with the fields the jitted epoch never reads set to fixed values, so models that differ
     only in stopping / holdout / sampling settings share one compiled epoch."""
-    return replace(cfg, elites=1, min_epochs=0, max_epochs=1, patience=1, improvement=0.0, lr_cut=1.0,
-                   holdout=0.5, max_holdout=None, elite_sampling="row", lr=1e-3, target_scaling="none",
-                   normalize_inputs=True, input_clip=10.0, max_logvar_init=0.5, min_logvar_init=-10.0)
+    return replace(
+        cfg,
+        elites=1,
+        min_epochs=0,
+        max_epochs=1,
+        patience=1,
+        improvement=0.0,
+        lr_cut=1.0,
+        holdout=0.5,
+        max_holdout=None,
+        elite_sampling="row",
+        lr=1e-3,
+        target_scaling="none",
+        normalize_inputs=True,
+        input_clip=10.0,
+        max_logvar_init=0.5,
+        min_logvar_init=-10.0,
+    )
 
 
 def _normalize(x, mean, std, cfg: DynamicsConfig):
@@ -453,6 +522,7 @@ def _train_epoch(params, opt_state, key, x, y, boot, net: Net, cfg: DynamicsConf
 def _validation_mse(params, x, y, net: Net, n: int):
     """Per-member mean squared error of the mean prediction, over the first ``n`` rows of the
     chunked (C, chunk, ...) holdout and every target dimension, in the training target units."""
+
     def chunk(xy):
         mean, _ = net(params, xy[0])
         return ((mean - xy[1][None]) ** 2).sum(-1)  # (M, chunk)
@@ -483,10 +553,17 @@ def _as_arrays(obs, actions, rewards, next_obs):
     obs, actions, next_obs = (np.asarray(a, np.float32) for a in (obs, actions, next_obs))
     rewards = np.asarray(rewards, np.float32).reshape(len(rewards), -1)
     n = len(obs)
-    if obs.ndim != 2 or actions.ndim != 2 or next_obs.shape != obs.shape or len(actions) != n \
-            or rewards.shape != (n, 1):
-        raise ValueError(f"expected obs (N, O), actions (N, A), rewards (N,), next_obs (N, O); got "
-                         f"{obs.shape}, {actions.shape}, {rewards.shape}, {next_obs.shape}")
+    if (
+        obs.ndim != 2
+        or actions.ndim != 2
+        or next_obs.shape != obs.shape
+        or len(actions) != n
+        or rewards.shape != (n, 1)
+    ):
+        raise ValueError(
+            f"expected obs (N, O), actions (N, A), rewards (N,), next_obs (N, O); got "
+            f"{obs.shape}, {actions.shape}, {rewards.shape}, {next_obs.shape}"
+        )
     for name, a in (("obs", obs), ("actions", actions), ("rewards", rewards), ("next_obs", next_obs)):
         if not np.isfinite(a).all():
             raise ValueError(f"{name} contains non-finite values")
@@ -517,8 +594,16 @@ class DynamicsModel:
     act_dim: int = struct.field(pytree_node=False)
 
 
-def init_model(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig = DynamicsConfig(),
-               input_mean=None, input_std=None, target_mean=None, target_std=None) -> DynamicsModel:
+def init_model(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: DynamicsConfig = DynamicsConfig(),
+    input_mean=None,
+    input_std=None,
+    target_mean=None,
+    target_std=None,
+) -> DynamicsModel:
     """An untrained model: fresh params, identity normalisation unless given, elites = members 0..E-1."""
     net, params = _build(key, obs_dim, act_dim, cfg)
 
@@ -526,9 +611,19 @@ def init_model(key, obs_dim: int, act_dim: int, cfg: DynamicsConfig = DynamicsCo
         return jnp.full(dim, fill, jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
 
     d_in, d_out = obs_dim + act_dim, obs_dim + 1
-    return DynamicsModel(params, stat(input_mean, d_in, 0.0), stat(input_std, d_in, 1.0),
-                         jnp.arange(cfg.elites, dtype=jnp.int32), jnp.full(cfg.members, jnp.nan, jnp.float32),
-                         stat(target_mean, d_out, 0.0), stat(target_std, d_out, 1.0), net, cfg, obs_dim, act_dim)
+    return DynamicsModel(
+        params,
+        stat(input_mean, d_in, 0.0),
+        stat(input_std, d_in, 1.0),
+        jnp.arange(cfg.elites, dtype=jnp.int32),
+        jnp.full(cfg.members, jnp.nan, jnp.float32),
+        stat(target_mean, d_out, 0.0),
+        stat(target_std, d_out, 1.0),
+        net,
+        cfg,
+        obs_dim,
+        act_dim,
+    )
 
 
 def target_statistics(obs, rewards, cfg: DynamicsConfig):
@@ -553,8 +648,15 @@ def _scaled_targets(model: DynamicsModel, obs, rewards, next_obs) -> np.ndarray:
     return ((targets - np.asarray(model.target_mean)) / np.asarray(model.target_std)).astype(np.float32)
 
 
-def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsConfig(),
-          log: Optional[Callable[[int, dict], None]] = None) -> tuple[DynamicsModel, dict]:
+def train(
+    key,
+    obs,
+    actions,
+    rewards,
+    next_obs,
+    cfg: DynamicsConfig = DynamicsConfig(),
+    log: Optional[Callable[[int, dict], None]] = None,
+) -> tuple[DynamicsModel, dict]:
     """Fit the ensemble to (s, a) -> (s' - s, r) and pick elites (section 3.1).
 
     ``next_obs`` must be the dataset's true ``next_observations`` (section 1.2), not the next row.
@@ -576,8 +678,10 @@ def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsCo
     if cfg.max_holdout is not None:
         n_val = min(n_val, cfg.max_holdout)
     if n_val < 1 or n - n_val < 1:
-        raise ValueError(f"{n} transitions cannot be split into training and holdout rows "
-                         f"(holdout={cfg.holdout}, max_holdout={cfg.max_holdout})")
+        raise ValueError(
+            f"{n} transitions cannot be split into training and holdout rows "
+            f"(holdout={cfg.holdout}, max_holdout={cfg.max_holdout})"
+        )
     k_split, k_boot, k_init, key = jax.random.split(key, 4)
     perm = np.asarray(jax.random.permutation(k_split, n))
     val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
@@ -616,8 +720,7 @@ def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsCo
         if cfg.bootstrap:  # the resamples dealt to the members anew each epoch, as the RAVL reference does
             k_epoch, k_deal = jax.random.split(k_epoch)
             dealt = boot[jax.random.permutation(k_deal, cfg.members)]
-        params, opt_state, nll = _train_epoch(params, opt_state, k_epoch, x_train, y_train, dealt, net,
-                                              _epoch_cfg(cfg))
+        params, opt_state, nll = _train_epoch(params, opt_state, k_epoch, x_train, y_train, dealt, net, _epoch_cfg(cfg))
         val = np.asarray(_validation_mse(params, x_val, y_val, net, n_val))
         improved, action = stopper.update(epoch, val)
         if improved.any():
@@ -628,17 +731,34 @@ def train(key, obs, actions, rewards, next_obs, cfg: DynamicsConfig = DynamicsCo
         if action == "cut_lr":
             opt_state.hyperparams["learning_rate"] = jnp.asarray(lr * cfg.lr_cut, jnp.float32)
         if log is not None:
-            log(epoch, {"train_loss": float(losses[-1].mean()), "val_mse": val, "best_val_mse": stopper.best.copy(),
-                        "lr": lr, "progress": bool(improved.any()), "action": action})
+            log(
+                epoch,
+                {
+                    "train_loss": float(losses[-1].mean()),
+                    "val_mse": val,
+                    "best_val_mse": stopper.best.copy(),
+                    "lr": lr,
+                    "progress": bool(improved.any()),
+                    "action": action,
+                },
+            )
 
     val_mse = stopper.best.astype(np.float32)  # the holdout MSE of each member's kept params
     elites = select_elites(val_mse, cfg.elites)
     model = model.replace(params=best, elites=jnp.asarray(elites), val_mse=jnp.asarray(val_mse))
-    info = {"val_mse": val_mse, "elites": elites, "epochs": epoch,
-            "train_loss": np.array([l.mean() for l in losses]), "train_loss_members": np.stack(losses),
-            "val_curve": np.stack(val_curve), "lr_cut_epoch": stopper.lr_cut_at,
-            "stopped_early": epoch < cfg.max_epochs, "holdout_idx": val_idx, "train_idx": train_idx,
-            "seconds": time.perf_counter() - t0}
+    info = {
+        "val_mse": val_mse,
+        "elites": elites,
+        "epochs": epoch,
+        "train_loss": np.array([loss.mean() for loss in losses]),
+        "train_loss_members": np.stack(losses),
+        "val_curve": np.stack(val_curve),
+        "lr_cut_epoch": stopper.lr_cut_at,
+        "stopped_early": epoch < cfg.max_epochs,
+        "holdout_idx": val_idx,
+        "train_idx": train_idx,
+        "seconds": time.perf_counter() - t0,
+    }
     return model, info
 
 
@@ -649,14 +769,16 @@ def validation_mse(model: DynamicsModel, obs, actions, rewards, next_obs) -> np.
     x = _normalize(jnp.asarray(np.concatenate([obs, actions], 1)), model.input_mean, model.input_std, model.cfg)
     y = _scaled_targets(model, obs, rewards, next_obs)
     size = min(_VAL_CHUNK, len(obs))
-    return np.asarray(_validation_mse(model.params, _chunked(np.asarray(x), size), _chunked(y, size),
-                                      model.net, len(obs)))
+    return np.asarray(
+        _validation_mse(model.params, _chunked(np.asarray(x), size), _chunked(y, size), model.net, len(obs))
+    )
 
 
 def with_elites(model: DynamicsModel, val_mse) -> DynamicsModel:
     """``model`` with ``val_mse`` recorded and its elites re-chosen from it (e.g. on a new holdout)."""
-    return model.replace(elites=jnp.asarray(select_elites(val_mse, model.cfg.elites)),
-                         val_mse=jnp.asarray(val_mse, jnp.float32))
+    return model.replace(
+        elites=jnp.asarray(select_elites(val_mse, model.cfg.elites)), val_mse=jnp.asarray(val_mse, jnp.float32)
+    )
 
 
 # ============================================================================ model step
@@ -695,13 +817,19 @@ def epistemic_uncertainty(model: DynamicsModel, obs, action):
 def dataset_uncertainties(model: DynamicsModel, obs, actions, chunk: int = _VAL_CHUNK) -> np.ndarray:
     """``epistemic_uncertainty`` of every (s, a) row of a dataset, in chunks -> (N,) numpy."""
     obs, actions = np.asarray(obs, np.float32), np.asarray(actions, np.float32)
-    return np.concatenate([np.asarray(epistemic_uncertainty(model, jnp.asarray(obs[i:i + chunk]),
-                                                            jnp.asarray(actions[i:i + chunk])))
-                           for i in range(0, len(obs), chunk)])
+    return np.concatenate(
+        [
+            np.asarray(
+                epistemic_uncertainty(model, jnp.asarray(obs[i : i + chunk]), jnp.asarray(actions[i : i + chunk]))
+            )
+            for i in range(0, len(obs), chunk)
+        ]
+    )
 
 
-def uncertainty_threshold(model: DynamicsModel, obs, actions, quantile: Optional[float] = 1.0,
-                          chunk: int = _VAL_CHUNK, uncertainties=None) -> float:
+def uncertainty_threshold(
+    model: DynamicsModel, obs, actions, quantile: Optional[float] = 1.0, chunk: int = _VAL_CHUNK, uncertainties=None
+) -> float:
     """The rollout truncation threshold (section 7.2): the ``quantile`` of ``epistemic_uncertainty``
     over the dataset's (s, a) rows (or of ``uncertainties``, already computed); NeuBay's default 1.0
     is its maximum.  ``None``: no truncation (inf)."""
@@ -770,8 +898,9 @@ def rollout(model: DynamicsModel, policy: Callable, start_obs, horizon: int, key
         still = alive & ~done
         return (jnp.where(still[:, None], next_obs, obs), still), (batch, alive)
 
-    _, (batch, valid) = jax.lax.scan(one, (jnp.asarray(start_obs), jnp.ones(b, bool)),
-                                     jax.random.split(k_steps, horizon))
+    _, (batch, valid) = jax.lax.scan(
+        one, (jnp.asarray(start_obs), jnp.ones(b, bool)), jax.random.split(k_steps, horizon)
+    )
     return batch, valid
 
 
@@ -792,9 +921,14 @@ def save(path, model: DynamicsModel) -> None:
     as JSON, so a model trained on a dataset can be cached beside it."""
     meta = {"format": _FORMAT, "obs_dim": model.obs_dim, "act_dim": model.act_dim, "config": asdict(model.cfg)}
     arrays = {f"params/{k}": np.asarray(v) for k, v in _named_leaves(model.params).items()}
-    arrays.update(input_mean=np.asarray(model.input_mean), input_std=np.asarray(model.input_std),
-                  elites=np.asarray(model.elites), val_mse=np.asarray(model.val_mse),
-                  target_mean=np.asarray(model.target_mean), target_std=np.asarray(model.target_std))
+    arrays.update(
+        input_mean=np.asarray(model.input_mean),
+        input_std=np.asarray(model.input_std),
+        elites=np.asarray(model.elites),
+        val_mse=np.asarray(model.val_mse),
+        target_mean=np.asarray(model.target_mean),
+        target_std=np.asarray(model.target_std),
+    )
     with open(path, "wb") as f:
         np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
 
@@ -815,12 +949,15 @@ def load(path) -> DynamicsModel:
         cfg = DynamicsConfig(**cfg_kw)
         template = init_model(jax.random.key(0), int(meta["obs_dim"]), int(meta["act_dim"]), cfg)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template.params)
-        stored = {k[len("params/"):] for k in data.files if k.startswith("params/")}
+        stored = {k[len("params/") :] for k in data.files if k.startswith("params/")}
         expected = _named_leaves(template.params)
         problems = [f"missing {k}" for k in expected if k not in stored]
         problems += [f"unexpected {k}" for k in stored if k not in expected]
-        problems += [f"{k}: shape {data['params/' + k].shape}, expected {v.shape}"
-                     for k, v in expected.items() if k in stored and data["params/" + k].shape != v.shape]
+        problems += [
+            f"{k}: shape {data['params/' + k].shape}, expected {v.shape}"
+            for k, v in expected.items()
+            if k in stored and data["params/" + k].shape != v.shape
+        ]
         m, d = cfg.members, template.obs_dim + template.act_dim
         d_out = template.obs_dim + 1
         checks = [("input_mean", (d,)), ("input_std", (d,)), ("elites", (cfg.elites,)), ("val_mse", (m,))]
@@ -835,19 +972,27 @@ def load(path) -> DynamicsModel:
             raise ValueError(f"{path} does not match its config: " + "; ".join(problems))
         names = list(expected)
         params = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(data["params/" + k]) for k in names])
-        return template.replace(params=params, input_mean=jnp.asarray(data["input_mean"]),
-                                input_std=jnp.asarray(data["input_std"]),
-                                elites=jnp.asarray(data["elites"], jnp.int32),
-                                val_mse=jnp.asarray(data["val_mse"]),
-                                target_mean=jnp.asarray(targets["target_mean"], jnp.float32),
-                                target_std=jnp.asarray(targets["target_std"], jnp.float32))
+        return template.replace(
+            params=params,
+            input_mean=jnp.asarray(data["input_mean"]),
+            input_std=jnp.asarray(data["input_std"]),
+            elites=jnp.asarray(data["elites"], jnp.int32),
+            val_mse=jnp.asarray(data["val_mse"]),
+            target_mean=jnp.asarray(targets["target_mean"], jnp.float32),
+            target_std=jnp.asarray(targets["target_std"], jnp.float32),
+        )
 
 
 # ============================================================================ a run's model
 
 
-def epoch_progress(log: Callable[[str], None], max_epochs: int, every: int = 25, interval_s: float = 60.0,
-                   clock: Callable[[], float] = time.monotonic) -> Callable[[int, dict], None]:
+def epoch_progress(
+    log: Callable[[str], None],
+    max_epochs: int,
+    every: int = 25,
+    interval_s: float = 60.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[int, dict], None]:
     """A ``train(log=...)`` callback that reports an epoch line to ``log``: the first epoch, every
     ``every``-th, any epoch whose action is not "continue" (stop, lr cut), and any epoch ending
     ``interval_s`` or more after the last line, so a slow fit (a 128-member NeuBay posterior on 40k
@@ -863,15 +1008,18 @@ def epoch_progress(log: Callable[[str], None], max_epochs: int, every: int = 25,
             return
         last = now
         cap = "no cap" if max_epochs >= NO_EPOCH_CAP else f"cap {max_epochs}"
-        log(f"  dynamics epoch {epoch} ({cap}; {(now - start) / epoch:.1f} s/epoch): train loss "
+        log(
+            f"  dynamics epoch {epoch} ({cap}; {(now - start) / epoch:.1f} s/epoch): train loss "
             f"{row['train_loss']:.4f}, best validation MSE {np.min(row['best_val_mse']):.5f}"
-            + ("" if action in ("", "continue") else f" ({action})"))
+            + ("" if action in ("", "continue") else f" ({action})")
+        )
 
     return progress
 
 
-def load_or_train(key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: Optional[str] = None,
-                  log=print) -> DynamicsModel:
+def load_or_train(
+    key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: Optional[str] = None, log=print
+) -> DynamicsModel:
     """The dynamics model an offline run uses: ``explicit_path`` (``--model``), else the model cached
     at ``cache_path`` (it must have been trained with ``cfg``), else one trained now on the dataset's
     true next observations (``dataset``: an ``envs.datasets.Dataset``, actions in [-1, 1]) and saved
@@ -884,12 +1032,16 @@ def load_or_train(key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: 
         log(f"dynamics model: {path}")
         model = load(path)
         if (model.obs_dim, model.act_dim) != (dataset.obs_dim, dataset.act_dim):
-            raise SystemExit(f"dynamics model {path} is for obs/act dims {model.obs_dim}/{model.act_dim}, the "
-                             f"dataset has {dataset.obs_dim}/{dataset.act_dim}")
+            raise SystemExit(
+                f"dynamics model {path} is for obs/act dims {model.obs_dim}/{model.act_dim}, the "
+                f"dataset has {dataset.obs_dim}/{dataset.act_dim}"
+            )
         if not explicit_path and model.cfg != cfg:
             changed = [f.name for f in fields(DynamicsConfig) if getattr(model.cfg, f.name) != getattr(cfg, f.name)]
-            raise SystemExit(f"the cached dynamics model {path} was trained with other --dynamics settings "
-                             f"({', '.join(changed)}): delete it to retrain, or pass --model {path} to use it")
+            raise SystemExit(
+                f"the cached dynamics model {path} was trained with other --dynamics settings "
+                f"({', '.join(changed)}): delete it to retrain, or pass --model {path} to use it"
+            )
         return model
     if explicit_path:
         raise SystemExit(f"--model {path}: no such file")
@@ -899,6 +1051,8 @@ def load_or_train(key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: 
     model, info = train(key, t.obs, t.action, t.reward, t.next_obs, cfg, log=epoch_progress(log, cfg.max_epochs))
     save(path, model)
     val = np.asarray(info["val_mse"])
-    log(f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "
-        f"elites {np.asarray(info['elites']).tolist()}")
+    log(
+        f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "
+        f"elites {np.asarray(info['elites']).tolist()}"
+    )
     return model

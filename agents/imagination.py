@@ -27,6 +27,7 @@ The whole collection is one traceable function (a ``lax.while_loop`` that stops 
 trajectory has ended): call it inside the caller's ``jax.jit`` with the policy and done function
 bound.  Shapes: B = batch, H = max_horizon, O / A = obs / action dims, I = O + A + 1.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -96,14 +97,21 @@ def histories(obs, actions, rewards, next_obs, terminals, timeouts, max_horizon:
         ends = np.append(ends, n - 1)
     starts = np.concatenate([[0], ends[:-1] + 1])
     lengths = np.minimum(ends - starts + 1, max_horizon)
-    keep = np.concatenate([np.arange(s, s + l) for s, l in zip(starts, lengths)])
+    keep = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
     new_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     last = np.zeros(len(keep), bool)
     last[new_starts + lengths - 1] = True
     term = terminals[keep] & last  # a termination cut off by the horizon is no longer the tape's end
-    return Histories(jnp.asarray(obs[keep]), jnp.asarray(actions[keep]), jnp.asarray(rewards[keep]),
-                     jnp.asarray(next_obs[keep]), jnp.asarray(term), jnp.asarray(last & ~term),
-                     jnp.asarray(new_starts, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    return Histories(
+        jnp.asarray(obs[keep]),
+        jnp.asarray(actions[keep]),
+        jnp.asarray(rewards[keep]),
+        jnp.asarray(next_obs[keep]),
+        jnp.asarray(term),
+        jnp.asarray(last & ~term),
+        jnp.asarray(new_starts, jnp.int32),
+        jnp.asarray(lengths, jnp.int32),
+    )
 
 
 def sample_prefixes(hist: Histories, key, batch: int, from_start: bool = False):
@@ -140,10 +148,19 @@ def _real_prefix(hist: Histories, traj, t0, horizon: int) -> Tape:
     state = jnp.where((slot[None] < length[:, None])[..., None], hist.obs[slot_rows], hist.next_obs[slot_rows])
     obs = jnp.where((slot[None] <= t0[:, None])[..., None], state, 0.0)
     zero_f = jnp.zeros((b, horizon), jnp.float32)
-    return Tape(obs=obs, action=jnp.where(real[..., None], hist.action[rows], 0.0),
-                reward=jnp.where(real, hist.reward[rows], 0.0), terminated=real & hist.terminated[rows],
-                truncated=real & hist.truncated[rows], real=real, valid=real, uncertainty=zero_f,
-                member=jnp.zeros(b, jnp.int32), prefix=t0, length=t0)
+    return Tape(
+        obs=obs,
+        action=jnp.where(real[..., None], hist.action[rows], 0.0),
+        reward=jnp.where(real, hist.reward[rows], 0.0),
+        terminated=real & hist.terminated[rows],
+        truncated=real & hist.truncated[rows],
+        real=real,
+        valid=real,
+        uncertainty=zero_f,
+        member=jnp.zeros(b, jnp.int32),
+        prefix=t0,
+        length=t0,
+    )
 
 
 def _left_padded(inputs, t0):
@@ -156,8 +173,20 @@ def _left_padded(inputs, t0):
     return padded, pos <= 0
 
 
-def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int, max_horizon: int,
-            threshold, done_fn: Callable, from_start: bool = False, active=True):
+def imagine(
+    model,
+    hist: Histories,
+    policy: Callable,
+    carry,
+    key,
+    *,
+    batch: int,
+    max_horizon: int,
+    threshold,
+    done_fn: Callable,
+    from_start: bool = False,
+    active=True,
+):
     """One collection of ``batch`` tapes (steps 1-4 of the module docstring) -> (Tape, stats).
 
     ``policy(carry, inputs (B, T, I), start (B, T), key) -> (action (B, A) at the last step, carry)``
@@ -198,10 +227,16 @@ def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int,
             keep = alive.reshape((-1,) + (1,) * (value.ndim - 1))
             return field.at[rows, at].set(jnp.where(keep, value.astype(field.dtype), old))
 
-        tape = tape._replace(action=put(tape.action, a), reward=put(tape.reward, r),
-                             terminated=put(tape.terminated, term), truncated=put(tape.truncated, trunc),
-                             valid=put(tape.valid, jnp.ones_like(alive)), uncertainty=put(tape.uncertainty, unc),
-                             obs=put(tape.obs, s2, pos + 1), length=jnp.where(alive, pos + 1, tape.length))
+        tape = tape._replace(
+            action=put(tape.action, a),
+            reward=put(tape.reward, r),
+            terminated=put(tape.terminated, term),
+            truncated=put(tape.truncated, trunc),
+            valid=put(tape.valid, jnp.ones_like(alive)),
+            uncertainty=put(tape.uncertainty, unc),
+            obs=put(tape.obs, s2, pos + 1),
+            length=jnp.where(alive, pos + 1, tape.length),
+        )
         still = alive & ~term & ~trunc
         x = jnp.concatenate([s2, a, r[:, None]], axis=-1)[:, None]  # the next step's input [s', a, r]
         a2, carry = policy(carry, x, jnp.zeros((batch, 1), bool), k_act)
@@ -213,10 +248,13 @@ def imagine(model, hist: Histories, policy: Callable, carry, key, *, batch: int,
     last = jnp.maximum(tape.length - 1, 0)
     imagined = tape.valid & ~tape.real
     ended_unc = ~prefix_done & tape.truncated[rows, last] & (tape.uncertainty[rows, last] > threshold)
-    stats = {"horizon": horizon, "prefix": tape.prefix,
-             "ended_terminated": ~prefix_done & tape.terminated[rows, last],
-             "ended_uncertainty": ended_unc,
-             "ended_horizon": ~prefix_done & tape.truncated[rows, last] & ~ended_unc,
-             "imagined_return": jnp.where(imagined, tape.reward, 0.0).sum(-1),
-             "uncertainty_mean": jnp.where(imagined, tape.uncertainty, 0.0).sum() / jnp.maximum(imagined.sum(), 1)}
+    stats = {
+        "horizon": horizon,
+        "prefix": tape.prefix,
+        "ended_terminated": ~prefix_done & tape.terminated[rows, last],
+        "ended_uncertainty": ended_unc,
+        "ended_horizon": ~prefix_done & tape.truncated[rows, last] & ~ended_unc,
+        "imagined_return": jnp.where(imagined, tape.reward, 0.0).sum(-1),
+        "uncertainty_mean": jnp.where(imagined, tape.uncertainty, 0.0).sum() / jnp.maximum(imagined.sum(), 1),
+    }
     return tape, stats

@@ -81,6 +81,7 @@ Deviations from the reference code (facebookresearch/MRQ), each deliberate:
   a just-written terminal window before the next episode's first steps exist; masked
   anyway).  The validity mask uses max(H_enc, H_Q) for both samplers, as the reference does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,17 +93,24 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
+from plasticity_zoo.buffers import lap
+from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
 from plasticity_zoo.networks.blocks import ACTIVATIONS, PAIRED_ACTIVATIONS, concat
+from plasticity_zoo.networks.config import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    UNIT,
+    NetworkConfig,
+    Range,
+    check_ranges,
+)
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
-from plasticity_zoo.buffers import lap
-from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
-from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, UNIT, NetworkConfig, Range,
-                                            check_ranges)
-from plasticity_zoo.buffers.lap import Window
-from plasticity_zoo.buffers.replay import Transition
 
 # ----------------------------------------------------------------------------- config
 
@@ -165,14 +173,35 @@ class MRQConfig(OffPolicyConfig):
     bin_lower: float = -10.0
     bin_upper: float = 10.0
 
-    RANGES = {"gamma": UNIT, "target_update_freq": AT_LEAST_ONE, "exploration_noise": NON_NEGATIVE,
-              "target_policy_noise": NON_NEGATIVE, "noise_clip": NON_NEGATIVE, "dyn_weight": NON_NEGATIVE,
-              "reward_weight": NON_NEGATIVE, "done_weight": NON_NEGATIVE, "pre_activ_weight": NON_NEGATIVE,
-              "enc_horizon": AT_LEAST_ONE, "q_horizon": AT_LEAST_ONE, "alpha": NON_NEGATIVE,
-              "min_priority": POSITIVE, "zs_dim": AT_LEAST_ONE, "zsa_dim": AT_LEAST_ONE, "za_dim": AT_LEAST_ONE,
-              "enc_hdim": AT_LEAST_ONE, "enc_lr": POSITIVE, "enc_wd": NON_NEGATIVE, "value_hdim": AT_LEAST_ONE,
-              "value_lr": POSITIVE, "value_wd": NON_NEGATIVE, "value_grad_clip": POSITIVE,
-              "policy_hdim": AT_LEAST_ONE, "policy_lr": POSITIVE, "policy_wd": NON_NEGATIVE, "num_bins": Range(2)}
+    RANGES = {
+        "gamma": UNIT,
+        "target_update_freq": AT_LEAST_ONE,
+        "exploration_noise": NON_NEGATIVE,
+        "target_policy_noise": NON_NEGATIVE,
+        "noise_clip": NON_NEGATIVE,
+        "dyn_weight": NON_NEGATIVE,
+        "reward_weight": NON_NEGATIVE,
+        "done_weight": NON_NEGATIVE,
+        "pre_activ_weight": NON_NEGATIVE,
+        "enc_horizon": AT_LEAST_ONE,
+        "q_horizon": AT_LEAST_ONE,
+        "alpha": NON_NEGATIVE,
+        "min_priority": POSITIVE,
+        "zs_dim": AT_LEAST_ONE,
+        "zsa_dim": AT_LEAST_ONE,
+        "za_dim": AT_LEAST_ONE,
+        "enc_hdim": AT_LEAST_ONE,
+        "enc_lr": POSITIVE,
+        "enc_wd": NON_NEGATIVE,
+        "value_hdim": AT_LEAST_ONE,
+        "value_lr": POSITIVE,
+        "value_wd": NON_NEGATIVE,
+        "value_grad_clip": POSITIVE,
+        "policy_hdim": AT_LEAST_ONE,
+        "policy_lr": POSITIVE,
+        "policy_wd": NON_NEGATIVE,
+        "num_bins": Range(2),
+    }
 
 
 CONFIG = MRQConfig
@@ -248,8 +277,17 @@ class StateActionEncoder(nnx.Module):
     ``features`` is z_sa, the representation the MDP predictor (and the value) reads.
     """
 
-    def __init__(self, zs_dim: int, act_dim: int, za_spec: TrunkSpec, spec: TrunkSpec, zsa_dim: int,
-                 model_dim: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        zs_dim: int,
+        act_dim: int,
+        za_spec: TrunkSpec,
+        spec: TrunkSpec,
+        zsa_dim: int,
+        model_dim: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
         self.zs_dim = zs_dim
         self.action = Trunk(act_dim, za_spec, rngs=rngs)
         self.trunk = Trunk(zs_dim + za_spec.width, spec, rngs=rngs)
@@ -257,8 +295,8 @@ class StateActionEncoder(nnx.Module):
         self.model = nnx.Linear(zsa_dim, model_dim, rngs=rngs)
 
     def __call__(self, x, probes=None):
-        zs, a = x[..., :self.zs_dim], x[..., self.zs_dim:]
-        sub = None if probes is None else {k[len("action/"):]: v for k, v in probes.items() if k.startswith("action/")}
+        zs, a = x[..., : self.zs_dim], x[..., self.zs_dim :]
+        sub = None if probes is None else {k[len("action/") :]: v for k, v in probes.items() if k.startswith("action/")}
         za, a_taps = self.action(a, sub)
         h, taps = self.trunk(jnp.concatenate([zs, za], axis=-1), probes)
         zsa = self.out(h)
@@ -291,7 +329,7 @@ def initializer(params, key):
         leaf = _keys(path)[-1]
         if leaf == "kernel":
             limit = math.sqrt(2.0) * math.sqrt(6.0 / (x.shape[-2] + x.shape[-1]))
-            out.append(limit * u[offset:offset + x.size].reshape(x.shape).astype(x.dtype))
+            out.append(limit * u[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
             offset += x.size
         elif leaf in ("bias", "scale"):
             out.append(jnp.full(x.shape, 1.0 if leaf == "scale" else 0.0, x.dtype))
@@ -344,22 +382,38 @@ def _optimizers(cfg: MRQConfig, plasticity: StaticPlasticity):
     in the NE mask (gradients masked *before* the clip), and the last freeze only touches
     LayerNorm params, which are never masked, so pruned weights still stay exactly 0.
     """
+
     def make(name, lr, wd, clip=None):
-        tx = optim_lib.optimizer(lr, name, make=lambda lr, **_: _adamw(lr, wd, clip), ensemble=name == "value",
-                                 spec=plasticity.optim, weight_decay=wd)
+        tx = optim_lib.optimizer(
+            lr,
+            name,
+            make=lambda lr, **_: _adamw(lr, wd, clip),
+            ensemble=name == "value",
+            spec=plasticity.optim,
+            weight_decay=wd,
+        )
         return optax.chain(_freeze(), tx, _freeze())
 
-    return (make("state_encoder", cfg.enc_lr, cfg.enc_wd), make("sa_encoder", cfg.enc_lr, cfg.enc_wd),
-            make("value", cfg.value_lr, cfg.value_wd, cfg.value_grad_clip),
-            make("policy", cfg.policy_lr, cfg.policy_wd))
+    return (
+        make("state_encoder", cfg.enc_lr, cfg.enc_wd),
+        make("sa_encoder", cfg.enc_lr, cfg.enc_wd),
+        make("value", cfg.value_lr, cfg.value_wd, cfg.value_grad_clip),
+        make("policy", cfg.policy_lr, cfg.policy_wd),
+    )
 
 
 def dims(cfg: MRQConfig, network: NetworkConfig) -> dict:
     """Widths after ``--network.width`` scaling (factor W / 512)."""
     s = 1.0 if network.width is None else network.width / 512
     d = lambda n: max(1, int(round(n * s)))  # noqa: E731
-    return {"zs": d(cfg.zs_dim), "zsa": d(cfg.zsa_dim), "za": d(cfg.za_dim), "enc": d(cfg.enc_hdim),
-            "value": d(cfg.value_hdim), "policy": d(cfg.policy_hdim)}
+    return {
+        "zs": d(cfg.zs_dim),
+        "zsa": d(cfg.zsa_dim),
+        "za": d(cfg.za_dim),
+        "enc": d(cfg.enc_hdim),
+        "value": d(cfg.value_hdim),
+        "policy": d(cfg.policy_hdim),
+    }
 
 
 # ----------------------------------------------------------------------------- state
@@ -396,19 +450,31 @@ class MRQState:
     plasticity: StaticPlasticity = struct.field(pytree_node=False, default=StaticPlasticity())
 
 
-PLASTIC = {"state_encoder": ("encoder_params", "encoder_opt"),
-           "sa_encoder": ("sa_encoder_params", "sa_encoder_opt"),
-           "value": ("value_params", "value_opt"),
-           "policy": ("policy_params", "policy_opt")}
+PLASTIC = {
+    "state_encoder": ("encoder_params", "encoder_opt"),
+    "sa_encoder": ("sa_encoder_params", "sa_encoder_opt"),
+    "value": ("value_params", "value_opt"),
+    "policy": ("policy_params", "policy_opt"),
+}
 # The target copy of each plastic network (a layer reset re-draws it with the network: plasticity/perturb.py).
-PLASTIC_TARGETS = {"state_encoder": "target_encoder_params", "sa_encoder": "target_sa_encoder_params",
-                   "value": "target_value_params", "policy": "target_policy_params"}
+PLASTIC_TARGETS = {
+    "state_encoder": "target_encoder_params",
+    "sa_encoder": "target_sa_encoder_params",
+    "value": "target_value_params",
+    "policy": "target_policy_params",
+}
 
 _ENCODER_METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losses/terminal")
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig = NetworkConfig(),
-         plasticity: StaticPlasticity = StaticPlasticity()) -> MRQState:
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: MRQConfig,
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+) -> MRQState:
     check_ranges(cfg)
     if not cfg.bin_lower < cfg.bin_upper:
         raise ValueError(f"--bin-lower {cfg.bin_lower} must be below --bin-upper {cfg.bin_upper}")
@@ -426,31 +492,60 @@ def init(key, obs_dim: int, act_dim: int, cfg: MRQConfig, network: NetworkConfig
 
     k = jax.random.split(key, 4)
     state_encoder, f_params = _build("state_encoder", lambda r: StateEncoder(obs_dim, enc_spec, w["zs"], rngs=r), k[0])
-    sa_encoder, g_params = _build("sa_encoder", lambda r: StateActionEncoder(
-        w["zs"], act_dim, za_spec, sa_spec, w["zsa"], model_dim, rngs=r), k[1])
+    sa_encoder, g_params = _build(
+        "sa_encoder",
+        lambda r: StateActionEncoder(w["zs"], act_dim, za_spec, sa_spec, w["zsa"], model_dim, rngs=r),
+        k[1],
+    )
     value, v_params = _build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2)
     policy, p_params = _build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3])
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (distinct buffers: the loop donates state)
     tx_f, tx_g, tx_v, tx_p = _optimizers(cfg, plasticity)
     zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731  (a fresh buffer per leaf: the loop donates state)
     return MRQState(
-        f_params, g_params, v_params, p_params, copy(f_params), copy(g_params), copy(v_params), copy(p_params),
-        tx_f.init(f_params), tx_g.init(g_params), tx_v.init(v_params), tx_p.init(p_params),
-        reward_scale=jnp.ones((), jnp.float32), target_reward_scale=zero(),  # reference: 1 and 0 until the first sync
-        updates=jnp.zeros((), jnp.int32), syncs=jnp.zeros((), jnp.int32), encoder_updates=jnp.zeros((), jnp.int32),
+        f_params,
+        g_params,
+        v_params,
+        p_params,
+        copy(f_params),
+        copy(g_params),
+        copy(v_params),
+        copy(p_params),
+        tx_f.init(f_params),
+        tx_g.init(g_params),
+        tx_v.init(v_params),
+        tx_p.init(p_params),
+        reward_scale=jnp.ones((), jnp.float32),
+        target_reward_scale=zero(),  # reference: 1 and 0 until the first sync
+        updates=jnp.zeros((), jnp.int32),
+        syncs=jnp.zeros((), jnp.int32),
+        encoder_updates=jnp.zeros((), jnp.int32),
         encoder_metrics={m: zero() for m in _ENCODER_METRICS},
         exploration_noise=jnp.asarray(cfg.exploration_noise, jnp.float32),
-        cfg=cfg, state_encoder=state_encoder, sa_encoder=sa_encoder, value=value, policy=policy,
-        zs_dim=w["zs"], act_dim=act_dim, plasticity=plasticity)
+        cfg=cfg,
+        state_encoder=state_encoder,
+        sa_encoder=sa_encoder,
+        value=value,
+        policy=policy,
+        zs_dim=w["zs"],
+        act_dim=act_dim,
+        plasticity=plasticity,
+    )
 
 
 def param_count(state: MRQState) -> dict:
     """Trainable parameters per network (frozen LayerNorm gains/biases excluded)."""
+
     def count(params):
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         return sum(x.size for path, x in leaves if not _is_frozen(path))
-    return {"state_encoder": count(state.encoder_params), "sa_encoder": count(state.sa_encoder_params),
-            "value": count(state.value_params), "policy": count(state.policy_params)}
+
+    return {
+        "state_encoder": count(state.encoder_params),
+        "sa_encoder": count(state.sa_encoder_params),
+        "value": count(state.value_params),
+        "policy": count(state.policy_params),
+    }
 
 
 # ----------------------------------------------------------------------------- acting (spec 4, exploration)
@@ -476,7 +571,7 @@ def act(state: MRQState, obs, key, explore: bool):
 
 def _split_model(state: MRQState, pred):
     """MDP predictor output -> (terminal (B,), next z_s (B, Z), reward logits (B, bins))."""
-    return pred[..., 0], pred[..., 1:1 + state.zs_dim], pred[..., 1 + state.zs_dim:]
+    return pred[..., 0], pred[..., 1 : 1 + state.zs_dim], pred[..., 1 + state.zs_dim :]
 
 
 def encoder_loss(encoder_params, sa_encoder_params, state: MRQState, win: Window, use_terminal):
@@ -489,8 +584,9 @@ def encoder_loss(encoder_params, sa_encoder_params, state: MRQState, win: Window
     b, h = win.reward.shape
     bins = two_hot_bins(cfg.num_bins, cfg.bin_lower, cfg.bin_upper)
     z = state.state_encoder(encoder_params, win.obs)  # online first (plasticity probes this call)
-    targets = jax.lax.stop_gradient(state.state_encoder(
-        state.target_encoder_params, win.next_obs.reshape(b * h, -1))).reshape(b, h, -1)
+    targets = jax.lax.stop_gradient(
+        state.state_encoder(state.target_encoder_params, win.next_obs.reshape(b * h, -1))
+    ).reshape(b, h, -1)
     done = win.terminated.astype(jnp.float32)
     alive = jnp.ones((b,), jnp.float32)  # 0 once an earlier step of the window terminated
     dyn_sum = rew_sum = term_sum = jnp.zeros(())
@@ -512,12 +608,15 @@ def value_target(state: MRQState, win: Window, key):
     ret, survive = lap.multistep_return(win.reward, win.terminated, cfg.gamma)
     next_zs = state.state_encoder(state.target_encoder_params, win.next_obs[:, -1])
     next_action, _ = state.policy(state.target_policy_params, next_zs)
-    noise = jnp.clip(cfg.target_policy_noise * jax.random.normal(key, next_action.shape, next_action.dtype),
-                     -cfg.noise_clip, cfg.noise_clip)
+    noise = jnp.clip(
+        cfg.target_policy_noise * jax.random.normal(key, next_action.shape, next_action.dtype),
+        -cfg.noise_clip,
+        cfg.noise_clip,
+    )
     next_action = jnp.clip(next_action + noise, -1.0, 1.0)
     next_zsa, _ = state.sa_encoder(state.target_sa_encoder_params, next_zs, next_action)
     next_q = state.value(state.target_value_params, next_zsa).min(axis=0)
-    y = (ret + cfg.gamma ** h * survive * state.target_reward_scale * next_q) / state.reward_scale
+    y = (ret + cfg.gamma**h * survive * state.target_reward_scale * next_q) / state.reward_scale
     return jax.lax.stop_gradient(y)
 
 
@@ -532,7 +631,7 @@ def policy_loss(policy_params, state: MRQState, zs, value_params):
     action, pre = state.policy(policy_params, zs)
     zsa, _ = state.sa_encoder(state.sa_encoder_params, zs, action)
     q = state.value(value_params, zsa)
-    return -q.mean() + state.cfg.pre_activ_weight * jnp.mean(pre ** 2), q
+    return -q.mean() + state.cfg.pre_activ_weight * jnp.mean(pre**2), q
 
 
 def _online_embeddings(state: MRQState, win: Window):
@@ -562,10 +661,20 @@ def rl_update(state: MRQState, win: Window, key):
 
     td = jnp.abs((q_pi if cfg.priority_from_policy_q else q) - y[None]).max(axis=0)  # (E8)
     priorities = lap.priority(td, cfg.alpha, cfg.min_priority)
-    state = state.replace(value_params=value_params, value_opt=value_opt, policy_params=policy_params,
-                          policy_opt=policy_opt, updates=state.updates + 1)
-    metrics = {"losses/value": v_loss, "losses/policy": p_loss, "values/q_mean": q.mean(),
-               "values/target_mean": y.mean(), "charts/td_abs_mean": td.mean()}
+    state = state.replace(
+        value_params=value_params,
+        value_opt=value_opt,
+        policy_params=policy_params,
+        policy_opt=policy_opt,
+        updates=state.updates + 1,
+    )
+    metrics = {
+        "losses/value": v_loss,
+        "losses/policy": p_loss,
+        "values/q_mean": q.mean(),
+        "values/target_mean": y.mean(),
+        "charts/td_abs_mean": td.mean(),
+    }
     return state, priorities, metrics
 
 
@@ -577,26 +686,43 @@ def encoder_update(state: MRQState, win: Window, use_terminal, reg_key=None):
     and g turns into the value's z_sa.  ``reg_key`` draws its random directions.
     """
     tx_f, tx_g, _, _ = _optimizers(state.cfg, state.plasticity)
-    (loss, parts), (g_f, g_g) = jax.value_and_grad(regularized(encoder_loss, "state_encoder"), argnums=(0, 1),
-                                                   has_aux=True)(
-        state.encoder_params, state.sa_encoder_params, state, win, use_terminal, reg_key=reg_key,
-        sigreg=state.plasticity.sigreg)
+    (loss, parts), (g_f, g_g) = jax.value_and_grad(
+        regularized(encoder_loss, "state_encoder"), argnums=(0, 1), has_aux=True
+    )(
+        state.encoder_params,
+        state.sa_encoder_params,
+        state,
+        win,
+        use_terminal,
+        reg_key=reg_key,
+        sigreg=state.plasticity.sigreg,
+    )
     upd, encoder_opt = tx_f.update(g_f, state.encoder_opt, state.encoder_params)
     encoder_params = optax.apply_updates(state.encoder_params, upd)
     upd, sa_opt = tx_g.update(g_g, state.sa_encoder_opt, state.sa_encoder_params)
     sa_params = optax.apply_updates(state.sa_encoder_params, upd)
-    state = state.replace(encoder_params=encoder_params, encoder_opt=encoder_opt, sa_encoder_params=sa_params,
-                          sa_encoder_opt=sa_opt, encoder_updates=state.encoder_updates + 1)
+    state = state.replace(
+        encoder_params=encoder_params,
+        encoder_opt=encoder_opt,
+        sa_encoder_params=sa_params,
+        sa_encoder_opt=sa_opt,
+        encoder_updates=state.encoder_updates + 1,
+    )
     return state, jnp.stack([loss, *parts])
 
 
 def sync(state: MRQState, buffer: lap.LAPBuffer) -> MRQState:
     """Hard-copy every network into its target; rbar' <- rbar, rbar <- mean |r| of the buffer."""
     scale = lap.reward_scale(buffer) if state.cfg.reward_scaling else jnp.ones((), jnp.float32)
-    return state.replace(target_encoder_params=state.encoder_params,
-                         target_sa_encoder_params=state.sa_encoder_params,
-                         target_value_params=state.value_params, target_policy_params=state.policy_params,
-                         target_reward_scale=state.reward_scale, reward_scale=scale, syncs=state.syncs + 1)
+    return state.replace(
+        target_encoder_params=state.encoder_params,
+        target_sa_encoder_params=state.sa_encoder_params,
+        target_value_params=state.value_params,
+        target_policy_params=state.policy_params,
+        target_reward_scale=state.reward_scale,
+        reward_scale=scale,
+        syncs=state.syncs + 1,
+    )
 
 
 def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, key) -> MRQState:
@@ -623,6 +749,7 @@ def _run_if(pred, fn, x, operand):
     ``operand`` (the replay) reaches ``fn`` through an optimisation barrier together with the trip
     counter: otherwise XLA hoists work on it that does not depend on the loop (the O(capacity)
     reward scale of ``sync``) out of the loop, and runs it on every call whether the loop runs or not."""
+
     def body(carry):
         i, x = carry
         _, operand_now = jax.lax.optimization_barrier((i, operand))
@@ -642,14 +769,20 @@ def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, r
         raise ValueError("MR.Q samples LAP windows: NE's experience review and auto batch do not apply")
     cfg = state.cfg
     if buffer.horizon.shape[-1] != max(cfg.enc_horizon, cfg.q_horizon):
-        raise ValueError(f"the LAP buffer keeps windows of {buffer.horizon.shape[-1]} transitions, the config needs "
-                         f"{max(cfg.enc_horizon, cfg.q_horizon)}: build it with buffer_init(..., cfg)")
+        raise ValueError(
+            f"the LAP buffer keeps windows of {buffer.horizon.shape[-1]} transitions, the config needs "
+            f"{max(cfg.enc_horizon, cfg.q_horizon)}: build it with buffer_init(..., cfg)"
+        )
 
     def one(carry, key):
         state, buffer = carry
         k_sync, k_sample, k_rl = jax.random.split(key, 3)
-        state = _run_if(state.updates % cfg.target_update_freq == 0,
-                        lambda s, b: sync_and_train_encoder(s, b, k_sync), state, buffer)
+        state = _run_if(
+            state.updates % cfg.target_update_freq == 0,
+            lambda s, b: sync_and_train_encoder(s, b, k_sync),
+            state,
+            buffer,
+        )
         idx = lap.draw_tree(buffer.weights if cfg.prioritized else buffer.counts, k_sample, cfg.batch_size)
         state, priorities, metrics = rl_update(state, lap.window(buffer, idx, cfg.q_horizon), k_rl)
         if cfg.prioritized:
@@ -659,9 +792,14 @@ def train_block(state: MRQState, buffer: lap.LAPBuffer, key, num_updates: int, r
     (state, buffer), metrics = jax.lax.scan(one, (state, buffer), jax.random.split(key, num_updates))
     metrics = jax.tree.map(lambda m: m.mean(), metrics)
     metrics.update(state.encoder_metrics)
-    metrics.update({"charts/reward_scale": state.reward_scale, "charts/target_reward_scale": state.target_reward_scale,
-                    "charts/max_priority": buffer.max_priority,
-                    "charts/valid_windows": lap.valid_windows(buffer)})
+    metrics.update(
+        {
+            "charts/reward_scale": state.reward_scale,
+            "charts/target_reward_scale": state.target_reward_scale,
+            "charts/max_priority": buffer.max_priority,
+            "charts/valid_windows": lap.valid_windows(buffer),
+        }
+    )
     return state, buffer, metrics
 
 
@@ -687,8 +825,9 @@ def work_per_env_step(state: MRQState, batch: Window, key):
 def buffer_init(capacity: int, obs_dim: int, act_dim: int, cfg: MRQConfig) -> lap.LAPBuffer:
     """LAP buffer with per-env subtrajectory streams, its sum trees kept for windows of max(H_enc, H_Q);
     the running max priority starts at the minimum priority (1 by default)."""
-    return lap.init(capacity, obs_dim, act_dim, initial_priority=cfg.min_priority,
-                    horizon=max(cfg.enc_horizon, cfg.q_horizon))
+    return lap.init(
+        capacity, obs_dim, act_dim, initial_priority=cfg.min_priority, horizon=max(cfg.enc_horizon, cfg.q_horizon)
+    )
 
 
 buffer_add = lap.add
@@ -705,8 +844,13 @@ def sample_batch(state: MRQState, buffer: lap.LAPBuffer, key, batch_size: int) -
 
 def _first(win: Window, h: int) -> Window:
     """The first ``h`` transitions of each window (windows shorter than h are kept whole)."""
-    return win._replace(action=win.action[:, :h], reward=win.reward[:, :h], next_obs=win.next_obs[:, :h],
-                        terminated=win.terminated[:, :h], truncated=win.truncated[:, :h])
+    return win._replace(
+        action=win.action[:, :h],
+        reward=win.reward[:, :h],
+        next_obs=win.next_obs[:, :h],
+        terminated=win.terminated[:, :h],
+        truncated=win.truncated[:, :h],
+    )
 
 
 plastic_params = declared_params(PLASTIC)
@@ -718,10 +862,12 @@ def plastic_losses(state: MRQState, batch: Window, key):
     q_win = _first(batch, state.cfg.q_horizon)
     y = value_target(state, q_win, key)
     zs, zsa = _online_embeddings(state, q_win)
-    return {"state_encoder": lambda p: encoder_loss(p, state.sa_encoder_params, state, batch, 1.0)[0],
-            "sa_encoder": lambda p: encoder_loss(state.encoder_params, p, state, batch, 1.0)[0],
-            "value": lambda p: value_loss(p, state, zsa, y)[0],
-            "policy": lambda p: policy_loss(p, state, zs, state.value_params)[0]}
+    return {
+        "state_encoder": lambda p: encoder_loss(p, state.sa_encoder_params, state, batch, 1.0)[0],
+        "sa_encoder": lambda p: encoder_loss(state.encoder_params, p, state, batch, 1.0)[0],
+        "value": lambda p: value_loss(p, state, zsa, y)[0],
+        "policy": lambda p: policy_loss(p, state, zs, state.value_params)[0],
+    }
 
 
 SIGREG_NETWORKS = ("state_encoder",)  # L_enc is wrapped with plasticity.sigreg.regularized (encoder_update)
@@ -736,8 +882,14 @@ def least_signals(state: MRQState, transition: Transition, key):
     a' the target policy's noisy action; a single transition has no H_Q-step window.  Both are in
     MR.Q's reward-scaled value units (divided by rbar), as its value net is trained.
     """
-    win = Window(transition.obs, transition.action[:, None], transition.reward[:, None],
-                 transition.next_obs[:, None], transition.terminated[:, None], transition.truncated[:, None])
+    win = Window(
+        transition.obs,
+        transition.action[:, None],
+        transition.reward[:, None],
+        transition.next_obs[:, None],
+        transition.terminated[:, None],
+        transition.truncated[:, None],
+    )
     y = value_target(state, win, key)
     zs = state.state_encoder(state.encoder_params, transition.obs)
     zsa, _ = state.sa_encoder(state.sa_encoder_params, zs, transition.action)

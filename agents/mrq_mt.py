@@ -57,6 +57,7 @@ Design notes and the reference's facts this module keeps:
 * Replay: the LAP buffer of ``buffers/lap.py`` used uniformly over valid windows (windows never cross
   a truncation), 1M transitions per seed by default (ScaleMRL keeps 10M on a GPU).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,8 +78,16 @@ from plasticity_zoo.agents.mrq import PLASTIC, PLASTIC_TARGETS, StateActionEncod
 from plasticity_zoo.buffers import lap
 from plasticity_zoo.buffers.lap import Window
 from plasticity_zoo.networks import DeterministicPolicyHead, MLPHead, Net, Trunk, TrunkSpec, build
-from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig, Range,
-                                            check_ranges)
+from plasticity_zoo.networks.config import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    RATE,
+    UNIT,
+    NetworkConfig,
+    Range,
+    check_ranges,
+)
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
@@ -119,7 +128,8 @@ class MultitaskMRQConfig(OffPolicyConfig):
     task_dim: int = 96
     """learned task-embedding width (TD-MPC2's 96; 512 keeps ScaleMRL's CLIP input widths)"""
     task_embeddings: Optional[str] = None
-    """a .npy (T x D) or .json ({task id: vector} or a list of rows) of fixed per-task embeddings, in the mt: id's task order"""
+    """a .npy (T x D) or .json ({task id: vector} or a list of rows) of fixed per-task embeddings, in the mt:
+    id's task order"""
     gamma: Optional[float] = None
     """one discount for every task (None: ScaleMRL's per-task episode-length heuristic)"""
     discount_denom: float = 5.0
@@ -146,12 +156,29 @@ class MultitaskMRQConfig(OffPolicyConfig):
     tasks: tyro.conf.Suppress[Any] = None
     """the env's ``envs.multitask.TaskSpec``, bound by the loop (``with_tasks``); never a flag"""
 
-    RANGES = {"utd": POSITIVE, "horizon": AT_LEAST_ONE, "task_dim": AT_LEAST_ONE, "gamma": UNIT,
-              "discount_denom": POSITIVE, "discount_min": UNIT, "discount_max": UNIT, "lr": POSITIVE,
-              "enc_lr_scale": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip": POSITIVE, "tau": RATE,
-              "za_dim": AT_LEAST_ONE, "simnorm_dim": AT_LEAST_ONE, "num_bins": Range(2),
-              "exploration_noise": NON_NEGATIVE, "target_policy_noise": NON_NEGATIVE, "noise_clip": NON_NEGATIVE,
-              "dyn_weight": NON_NEGATIVE, "reward_weight": NON_NEGATIVE, "pre_activ_weight": NON_NEGATIVE}
+    RANGES = {
+        "utd": POSITIVE,
+        "horizon": AT_LEAST_ONE,
+        "task_dim": AT_LEAST_ONE,
+        "gamma": UNIT,
+        "discount_denom": POSITIVE,
+        "discount_min": UNIT,
+        "discount_max": UNIT,
+        "lr": POSITIVE,
+        "enc_lr_scale": POSITIVE,
+        "weight_decay": NON_NEGATIVE,
+        "grad_clip": POSITIVE,
+        "tau": RATE,
+        "za_dim": AT_LEAST_ONE,
+        "simnorm_dim": AT_LEAST_ONE,
+        "num_bins": Range(2),
+        "exploration_noise": NON_NEGATIVE,
+        "target_policy_noise": NON_NEGATIVE,
+        "noise_clip": NON_NEGATIVE,
+        "dyn_weight": NON_NEGATIVE,
+        "reward_weight": NON_NEGATIVE,
+        "pre_activ_weight": NON_NEGATIVE,
+    }
 
 
 CONFIG = MultitaskMRQConfig
@@ -172,17 +199,20 @@ def protocol(spec, num_envs: int) -> dict:
     episodes per env.  On ``mt:dmc21`` (21 tasks, L = 500, one env per task): learning starts at 52,500,
     evaluation every 210,000 steps, 2 episodes per task."""
     length = max(spec.episode_lengths)
-    return {"learning_starts": SEEDING_EPISODES * num_envs * length,
-            "eval_every": EVAL_INTERVAL_EPISODES * num_envs * length,
-            "eval_episodes": EVAL_EPISODES}
+    return {
+        "learning_starts": SEEDING_EPISODES * num_envs * length,
+        "eval_every": EVAL_INTERVAL_EPISODES * num_envs * length,
+        "eval_episodes": EVAL_EPISODES,
+    }
 
 
 def with_tasks(cfg: MultitaskMRQConfig, spec) -> MultitaskMRQConfig:
     """The config bound to the env's task layout (``envs.multitask.TaskSpec``); the loops call this
     before ``init`` for an agent that defines it."""
     if spec is None:
-        raise ValueError("mrq-mt needs a multitask env id: --env mt:<suite> or mt:<id>,<id>,... "
-                         "(one task: mt:dmc:cartpole-balance)")
+        raise ValueError(
+            "mrq-mt needs a multitask env id: --env mt:<suite> or mt:<id>,<id>,... (one task: mt:dmc:cartpole-balance)"
+        )
     return dataclasses.replace(cfg, tasks=spec)
 
 
@@ -201,7 +231,9 @@ def sizes(cfg: MultitaskMRQConfig, network: NetworkConfig) -> dict:
         s = network.width / size["mlp_dim"]
         for k in ("enc_dim", "mlp_dim"):
             size[k] = max(1, int(round(size[k] * s)))
-        size["latent_dim"] = max(cfg.simnorm_dim, int(round(size["latent_dim"] * s / cfg.simnorm_dim)) * cfg.simnorm_dim)
+        size["latent_dim"] = max(
+            cfg.simnorm_dim, int(round(size["latent_dim"] * s / cfg.simnorm_dim)) * cfg.simnorm_dim
+        )
     if cfg.num_q is not None:
         size["num_q"] = cfg.num_q
     return size
@@ -276,16 +308,21 @@ def _build(name: str, make_module, key, ensemble: int = 0):
 def _optimizer(name: str, lr: float, cfg: MultitaskMRQConfig, plasticity: StaticPlasticity, ensemble=False):
     """AdamW (torch defaults) from the shared factory, so Kron / NE masks apply as for every agent."""
     make = lambda lr, **_: optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay)  # noqa: E731
-    return optim_lib.optimizer(lr, name, make=make, ensemble=ensemble, spec=plasticity.optim,
-                               weight_decay=cfg.weight_decay)
+    return optim_lib.optimizer(
+        lr, name, make=make, ensemble=ensemble, spec=plasticity.optim, weight_decay=cfg.weight_decay
+    )
 
 
 def _optimizers(cfg: MultitaskMRQConfig, plasticity: StaticPlasticity):
     """(state encoder, state-action encoder, task table, value, policy)."""
     enc_lr = cfg.enc_lr_scale * cfg.lr
-    return (_optimizer("state_encoder", enc_lr, cfg, plasticity), _optimizer("sa_encoder", enc_lr, cfg, plasticity),
-            optax.adamw(enc_lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay),
-            _optimizer("value", cfg.lr, cfg, plasticity, ensemble=True), _optimizer("policy", cfg.lr, cfg, plasticity))
+    return (
+        _optimizer("state_encoder", enc_lr, cfg, plasticity),
+        _optimizer("sa_encoder", enc_lr, cfg, plasticity),
+        optax.adamw(enc_lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay),
+        _optimizer("value", cfg.lr, cfg, plasticity, ensemble=True),
+        _optimizer("policy", cfg.lr, cfg, plasticity),
+    )
 
 
 def _load_embeddings(path: str, spec) -> np.ndarray:
@@ -307,8 +344,10 @@ def _load_embeddings(path: str, spec) -> np.ndarray:
     except (OSError, ValueError) as e:
         raise ValueError(f"--task-embeddings {path}: not readable as a T x D table ({e})") from e
     if table.ndim != 2 or table.shape[0] != spec.num_tasks or not np.all(np.isfinite(table)):
-        raise ValueError(f"--task-embeddings {path}: expected a finite {spec.num_tasks} x D table (one row per task "
-                         f"of {spec.env_id}), got shape {table.shape}")
+        raise ValueError(
+            f"--task-embeddings {path}: expected a finite {spec.num_tasks} x D table (one row per task "
+            f"of {spec.env_id}), got shape {table.shape}"
+        )
     return table.astype(np.float32)
 
 
@@ -352,18 +391,33 @@ class MultitaskMRQState:
 
 # PLASTIC: MR.Q's four networks under the same state fields (imported from agents.mrq)
 
-_METRICS = ("losses/encoder", "losses/dynamics", "losses/reward", "losses/value", "losses/policy",
-            "values/q_mean", "values/target_mean", "charts/q_scale")
+_METRICS = (
+    "losses/encoder",
+    "losses/dynamics",
+    "losses/reward",
+    "losses/value",
+    "losses/policy",
+    "values/q_mean",
+    "values/target_mean",
+    "charts/q_scale",
+)
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: MultitaskMRQConfig, network: NetworkConfig = NetworkConfig(),
-         plasticity: StaticPlasticity = StaticPlasticity()) -> MultitaskMRQState:
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: MultitaskMRQConfig,
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+) -> MultitaskMRQState:
     spec = cfg.tasks
     if spec is None:
         with_tasks(cfg, None)  # raises the explanation
     if obs_dim != spec.obs_dim or act_dim != spec.act_dim:
-        raise ValueError(f"mrq-mt: the env gives obs {obs_dim} / act {act_dim}, its task layout says "
-                         f"{spec.obs_dim} / {spec.act_dim}")
+        raise ValueError(
+            f"mrq-mt: the env gives obs {obs_dim} / act {act_dim}, its task layout says {spec.obs_dim} / {spec.act_dim}"
+        )
     check_ranges(cfg)
     if cfg.updates_per_step != 1:
         raise ValueError("mrq-mt sets its update rate with --utd (updates per env step); leave --updates-per-step at 1")
@@ -387,35 +441,76 @@ def init(key, obs_dim: int, act_dim: int, cfg: MultitaskMRQConfig, network: Netw
     lat = size["latent_dim"]
     za_spec = TrunkSpec(cfg.za_dim, 1, "mlp", "elu", layer_norm=False)
     k = jax.random.split(key, 5)
-    f, f_params = _build("state_encoder", lambda r: SimNormEncoder(
-        d + task_dim, trunk(size["enc_dim"], max(size["enc_layers"] - 1, 1)), lat, cfg.simnorm_dim, rngs=r), k[0])
-    g, g_params = _build("sa_encoder", lambda r: StateActionEncoder(
-        lat, a, za_spec, trunk(size["mlp_dim"], 2), lat, lat + cfg.num_bins, rngs=r), k[1])
-    value, v_params = _build("value", lambda r: MLPHead(lat, cfg.num_bins, trunk(size["mlp_dim"], 2), rngs=r,
-                                                        squeeze=False), k[2], ensemble=size["num_q"])
-    policy, p_params = _build("policy", lambda r: DeterministicPolicyHead(lat + task_dim, a, trunk(size["mlp_dim"], 2),
-                                                                          rngs=r), k[3])
+    f, f_params = _build(
+        "state_encoder",
+        lambda r: SimNormEncoder(
+            d + task_dim, trunk(size["enc_dim"], max(size["enc_layers"] - 1, 1)), lat, cfg.simnorm_dim, rngs=r
+        ),
+        k[0],
+    )
+    g, g_params = _build(
+        "sa_encoder",
+        lambda r: StateActionEncoder(lat, a, za_spec, trunk(size["mlp_dim"], 2), lat, lat + cfg.num_bins, rngs=r),
+        k[1],
+    )
+    value, v_params = _build(
+        "value",
+        lambda r: MLPHead(lat, cfg.num_bins, trunk(size["mlp_dim"], 2), rngs=r, squeeze=False),
+        k[2],
+        ensemble=size["num_q"],
+    )
+    policy, p_params = _build(
+        "policy", lambda r: DeterministicPolicyHead(lat + task_dim, a, trunk(size["mlp_dim"], 2), rngs=r), k[3]
+    )
     if learned:
         table = jax.random.uniform(k[4], (t, task_dim), jnp.float32, -0.02, 0.02)
     tx_f, tx_g, tx_e, tx_v, tx_p = _optimizers(cfg, plasticity)
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (distinct buffers: the loop donates state)
     zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
     return MultitaskMRQState(
-        f_params, g_params, v_params, p_params, table, copy(f_params), copy(g_params), copy(v_params), copy(p_params),
-        tx_f.init(f_params), tx_g.init(g_params), tx_e.init(table), tx_v.init(v_params), tx_p.init(p_params),
-        q_scale=jnp.ones((), jnp.float32), update_credit=zero(), updates=jnp.zeros((), jnp.int32),
+        f_params,
+        g_params,
+        v_params,
+        p_params,
+        table,
+        copy(f_params),
+        copy(g_params),
+        copy(v_params),
+        copy(p_params),
+        tx_f.init(f_params),
+        tx_g.init(g_params),
+        tx_e.init(table),
+        tx_v.init(v_params),
+        tx_p.init(p_params),
+        q_scale=jnp.ones((), jnp.float32),
+        update_credit=zero(),
+        updates=jnp.zeros((), jnp.int32),
         last_metrics={m: zero() for m in _METRICS},
         exploration_noise=jnp.asarray(cfg.exploration_noise, jnp.float32),
-        action_mask=jnp.asarray(spec.action_mask()), discounts=jnp.asarray(task_discounts(cfg, spec.episode_lengths)),
-        cfg=cfg, state_encoder=f, sa_encoder=g, value=value, policy=policy, latent_dim=lat, obs_dim=d,
-        num_tasks=t, learned_tasks=learned, plasticity=plasticity)
+        action_mask=jnp.asarray(spec.action_mask()),
+        discounts=jnp.asarray(task_discounts(cfg, spec.episode_lengths)),
+        cfg=cfg,
+        state_encoder=f,
+        sa_encoder=g,
+        value=value,
+        policy=policy,
+        latent_dim=lat,
+        obs_dim=d,
+        num_tasks=t,
+        learned_tasks=learned,
+        plasticity=plasticity,
+    )
 
 
 def param_count(state: MultitaskMRQState) -> dict:
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
-    return {"state_encoder": count(state.encoder_params), "sa_encoder": count(state.sa_encoder_params),
-            "value": count(state.value_params), "policy": count(state.policy_params),
-            "task_embedding": count(state.task_params) if state.learned_tasks else 0}
+    return {
+        "state_encoder": count(state.encoder_params),
+        "sa_encoder": count(state.sa_encoder_params),
+        "value": count(state.value_params),
+        "policy": count(state.policy_params),
+        "task_embedding": count(state.task_params) if state.learned_tasks else 0,
+    }
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -423,7 +518,7 @@ def param_count(state: MultitaskMRQState) -> dict:
 
 def split_obs(state: MultitaskMRQState, obs):
     """mt: observation -> (padded task observation, task index)."""
-    return obs[..., :state.obs_dim], jnp.argmax(obs[..., state.obs_dim:], axis=-1)
+    return obs[..., : state.obs_dim], jnp.argmax(obs[..., state.obs_dim :], axis=-1)
 
 
 def embed(state: MultitaskMRQState, table, task):
@@ -488,14 +583,15 @@ def encoder_loss(encoder_params, sa_encoder_params, table, state: MultitaskMRQSt
     b, h = win.reward.shape
     z, task = encode(state, encoder_params, table, win.obs)  # online first (plasticity probes this call)
     e = jax.lax.stop_gradient(embed(state, table, task))
-    nxt = win.next_obs.reshape(b * h, -1)[..., :state.obs_dim]
-    targets = jax.lax.stop_gradient(state.state_encoder(
-        state.target_encoder_params, nxt, jnp.repeat(e, h, axis=0))).reshape(b, h, -1)
+    nxt = win.next_obs.reshape(b * h, -1)[..., : state.obs_dim]
+    targets = jax.lax.stop_gradient(
+        state.state_encoder(state.target_encoder_params, nxt, jnp.repeat(e, h, axis=0))
+    ).reshape(b, h, -1)
     alive = jnp.ones((b,), jnp.float32)
     dyn_sum = rew_sum = jnp.zeros(())
     for t in range(h):
         _, pred = state.sa_encoder(sa_encoder_params, z, win.action[:, t])
-        z, r_logits = pred[..., :state.latent_dim], pred[..., state.latent_dim:]
+        z, r_logits = pred[..., : state.latent_dim], pred[..., state.latent_dim :]
         dyn_sum += jnp.mean((z - targets[:, t]) ** 2 * alive[:, None])
         rew_sum += jnp.mean(soft_cross_entropy(r_logits, win.reward[:, t], *_bins(state)) * alive)
         alive = alive * (1.0 - win.terminated[:, t].astype(jnp.float32))
@@ -516,8 +612,11 @@ def value_target(state: MultitaskMRQState, win: Window, key):
     ret, bootstrap = multistep_return(win.reward, win.terminated, state.discounts[task])
     next_zs, _ = encode(state, state.target_encoder_params, state.task_params, win.next_obs[:, -1])
     next_action, _ = policy_action(state, state.target_policy_params, next_zs, task)
-    noise = jnp.clip(c.target_policy_noise * jax.random.normal(k_noise, next_action.shape, next_action.dtype),
-                     -c.noise_clip, c.noise_clip)
+    noise = jnp.clip(
+        c.target_policy_noise * jax.random.normal(k_noise, next_action.shape, next_action.dtype),
+        -c.noise_clip,
+        c.noise_clip,
+    )
     next_action = jnp.clip(next_action + noise, -1.0, 1.0) * state.action_mask[task]
     next_zsa, _ = state.sa_encoder(state.target_sa_encoder_params, next_zs, next_action)
     next_q = q_values(state, state.target_value_params, next_zsa, two_heads(state, k_heads)).min(axis=0)
@@ -543,7 +642,7 @@ def policy_loss(policy_params, state: MultitaskMRQState, zs, task, value_params,
     zsa, _ = state.sa_encoder(state.sa_encoder_params, zs, action)
     q = q_values(state, value_params, zsa, heads).mean(axis=0)
     scale = running_scale(state.q_scale, jax.lax.stop_gradient(q), state.cfg.tau)
-    loss = -jnp.mean(q / scale) + state.cfg.pre_activ_weight * jnp.mean(pre ** 2)
+    loss = -jnp.mean(q / scale) + state.cfg.pre_activ_weight * jnp.mean(pre**2)
     return loss, (q, scale)
 
 
@@ -563,10 +662,16 @@ def update(state: MultitaskMRQState, win: Window, key):
     # (M1) encoder group: f, g/m and a learned task table, clipped jointly (fixed rows, like ScaleMRL's frozen
     # CLIP rows, take no gradient and stay out of the clip's norm)
     (enc_loss, (dyn, rew)), grads = jax.value_and_grad(
-        regularized(encoder_loss, "state_encoder"), argnums=(0, 1, 2) if state.learned_tasks else (0, 1),
-        has_aux=True)(
-        state.encoder_params, state.sa_encoder_params, state.task_params, state, win, reg_key=k_reg,
-        sigreg=state.plasticity.sigreg)
+        regularized(encoder_loss, "state_encoder"), argnums=(0, 1, 2) if state.learned_tasks else (0, 1), has_aux=True
+    )(
+        state.encoder_params,
+        state.sa_encoder_params,
+        state.task_params,
+        state,
+        win,
+        reg_key=k_reg,
+        sigreg=state.plasticity.sigreg,
+    )
     grads, _ = optax.clip_by_global_norm(c.grad_clip).update(grads, optax.EmptyState())
     upd, encoder_opt = tx_f.update(grads[0], state.encoder_opt, state.encoder_params)
     encoder_params = optax.apply_updates(state.encoder_params, upd)
@@ -576,8 +681,14 @@ def update(state: MultitaskMRQState, win: Window, key):
     if state.learned_tasks:
         upd, task_opt = tx_e.update(grads[2], state.task_opt, state.task_params)
         task_params = optax.apply_updates(state.task_params, upd)
-    state = state.replace(encoder_params=encoder_params, encoder_opt=encoder_opt, sa_encoder_params=sa_params,
-                          sa_encoder_opt=sa_opt, task_params=task_params, task_opt=task_opt)
+    state = state.replace(
+        encoder_params=encoder_params,
+        encoder_opt=encoder_opt,
+        sa_encoder_params=sa_params,
+        sa_encoder_opt=sa_opt,
+        task_params=task_params,
+        task_opt=task_opt,
+    )
 
     # (M2)-(M3) value ensemble on the updated encoder
     y = value_target(state, win, k_target)
@@ -592,21 +703,34 @@ def update(state: MultitaskMRQState, win: Window, key):
     # (M4) policy on the updated value
     heads = jnp.zeros((1,), jnp.int32) if q.shape[0] == 2 else two_heads(state, k_pi)
     (p_loss, (_, scale)), grads = jax.value_and_grad(policy_loss, has_aux=True)(
-        state.policy_params, state, zs, task, value_params, heads)
+        state.policy_params, state, zs, task, value_params, heads
+    )
     upd, policy_opt = tx_p.update(grads, state.policy_opt, state.policy_params)
     policy_params = optax.apply_updates(state.policy_params, upd)
 
     # (M5) soft targets
     state = state.replace(
-        value_params=value_params, value_opt=value_opt, policy_params=policy_params, policy_opt=policy_opt,
-        q_scale=scale, updates=state.updates + 1,
+        value_params=value_params,
+        value_opt=value_opt,
+        policy_params=policy_params,
+        policy_opt=policy_opt,
+        q_scale=scale,
+        updates=state.updates + 1,
         target_encoder_params=_soft(state.target_encoder_params, state.encoder_params, c.tau),
         target_sa_encoder_params=_soft(state.target_sa_encoder_params, state.sa_encoder_params, c.tau),
         target_value_params=_soft(state.target_value_params, value_params, c.tau),
-        target_policy_params=_soft(state.target_policy_params, policy_params, c.tau))
-    metrics = {"losses/encoder": enc_loss, "losses/dynamics": dyn, "losses/reward": rew, "losses/value": v_loss,
-               "losses/policy": p_loss, "values/q_mean": q.mean(), "values/target_mean": y.mean(),
-               "charts/q_scale": scale}
+        target_policy_params=_soft(state.target_policy_params, policy_params, c.tau),
+    )
+    metrics = {
+        "losses/encoder": enc_loss,
+        "losses/dynamics": dyn,
+        "losses/reward": rew,
+        "losses/value": v_loss,
+        "losses/policy": p_loss,
+        "values/q_mean": q.mean(),
+        "values/target_mean": y.mean(),
+        "charts/q_scale": scale,
+    }
     return state, metrics
 
 
@@ -621,8 +745,10 @@ def train_block(state: MultitaskMRQState, buffer: lap.LAPBuffer, key, num_update
         raise ValueError("mrq-mt samples its own windows: NE's experience review and auto batch do not apply")
     c = state.cfg
     if buffer.horizon.shape[-1] != c.horizon:
-        raise ValueError(f"the replay keeps windows of {buffer.horizon.shape[-1]} transitions, mrq-mt needs "
-                         f"{c.horizon}: build it with buffer_init(..., cfg)")
+        raise ValueError(
+            f"the replay keeps windows of {buffer.horizon.shape[-1]} transitions, mrq-mt needs "
+            f"{c.horizon}: build it with buffer_init(..., cfg)"
+        )
     credit = state.update_credit + c.utd * num_updates
     n = jnp.floor(credit).astype(jnp.int32)
     state = state.replace(update_credit=credit - n)
@@ -639,8 +765,15 @@ def train_block(state: MultitaskMRQState, buffer: lap.LAPBuffer, key, num_update
     means = jax.tree.map(lambda s: s / jnp.maximum(n, 1), sums)
     last = jax.tree.map(lambda new, old: jnp.where(n > 0, new, old), means, state.last_metrics)
     state = state.replace(last_metrics=last)
-    return state, buffer, {**last, "charts/updates": state.updates.astype(jnp.float32),
-                           "charts/valid_windows": lap.valid_windows(buffer)}
+    return (
+        state,
+        buffer,
+        {
+            **last,
+            "charts/updates": state.updates.astype(jnp.float32),
+            "charts/valid_windows": lap.valid_windows(buffer),
+        },
+    )
 
 
 def work_per_env_step(state: MultitaskMRQState, batch: Window, key):
@@ -673,14 +806,16 @@ def plastic_losses(state: MultitaskMRQState, batch: Window, key):
     zs = jax.lax.stop_gradient(zs)
     zsa = jax.lax.stop_gradient(state.sa_encoder(state.sa_encoder_params, zs, batch.action[:, 0])[0])
     heads = jnp.arange(2)
-    return {"state_encoder": lambda p: encoder_loss(p, state.sa_encoder_params, state.task_params, state, batch)[0],
-            "sa_encoder": lambda p: encoder_loss(state.encoder_params, p, state.task_params, state, batch)[0],
-            "value": lambda p: value_loss(p, state, zsa, y)[0],
-            "policy": lambda p: policy_loss(p, state, zs, task, state.value_params, heads)[0]}
+    return {
+        "state_encoder": lambda p: encoder_loss(p, state.sa_encoder_params, state.task_params, state, batch)[0],
+        "sa_encoder": lambda p: encoder_loss(state.encoder_params, p, state.task_params, state, batch)[0],
+        "value": lambda p: value_loss(p, state, zsa, y)[0],
+        "policy": lambda p: policy_loss(p, state, zs, task, state.value_params, heads)[0],
+    }
 
 
 def task_embedding_grad(state: MultitaskMRQState, win: Window):
     """d L_enc / d E (T, task_dim): nonzero only on the rows of tasks in the batch."""
     return jax.grad(lambda e: encoder_loss(state.encoder_params, state.sa_encoder_params, e, state, win)[0])(
-        state.task_params)
-
+        state.task_params
+    )

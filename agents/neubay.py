@@ -61,6 +61,7 @@ Linear layer (pre-blocks, the LRU layers' GLU, heads) starts as the reference's 
 weights and biases U(+-1/sqrt(fan_in)) (``EQUINOX_LINEAR``), the critics' output layer then at
 scale 0.01 as above; the LRU's own parameters keep Orvieto et al.'s initialisation, as there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,21 +81,27 @@ from plasticity_zoo.agents.api import OfflineDataConfig
 from plasticity_zoo.agents.dynamics import DynamicsConfig, neubay_config
 from plasticity_zoo.buffers import tapes as tapes_lib
 from plasticity_zoo.envs import datasets, termination
-from plasticity_zoo.networks.config import NetworkConfig
-from plasticity_zoo.plasticity.api import StaticPlasticity
 from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build, fan_in_uniform_init
+from plasticity_zoo.networks.config import NetworkConfig
 from plasticity_zoo.networks.core import path_names, uniform_fan_in
 from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample
 from plasticity_zoo.networks.recurrent import Memoryless, RecurrentNet, RecurrentSpec, build_recurrent
+from plasticity_zoo.plasticity.api import StaticPlasticity
 
 # The paper's per-task table (its appendix's hyperparameters): (encoder lr, real_weight) by D4RL task.
 TASK_SETTINGS = {
-    ("halfcheetah", "random"): (3e-5, 0.8), ("halfcheetah", "medium"): (3e-5, 0.8),
-    ("halfcheetah", "medium-replay"): (1e-5, 0.05), ("halfcheetah", "medium-expert"): (3e-5, 0.8),
-    ("hopper", "random"): (1e-5, 0.5), ("hopper", "medium"): (1e-6, 0.8),
-    ("hopper", "medium-replay"): (3e-7, 0.5), ("hopper", "medium-expert"): (3e-6, 0.5),
-    ("walker2d", "random"): (3e-5, 0.5), ("walker2d", "medium"): (3e-6, 0.5),
-    ("walker2d", "medium-replay"): (1e-6, 0.5), ("walker2d", "medium-expert"): (1e-6, 0.8),
+    ("halfcheetah", "random"): (3e-5, 0.8),
+    ("halfcheetah", "medium"): (3e-5, 0.8),
+    ("halfcheetah", "medium-replay"): (1e-5, 0.05),
+    ("halfcheetah", "medium-expert"): (3e-5, 0.8),
+    ("hopper", "random"): (1e-5, 0.5),
+    ("hopper", "medium"): (1e-6, 0.8),
+    ("hopper", "medium-replay"): (3e-7, 0.5),
+    ("hopper", "medium-expert"): (3e-6, 0.5),
+    ("walker2d", "random"): (3e-5, 0.5),
+    ("walker2d", "medium"): (3e-6, 0.5),
+    ("walker2d", "medium-replay"): (1e-6, 0.5),
+    ("walker2d", "medium-expert"): (1e-6, 0.8),
 }
 FIXED_ALPHA_ENVS = ("hopper",)  # the paper keeps alpha at 0.2 on hopper
 
@@ -176,8 +183,20 @@ class NeuBayConfig(OfflineDataConfig):
             raise ValueError(f"need 1 <= --sampled-critics <= --critics, got {self.sampled_critics}, {self.critics}")
         if self.real_weight is not None and not 0.0 <= self.real_weight <= 1.0:
             raise ValueError(f"--real-weight must be in [0, 1], got {self.real_weight}")
-        for name in ("head_width", "head_depth", "d_model", "d_hidden", "lru_layers", "updates", "tape_len",
-                     "rollout_batch", "planning_members", "max_horizon", "updates_per_epoch", "buffer_transitions"):
+        for name in (
+            "head_width",
+            "head_depth",
+            "d_model",
+            "d_hidden",
+            "lru_layers",
+            "updates",
+            "tape_len",
+            "rollout_batch",
+            "planning_members",
+            "max_horizon",
+            "updates_per_epoch",
+            "buffer_transitions",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -188,8 +207,10 @@ class NeuBayConfig(OfflineDataConfig):
         if self.uncertainty_quantile is not None and not 0.0 <= self.uncertainty_quantile <= 1.0:
             raise ValueError(f"--uncertainty-quantile must be in [0, 1], got {self.uncertainty_quantile}")
         if self.planning_members > self.dynamics.elites:
-            raise ValueError(f"--planning-members {self.planning_members} is more than the world model's "
-                             f"--dynamics.elites {self.dynamics.elites}")
+            raise ValueError(
+                f"--planning-members {self.planning_members} is more than the world model's "
+                f"--dynamics.elites {self.dynamics.elites}"
+            )
 
     @property
     def recurrent(self) -> RecurrentSpec:
@@ -310,24 +331,34 @@ def _critic_init(params, key):
         if "out" in names and names[-1] == "bias":
             return jnp.zeros_like(x)
         return x
+
     return jax.tree_util.tree_map_with_path(put, params)
 
 
 def _optimizer(cfg: NeuBayConfig, actor: bool):
     """Clip at global norm, then Adam with the encoder's and the heads' lrs (the actor's on a cosine)."""
+
     def lr(value):
         if actor:
             return optax.cosine_decay_schedule(value, cfg.updates, alpha=cfg.actor_lr_final_ratio)
         return value
 
     heads = "head" if actor else "heads"
-    tx = optax.multi_transform({"encoder": optax.adam(lr(cfg.encoder_lr)), heads: optax.adam(lr(cfg.head_lr))},
-                               lambda params: {k: k for k in params})
+    tx = optax.multi_transform(
+        {"encoder": optax.adam(lr(cfg.encoder_lr)), heads: optax.adam(lr(cfg.head_lr))},
+        lambda params: {k: k for k in params},
+    )
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
-         network: NetworkConfig = NetworkConfig(), plasticity: StaticPlasticity = StaticPlasticity()) -> NeuBayState:
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: NeuBayConfig = NeuBayConfig(),
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+) -> NeuBayState:
     """Actor and critic, each its own recurrent encoder over x_t = [s_t, a_{t-1}, r_{t-1}] (``markov``:
     none, the heads read s_t).
 
@@ -335,8 +366,10 @@ def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
     sizes are NeuBay's own flags (--head-width, --d-model, ...): ``--network.*`` flags and plasticity
     interventions are refused."""
     if network != NetworkConfig():
-        raise ValueError("--network.* flags do not apply to agent 'neubay': its sizes are --head-width, "
-                         "--head-depth, --d-model, --d-hidden and --lru-layers")
+        raise ValueError(
+            "--network.* flags do not apply to agent 'neubay': its sizes are --head-width, "
+            "--head-depth, --d-model, --d-hidden and --lru-layers"
+        )
     if plasticity != StaticPlasticity():
         raise ValueError(f"plasticity interventions do not apply to agent 'neubay': {INTERVENTIONS_REFUSED}")
     cfg = resolved(cfg)
@@ -345,22 +378,41 @@ def init(key, obs_dim: int, act_dim: int, cfg: NeuBayConfig = NeuBayConfig(),
     head = TrunkSpec(cfg.head_width, cfg.head_depth, activation="leaky_relu", layer_norm=True)
     k_ae, k_ah, k_ce, k_ch, k_out = jax.random.split(key, 5)
     if cfg.markov:
-        (actor_encoder, ae), (critic_encoder, ce) = ((Memoryless(n, obs_dim), {}) for n in ("actor_encoder",
-                                                                                           "critic_encoder"))
+        (actor_encoder, ae), (critic_encoder, ce) = (
+            (Memoryless(n, obs_dim), {}) for n in ("actor_encoder", "critic_encoder")
+        )
     else:
         actor_encoder, ae = build_recurrent("actor_encoder", in_dim, cfg.recurrent, k_ae, EQUINOX_LINEAR)
         critic_encoder, ce = build_recurrent("critic_encoder", in_dim, cfg.recurrent, k_ce, EQUINOX_LINEAR)
     feature = obs_dim if cfg.markov else cfg.d_model
-    actor_head, ah = build("actor", lambda r: GaussianPolicyHead(feature, act_dim, head, rngs=r), k_ah,
-                           initializer=EQUINOX_LINEAR)
-    critic_heads, ch = build("critic", lambda r: MLPHead(feature + act_dim, 1, head, rngs=r), k_ch,
-                             ensemble=cfg.critics, initializer=_critic_init)
+    actor_head, ah = build(
+        "actor", lambda r: GaussianPolicyHead(feature, act_dim, head, rngs=r), k_ah, initializer=EQUINOX_LINEAR
+    )
+    critic_heads, ch = build(
+        "critic",
+        lambda r: MLPHead(feature + act_dim, 1, head, rngs=r),
+        k_ch,
+        ensemble=cfg.critics,
+        initializer=_critic_init,
+    )
     actor_params, critic_params = {"encoder": ae, "head": ah}, {"encoder": ce, "heads": ch}
     log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
-    return NeuBayState(actor_params, critic_params, jax.tree.map(jnp.copy, critic_params), log_alpha,
-                       _optimizer(cfg, True).init(actor_params), _optimizer(cfg, False).init(critic_params),
-                       optax.adam(cfg.alpha_lr).init(log_alpha), jnp.zeros((), jnp.int32), cfg,
-                       actor_encoder, actor_head, critic_encoder, critic_heads, act_dim)
+    return NeuBayState(
+        actor_params,
+        critic_params,
+        jax.tree.map(jnp.copy, critic_params),
+        log_alpha,
+        _optimizer(cfg, True).init(actor_params),
+        _optimizer(cfg, False).init(critic_params),
+        optax.adam(cfg.alpha_lr).init(log_alpha),
+        jnp.zeros((), jnp.int32),
+        cfg,
+        actor_encoder,
+        actor_head,
+        critic_encoder,
+        critic_heads,
+        act_dim,
+    )
 
 
 def _encode(net: RecurrentNet, params, tape: TapeBatch):
@@ -382,7 +434,7 @@ def _q(state: NeuBayState, heads_params, h, action):
 
 def huber(x):
     """0.5 x^2 for |x| < 1, |x| - 0.5 beyond."""
-    return jnp.where(jnp.abs(x) < 1.0, 0.5 * x ** 2, jnp.abs(x) - 0.5)
+    return jnp.where(jnp.abs(x) < 1.0, 0.5 * x**2, jnp.abs(x) - 0.5)
 
 
 def transition_mask(tape: TapeBatch):
@@ -419,8 +471,17 @@ def critic_loss(critic_params, state: NeuBayState, tape: TapeBatch, alpha, key):
     heads = jax.random.choice(k_heads, cfg.critics, (cfg.sampled_critics,), replace=False)
     drawn = jax.tree.map(lambda p: p[heads], state.target_critic_params["heads"])  # only the M drawn heads run
     next_qs = _q(state, drawn, target_h[:, 1:], next_action[:, 1:])  # (M, B, T-1)
-    y = jax.lax.stop_gradient(redq_target(next_qs, jnp.arange(cfg.sampled_critics), tape.reward[:, :-1],
-                                          tape.terminated[:, :-1], next_log_prob[:, 1:], alpha, cfg.gamma))
+    y = jax.lax.stop_gradient(
+        redq_target(
+            next_qs,
+            jnp.arange(cfg.sampled_critics),
+            tape.reward[:, :-1],
+            tape.terminated[:, :-1],
+            next_log_prob[:, 1:],
+            alpha,
+            cfg.gamma,
+        )
+    )
     per_step = huber(q - y[None]).mean(axis=0)
     loss, (real, imag) = real_imagined_mean(per_step, transition_mask(tape), tape.real[:, :-1], cfg.real_weight)
     return loss, (q, real, imag)
@@ -448,13 +509,15 @@ def update(state: NeuBayState, tape: TapeBatch, key):
     k_critic, k_actor = jax.random.split(key)
     alpha = jnp.exp(state.log_alpha)
     (q_loss, (q, q_real, q_imag)), q_grad = jax.value_and_grad(critic_loss, has_aux=True)(
-        state.critic_params, state, tape, alpha, k_critic)
+        state.critic_params, state, tape, alpha, k_critic
+    )
     upd, critic_opt = _optimizer(cfg, False).update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
     target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)
 
     (pi_loss, entropy), pi_grad = jax.value_and_grad(actor_loss, has_aux=True)(
-        state.actor_params, state, critic_params, tape, alpha, k_actor)
+        state.actor_params, state, critic_params, tape, alpha, k_actor
+    )
     upd, actor_opt = _optimizer(cfg, True).update(pi_grad, state.actor_opt, state.actor_params)
     actor_params = optax.apply_updates(state.actor_params, upd)
 
@@ -466,23 +529,42 @@ def update(state: NeuBayState, tape: TapeBatch, key):
         log_alpha = optax.apply_updates(state.log_alpha, upd)
 
     mask = transition_mask(tape)
-    metrics = {"losses/critic": q_loss, "losses/critic_real": q_real, "losses/critic_imagined": q_imag,
-               "losses/actor": pi_loss, "losses/alpha": a_loss, "charts/alpha": jnp.exp(log_alpha),
-               "charts/entropy": (entropy * mask).sum() / jnp.maximum(mask.sum(), 1),
-               "values/q_mean": (q.mean(axis=0) * mask).sum() / jnp.maximum(mask.sum(), 1)}
-    new = state.replace(actor_params=actor_params, critic_params=critic_params, target_critic_params=target,
-                        log_alpha=log_alpha, actor_opt=actor_opt, critic_opt=critic_opt, alpha_opt=alpha_opt,
-                        updates=state.updates + 1)
+    metrics = {
+        "losses/critic": q_loss,
+        "losses/critic_real": q_real,
+        "losses/critic_imagined": q_imag,
+        "losses/actor": pi_loss,
+        "losses/alpha": a_loss,
+        "charts/alpha": jnp.exp(log_alpha),
+        "charts/entropy": (entropy * mask).sum() / jnp.maximum(mask.sum(), 1),
+        "values/q_mean": (q.mean(axis=0) * mask).sum() / jnp.maximum(mask.sum(), 1),
+    }
+    new = state.replace(
+        actor_params=actor_params,
+        critic_params=critic_params,
+        target_critic_params=target,
+        log_alpha=log_alpha,
+        actor_opt=actor_opt,
+        critic_opt=critic_opt,
+        alpha_opt=alpha_opt,
+        updates=state.updates + 1,
+    )
     return new, metrics
 
 
 # ----------------------------------------------------------------------------- plasticity metrics
 
-INTERVENTIONS_REFUSED = ("its networks take plasticity metrics only (each recurrent encoder shares a params "
-                         "field and optimizer with its head, and the LRU's recurrent parameters have no "
-                         "per-neuron reset rule)")
-_PARTS = {"actor_encoder": ("actor", "encoder"), "actor": ("actor", "head"),
-          "critic_encoder": ("critic", "encoder"), "critic": ("critic", "heads")}
+INTERVENTIONS_REFUSED = (
+    "its networks take plasticity metrics only (each recurrent encoder shares a params "
+    "field and optimizer with its head, and the LRU's recurrent parameters have no "
+    "per-neuron reset rule)"
+)
+_PARTS = {
+    "actor_encoder": ("actor", "encoder"),
+    "actor": ("actor", "head"),
+    "critic_encoder": ("critic", "encoder"),
+    "critic": ("critic", "heads"),
+}
 
 
 def _measured_parts(state: NeuBayState) -> dict:
@@ -508,6 +590,7 @@ def metric_losses(state: NeuBayState, tape: TapeBatch, key):
             if owner == "critic":
                 return critic_loss({**state.critic_params, part: p}, state, tape, alpha, k_critic)[0]
             return actor_loss({**state.actor_params, part: p}, state, state.critic_params, tape, alpha, k_actor)[0]
+
         return loss
 
     return {n: loss_of(owner, part) for n, (owner, part) in _measured_parts(state).items()}
@@ -526,8 +609,9 @@ def act_step(state: NeuBayState, memory, obs, prev_action, prev_reward, start, k
     (ignored where ``start``: an episode's first step), start (B,) -> (action (B, A), memory).
     A sampled action when exploring, tanh(mean) otherwise."""
     first = start[:, None]
-    inputs = jnp.concatenate([obs, jnp.where(first, 0.0, prev_action), jnp.where(first, 0.0, prev_reward[:, None])],
-                             axis=-1)
+    inputs = jnp.concatenate(
+        [obs, jnp.where(first, 0.0, prev_action), jnp.where(first, 0.0, prev_reward[:, None])], axis=-1
+    )
     y, memory = state.actor_encoder.step(state.actor_params["encoder"], inputs, memory, start)
     mean, log_std = state.actor_head(state.actor_params["head"], y)
     action = tanh_gaussian_sample(key, mean, log_std)[0] if explore else tanh_gaussian_mode(mean)
@@ -539,8 +623,16 @@ def act(state: NeuBayState, obs, key, explore: bool):
     reward) for every row of obs (B, O).  Evaluation uses ``initial_memory`` / ``act_step`` instead,
     carrying each episode's history (``agents.api.RecurrentAgent``)."""
     b = obs.shape[0]
-    action, _ = act_step(state, initial_memory(state, b), obs, jnp.zeros((b, state.act_dim), obs.dtype),
-                         jnp.zeros(b, obs.dtype), jnp.ones(b, bool), key, explore)
+    action, _ = act_step(
+        state,
+        initial_memory(state, b),
+        obs,
+        jnp.zeros((b, state.act_dim), obs.dtype),
+        jnp.zeros(b, obs.dtype),
+        jnp.ones(b, bool),
+        key,
+        explore,
+    )
     return action
 
 
@@ -560,11 +652,13 @@ def history_values(state: NeuBayState, obs, action, reward):
 def rollout_policy(state: NeuBayState, explore: bool = True):
     """The stochastic actor as ``imagination.imagine`` calls it: (memory, inputs (B, T, I), start (B, T),
     key) -> (the action at the last position, memory)."""
+
     def policy(memory, inputs, start, key):
         y, memory = state.actor_encoder(state.actor_params["encoder"], inputs, memory, start)
         mean, log_std = state.actor_head(state.actor_params["head"], y[:, -1])
         action = tanh_gaussian_sample(key, mean, log_std)[0] if explore else tanh_gaussian_mode(mean)
         return action, memory
+
     return policy
 
 
@@ -606,23 +700,34 @@ def tape_capacity(cfg: NeuBayConfig) -> int:
 
 def _collection_stats(stats, tape: imagination.Tape):
     horizon = stats["horizon"].astype(jnp.float32)
-    out = {"rollout/horizon_mean": horizon.mean(), "rollout/horizon_max": horizon.max(),
-           "rollout/prefix_mean": stats["prefix"].astype(jnp.float32).mean(),
-           "rollout/ended_terminated": stats["ended_terminated"].mean(),
-           "rollout/ended_uncertainty": stats["ended_uncertainty"].mean(),
-           "rollout/ended_horizon": stats["ended_horizon"].mean(),
-           "rollout/imagined_return": stats["imagined_return"].mean(),
-           "rollout/uncertainty_mean": stats["uncertainty_mean"],
-           "rollout/transitions": tape.length.sum().astype(jnp.float32)}
+    out = {
+        "rollout/horizon_mean": horizon.mean(),
+        "rollout/horizon_max": horizon.max(),
+        "rollout/prefix_mean": stats["prefix"].astype(jnp.float32).mean(),
+        "rollout/ended_terminated": stats["ended_terminated"].mean(),
+        "rollout/ended_uncertainty": stats["ended_uncertainty"].mean(),
+        "rollout/ended_horizon": stats["ended_horizon"].mean(),
+        "rollout/imagined_return": stats["imagined_return"].mean(),
+        "rollout/uncertainty_mean": stats["uncertainty_mean"],
+        "rollout/transitions": tape.length.sum().astype(jnp.float32),
+    }
     for q in HORIZON_QUANTILES:
         out[f"rollout/horizon_p{int(q * 100)}"] = jnp.quantile(horizon, q)
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
 
 def _empty_stats():
-    names = ["horizon_mean", "horizon_max", "prefix_mean", "ended_terminated", "ended_uncertainty", "ended_horizon",
-             "imagined_return", "uncertainty_mean", "transitions"] + [f"horizon_p{int(q * 100)}"
-                                                                       for q in HORIZON_QUANTILES]
+    names = [
+        "horizon_mean",
+        "horizon_max",
+        "prefix_mean",
+        "ended_terminated",
+        "ended_uncertainty",
+        "ended_horizon",
+        "imagined_return",
+        "uncertainty_mean",
+        "transitions",
+    ] + [f"horizon_p{int(q * 100)}" for q in HORIZON_QUANTILES]
     return {f"rollout/{n}": jnp.zeros((), jnp.float32) for n in names}
 
 
@@ -643,26 +748,32 @@ def prepare(key, dataset, dataset_path, cfg: NeuBayConfig, seed: int, log=print)
     cfg = resolved(cfg)
     model = dynamics_lib.load_or_train(key, dataset, cfg.dynamics, model_path(dataset_path, seed), cfg.model, log)
     if cfg.planning_members > model.elites.shape[0]:
-        raise SystemExit(f"--planning-members {cfg.planning_members}: the world model has only "
-                         f"{model.elites.shape[0]} elites")
-    model = model.replace(elites=model.elites[:cfg.planning_members])
+        raise SystemExit(
+            f"--planning-members {cfg.planning_members}: the world model has only {model.elites.shape[0]} elites"
+        )
+    model = model.replace(elites=model.elites[: cfg.planning_members])
     t = dataset.transitions(unit_actions=True)
     unc = dynamics_lib.dataset_uncertainties(model, t.obs, t.action)
     threshold = dynamics_lib.uncertainty_threshold(model, t.obs, t.action, cfg.uncertainty_quantile, uncertainties=unc)
     mean_unc = float(np.mean(unc))
-    log(f"world model: {int(model.elites.shape[0])} members for imagination, validation MSE of the best "
+    log(
+        f"world model: {int(model.elites.shape[0])} members for imagination, validation MSE of the best "
         f"{float(np.asarray(model.val_mse)[int(model.elites[0])]):.4g}; dataset uncertainty mean {mean_unc:.4g}, "
-        f"truncation threshold {threshold:.4g} (quantile {cfg.uncertainty_quantile})")
+        f"truncation threshold {threshold:.4g} (quantile {cfg.uncertainty_quantile})"
+    )
     hist = imagination.histories(t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, cfg.max_horizon)
-    return World(model, hist, jnp.asarray(threshold, jnp.float32),
-                 jnp.asarray(cfg.penalty / max(mean_unc, 1e-12), jnp.float32))
+    return World(
+        model, hist, jnp.asarray(threshold, jnp.float32), jnp.asarray(cfg.penalty / max(mean_unc, 1e-12), jnp.float32)
+    )
 
 
 def buffer_tape(tape: tapes_lib.Tape) -> TapeBatch:
     """A tape from the buffer as a training batch of one row: inputs [s_t, a_{t-1}, r_{t-1}] with the
     rewards the agent saw, and the rewards to learn less their penalty (a ``penalized`` buffer)."""
-    inputs = jnp.concatenate([tape.obs, tapes_lib.previous(tape.action, tape.start),
-                              tapes_lib.previous(tape.reward, tape.start)[:, None]], axis=-1)
+    inputs = jnp.concatenate(
+        [tape.obs, tapes_lib.previous(tape.action, tape.start), tapes_lib.previous(tape.reward, tape.start)[:, None]],
+        axis=-1,
+    )
     reward = tape.reward if tape.penalty is None else tape.reward - tape.penalty
     return TapeBatch(*(x[None] for x in (inputs, tape.start, tape.action, reward, tape.terminated, tape.real)))
 
@@ -672,23 +783,42 @@ def sample_batch(state: NeuBayState, data: Data, key, batch_size: int) -> TapeBa
     ``batch_size`` uniform transitions, each a tape of two positions)."""
     if state.cfg.markov:
         return jax.vmap(lambda t: jax.tree.map(lambda x: x[0], buffer_tape(t)))(
-            tapes_lib.sample_transitions(data.tapes, key, batch_size))
+            tapes_lib.sample_transitions(data.tapes, key, batch_size)
+        )
     return buffer_tape(tapes_lib.sample(data.tapes, key, batch_size))
 
 
 def collect(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayConfig, done_fn, active=True) -> Data:
     """One collection (section 7.2): ``rollout_batch`` tapes imagined with the stochastic actor, added
     to the buffer, and ceil(utd x their transitions) gradient steps owed.  ``active`` False: none."""
-    tape, stats = imagination.imagine(world.model, world.histories, rollout_policy(state, explore=True),
-                                      initial_memory(state, cfg.rollout_batch), key, batch=cfg.rollout_batch,
-                                      max_horizon=cfg.max_horizon, threshold=world.threshold, done_fn=done_fn,
-                                      active=active)
+    tape, stats = imagination.imagine(
+        world.model,
+        world.histories,
+        rollout_policy(state, explore=True),
+        initial_memory(state, cfg.rollout_batch),
+        key,
+        batch=cfg.rollout_batch,
+        max_horizon=cfg.max_horizon,
+        threshold=world.threshold,
+        done_fn=done_fn,
+        active=active,
+    )
     penalty = world.penalty * tape.uncertainty if data.tapes.steps.penalty is not None else None
-    tapes = tapes_lib.add(data.tapes, tape.obs, tape.action, tape.reward, tape.terminated, tape.real, tape.length,
-                          keep=jnp.broadcast_to(active, tape.length.shape), penalty=penalty)
+    tapes = tapes_lib.add(
+        data.tapes,
+        tape.obs,
+        tape.action,
+        tape.reward,
+        tape.terminated,
+        tape.real,
+        tape.length,
+        keep=jnp.broadcast_to(active, tape.length.shape),
+        penalty=penalty,
+    )
     owed = jnp.ceil(cfg.utd * tape.length.sum()).astype(jnp.int32)
-    last = jax.tree.map(lambda new, old: jnp.where(active, new, old), _collection_stats(stats, tape),
-                        data.last_collection)
+    last = jax.tree.map(
+        lambda new, old: jnp.where(active, new, old), _collection_stats(stats, tape), data.last_collection
+    )
     return Data(data.real, tapes, data.debt + jnp.where(active, owed, 0), last)
 
 
@@ -720,12 +850,16 @@ def train_epoch(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayCo
         data = collect(state, data, world, k_collect, cfg, done_fn, active=(data.debt == 0) & (done < total))
         return state, data, key, done, sums
 
-    state, data, _, _, sums = jax.lax.while_loop(not_done, pay_then_collect,
-                                                 (state, data, key, jnp.zeros((), jnp.int32), zeros))
-    metrics = {**jax.tree.map(lambda m: m / total, sums), **data.last_collection,
-               "rollout/owed_updates": data.debt.astype(jnp.float32),
-               "buffer/trajectories": tapes_lib.stored_episodes(data.tapes).astype(jnp.float32),
-               "buffer/positions": tapes_lib.stored_positions(data.tapes).astype(jnp.float32)}
+    state, data, _, _, sums = jax.lax.while_loop(
+        not_done, pay_then_collect, (state, data, key, jnp.zeros((), jnp.int32), zeros)
+    )
+    metrics = {
+        **jax.tree.map(lambda m: m / total, sums),
+        **data.last_collection,
+        "rollout/owed_updates": data.debt.astype(jnp.float32),
+        "buffer/trajectories": tapes_lib.stored_episodes(data.tapes).astype(jnp.float32),
+        "buffer/positions": tapes_lib.stored_positions(data.tapes).astype(jnp.float32),
+    }
     return state, data, metrics
 
 

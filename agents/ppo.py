@@ -55,6 +55,7 @@ between consecutive iteration-level actor-parameter deltas) and ``diag/direction
 (net actor-parameter displacement / path length over the last ``diag_window`` iterations), plus
 ``charts/approx_kl``, ``charts/clipfrac``, ``charts/explained_variance``.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,12 +70,11 @@ from jax.flatten_util import ravel_pytree
 
 from plasticity_zoo.networks import Net, TrunkSpec, build, orthogonal
 from plasticity_zoo.networks.blocks import Trunk
+from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig, check_ranges
 from plasticity_zoo.networks.distributions import gaussian_log_prob
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
-from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig,
-                                            check_ranges)
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
 
@@ -137,12 +137,29 @@ class PPOConfig:
     ns_reset_norm: bool = True
     """non-stationary envs: reset the obs/reward normalisers at each switch (C-CHAIN, Plasticine)"""
 
-    RANGES = {"num_steps": AT_LEAST_ONE, "num_minibatches": AT_LEAST_ONE, "update_epochs": AT_LEAST_ONE,
-              "learning_rate": POSITIVE, "adam_eps": POSITIVE, "gamma": UNIT, "gae_lambda": UNIT,
-              "clip_coef": POSITIVE, "ent_coef": NON_NEGATIVE, "vf_coef": NON_NEGATIVE, "max_grad_norm": POSITIVE,
-              "target_kl": POSITIVE, "obs_clip": POSITIVE, "reward_clip": POSITIVE, "gtr_beta": NON_NEGATIVE,
-              "gtr_sigma2": POSITIVE, "gtr_logratio_sigma": POSITIVE, "gtr_anchors": AT_LEAST_ONE,
-              "gtr_decay": RATE, "gtr_ema_tau": RATE, "diag_window": AT_LEAST_ONE}
+    RANGES = {
+        "num_steps": AT_LEAST_ONE,
+        "num_minibatches": AT_LEAST_ONE,
+        "update_epochs": AT_LEAST_ONE,
+        "learning_rate": POSITIVE,
+        "adam_eps": POSITIVE,
+        "gamma": UNIT,
+        "gae_lambda": UNIT,
+        "clip_coef": POSITIVE,
+        "ent_coef": NON_NEGATIVE,
+        "vf_coef": NON_NEGATIVE,
+        "max_grad_norm": POSITIVE,
+        "target_kl": POSITIVE,
+        "obs_clip": POSITIVE,
+        "reward_clip": POSITIVE,
+        "gtr_beta": NON_NEGATIVE,
+        "gtr_sigma2": POSITIVE,
+        "gtr_logratio_sigma": POSITIVE,
+        "gtr_anchors": AT_LEAST_ONE,
+        "gtr_decay": RATE,
+        "gtr_ema_tau": RATE,
+        "diag_window": AT_LEAST_ONE,
+    }
 
 
 class RunningMeanStd(NamedTuple):
@@ -170,13 +187,13 @@ class Rollout(NamedTuple):
     """One seed's iteration of experience, time-major.  Slot ``num_steps`` of ``obs``/``values``
     holds the bootstrap observation s_T and V(s_T) (its ``actions``/``logp`` are unused)."""
 
-    obs: jax.Array          # (T + 1, E, obs_dim), normalised
-    actions: jax.Array      # (T + 1, E, act_dim), unclipped Gaussian samples
-    logp: jax.Array         # (T + 1, E)
-    values: jax.Array       # (T + 1, E)
-    rewards: jax.Array      # (T, E), normalised
-    terminated: jax.Array   # (T, E)
-    truncated: jax.Array    # (T, E)
+    obs: jax.Array  # (T + 1, E, obs_dim), normalised
+    actions: jax.Array  # (T + 1, E, act_dim), unclipped Gaussian samples
+    logp: jax.Array  # (T + 1, E)
+    values: jax.Array  # (T + 1, E)
+    rewards: jax.Array  # (T, E), normalised
+    terminated: jax.Array  # (T, E)
+    truncated: jax.Array  # (T, E)
     final_values: jax.Array  # (T, E): V(true final obs), used where truncated
 
 
@@ -187,9 +204,9 @@ class Minibatch(NamedTuple):
     values: jax.Array
     advantages: jax.Array
     returns: jax.Array
-    anchor_mean: jax.Array = None     # (B, M, A)  kl form
+    anchor_mean: jax.Array = None  # (B, M, A)  kl form
     anchor_log_std: jax.Array = None  # (B, M, A)
-    anchor_logp: jax.Array = None     # (B, M)     logratio form
+    anchor_logp: jax.Array = None  # (B, M)     logratio form
 
 
 @struct.dataclass
@@ -200,9 +217,9 @@ class PPOState:
     critic_opt: object
     obs_rms: RunningMeanStd
     ret_rms: RunningMeanStd
-    anchors: object          # actor params stacked over M anchors (slot 0 newest), None without GTR
+    anchors: object  # actor params stacked over M anchors (slot 0 newest), None without GTR
     anchor_count: jax.Array
-    snapshots: jax.Array     # (diag_window + 1, P) flattened actor params, slot 0 newest
+    snapshots: jax.Array  # (diag_window + 1, P) flattened actor params, slot 0 newest
     snapshot_count: jax.Array
     iteration: jax.Array
     num_iterations: jax.Array
@@ -235,8 +252,9 @@ class PPOActor(nnx.Module):
     def __init__(self, obs_dim: int, act_dim: int, spec: TrunkSpec, *, rngs: nnx.Rngs):
         self.trunk = Trunk(obs_dim, spec, rngs=rngs)
         _orthogonal_trunk(self.trunk, rngs)
-        self.out = nnx.Linear(spec.width, act_dim, rngs=rngs, kernel_init=orthogonal(0.01),
-                              bias_init=nnx.initializers.zeros)
+        self.out = nnx.Linear(
+            spec.width, act_dim, rngs=rngs, kernel_init=orthogonal(0.01), bias_init=nnx.initializers.zeros
+        )
         self.log_std = nnx.Param(jnp.zeros((act_dim,), jnp.float32))
 
     def __call__(self, x, probes=None):
@@ -251,8 +269,7 @@ class PPOCritic(nnx.Module):
     def __init__(self, obs_dim: int, spec: TrunkSpec, *, rngs: nnx.Rngs):
         self.trunk = Trunk(obs_dim, spec, rngs=rngs)
         _orthogonal_trunk(self.trunk, rngs)
-        self.out = nnx.Linear(spec.width, 1, rngs=rngs, kernel_init=orthogonal(1.0),
-                              bias_init=nnx.initializers.zeros)
+        self.out = nnx.Linear(spec.width, 1, rngs=rngs, kernel_init=orthogonal(1.0), bias_init=nnx.initializers.zeros)
 
     def __call__(self, x, probes=None):
         h, taps = self.trunk(x, probes)
@@ -272,12 +289,20 @@ def _optimizers(cfg: PPOConfig, plasticity: StaticPlasticity):
     """
     make = lambda lr, **_: optax.chain(optax.scale_by_adam(eps=cfg.adam_eps), optax.scale(-lr))  # noqa: E731
     spec = plasticity.optim
-    return (optim_lib.optimizer(1.0, "actor", make=make, spec=spec, post_scaled=True),
-            optim_lib.optimizer(1.0, "critic", make=make, spec=spec, post_scaled=True))
+    return (
+        optim_lib.optimizer(1.0, "actor", make=make, spec=spec, post_scaled=True),
+        optim_lib.optimizer(1.0, "critic", make=make, spec=spec, post_scaled=True),
+    )
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig = NetworkConfig(),
-         plasticity: StaticPlasticity = StaticPlasticity()) -> PPOState:
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: PPOConfig,
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+) -> PPOState:
     check_ranges(cfg)
     spec = network.trunk(TrunkSpec(64, 2, activation="tanh"))
     k_actor, k_critic = jax.random.split(key)
@@ -290,10 +315,25 @@ def init(key, obs_dim: int, act_dim: int, cfg: PPOConfig, network: NetworkConfig
         anchors = None
     flat = ravel_pytree(actor_params)[0]
     snapshots = jnp.zeros((cfg.diag_window + 1, flat.size), jnp.float32).at[0].set(flat)
-    return PPOState(actor_params, critic_params, tx_a.init(actor_params), tx_c.init(critic_params),
-                    rms_init((obs_dim,)), rms_init(), anchors, jnp.zeros((), jnp.int32), snapshots,
-                    jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32),
-                    cfg, actor, critic, act_dim, plasticity)
+    return PPOState(
+        actor_params,
+        critic_params,
+        tx_a.init(actor_params),
+        tx_c.init(critic_params),
+        rms_init((obs_dim,)),
+        rms_init(),
+        anchors,
+        jnp.zeros((), jnp.int32),
+        snapshots,
+        jnp.ones((), jnp.int32),
+        jnp.zeros((), jnp.int32),
+        jnp.ones((), jnp.int32),
+        cfg,
+        actor,
+        critic,
+        act_dim,
+        plasticity,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,8 +381,20 @@ def value(state: PPOState, obs_n):
     return state.critic(state.critic_params, obs_n)
 
 
-_ROLLOUT_FREE = ("actor_params", "critic_params", "actor_opt", "critic_opt", "obs_rms", "ret_rms", "anchors",
-                 "anchor_count", "snapshots", "snapshot_count", "iteration", "num_iterations")
+_ROLLOUT_FREE = (
+    "actor_params",
+    "critic_params",
+    "actor_opt",
+    "critic_opt",
+    "obs_rms",
+    "ret_rms",
+    "anchors",
+    "anchor_count",
+    "snapshots",
+    "snapshot_count",
+    "iteration",
+    "num_iterations",
+)
 
 
 def rollout_split(state: PPOState):
@@ -461,9 +513,12 @@ def actor_loss(actor_params, state: PPOState, mb: Minibatch, weights=None):
         adv = (adv - adv.mean()) / (adv.std(ddof=1) + 1e-8)
     pg = policy_surrogate(ratio, adv, cfg.clip_coef, cfg.clip)
     entropy = jnp.sum(log_std + 0.5 * LOG_2PI_E, axis=-1).mean()
-    aux = {"losses/policy": pg, "losses/entropy": entropy,
-           "charts/approx_kl": ((ratio - 1.0) - logratio).mean(),
-           "charts/clipfrac": (jnp.abs(ratio - 1.0) > cfg.clip_coef).astype(jnp.float32).mean()}
+    aux = {
+        "losses/policy": pg,
+        "losses/entropy": entropy,
+        "charts/approx_kl": ((ratio - 1.0) - logratio).mean(),
+        "charts/clipfrac": (jnp.abs(ratio - 1.0) > cfg.clip_coef).astype(jnp.float32).mean(),
+    }
     loss = pg - cfg.ent_coef * entropy
     if cfg.trust_region == "gtr" and weights is not None:
         div, width2 = _gtr_divergence(cfg, mb, mean, log_std, new_logp)
@@ -532,8 +587,11 @@ def _diagnostics(state: PPOState, new_actor_params):
     d_now, d_prev = snaps[0] - snaps[1], snaps[1] - snaps[2]
     cos = jnp.dot(d_now, d_prev) / (jnp.linalg.norm(d_now) * jnp.linalg.norm(d_prev) + 1e-12)
     cos = jnp.where(count >= 3, cos, jnp.nan)
-    metrics = {"diag/update_cosine": cos, "diag/directional_efficiency": efficiency,
-               "diag/update_norm": jnp.where(count >= 2, steps[0], jnp.nan)}
+    metrics = {
+        "diag/update_cosine": cos,
+        "diag/directional_efficiency": efficiency,
+        "diag/update_norm": jnp.where(count >= 2, steps[0], jnp.nan),
+    }
     return state.replace(snapshots=snaps, snapshot_count=count), metrics
 
 
@@ -541,18 +599,32 @@ def flat_samples(cfg: PPOConfig, batch: Rollout) -> dict:
     """GAE over one seed's rollout, flattened to T*E samples (obs, actions, logp, values, advantages, returns)."""
     T, E = batch.rewards.shape
     values = batch.values[:T]
-    adv, returns = gae(batch.rewards, values, batch.terminated, batch.truncated, batch.final_values,
-                       batch.values[T], cfg.gamma, cfg.gae_lambda)
+    adv, returns = gae(
+        batch.rewards,
+        values,
+        batch.terminated,
+        batch.truncated,
+        batch.final_values,
+        batch.values[T],
+        cfg.gamma,
+        cfg.gae_lambda,
+    )
     flat = lambda x: x.reshape(T * E, *x.shape[2:])  # noqa: E731
-    return {"obs": flat(batch.obs[:T]), "actions": flat(batch.actions[:T]), "logp": flat(batch.logp[:T]),
-            "values": flat(values), "advantages": flat(adv), "returns": flat(returns)}
+    return {
+        "obs": flat(batch.obs[:T]),
+        "actions": flat(batch.actions[:T]),
+        "logp": flat(batch.logp[:T]),
+        "values": flat(values),
+        "advantages": flat(adv),
+        "returns": flat(returns),
+    }
 
 
 def sample_batch(state: PPOState, batch: Rollout, key, size: int) -> Minibatch:
     """``size`` distinct samples of the latest rollout (for plasticity metrics and resets)."""
     data = flat_samples(state.cfg, batch)
     n = data["obs"].shape[0]
-    idx = jax.random.permutation(key, n)[:min(size, n)]
+    idx = jax.random.permutation(key, n)[: min(size, n)]
     return Minibatch(**jax.tree.map(lambda x: x[idx], data))
 
 
@@ -587,8 +659,10 @@ def update(state: PPOState, batch: Rollout, key):
         ua, oa = tx_a.update(grads[0], opts[0], params[0])
         uc, oc = tx_c.update(grads[1], opts[1], params[1])
         # descent directions scaled by the annealed lr; NE: pruned weights back to exactly 0; NaP: projected
-        new = (optim_lib.constrain(oa, optax.apply_updates(params[0], jax.tree.map(lambda u: lr * u, ua))),
-               optim_lib.constrain(oc, optax.apply_updates(params[1], jax.tree.map(lambda u: lr * u, uc))))
+        new = (
+            optim_lib.constrain(oa, optax.apply_updates(params[0], jax.tree.map(lambda u: lr * u, ua))),
+            optim_lib.constrain(oc, optax.apply_updates(params[1], jax.tree.map(lambda u: lr * u, uc))),
+        )
         keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(stopped, x, y), a, b)  # noqa: E731
         params, opts = keep(params, new), keep(opts, (oa, oc))
         aux = {**aux, "losses/total": loss, "charts/grad_norm": gnorm, "executed": 1.0 - stopped.astype(jnp.float32)}
@@ -597,15 +671,17 @@ def update(state: PPOState, batch: Rollout, key):
     def epoch(carry, k):
         k_perm, k_mb = jax.random.split(k)
         perm = jax.random.permutation(k_perm, n).reshape(cfg.num_minibatches, mb_size)
-        (params, opts, stopped), aux = jax.lax.scan(minibatch_step, carry,
-                                                    (perm, jax.random.split(k_mb, cfg.num_minibatches)))
+        (params, opts, stopped), aux = jax.lax.scan(
+            minibatch_step, carry, (perm, jax.random.split(k_mb, cfg.num_minibatches))
+        )
         if cfg.target_kl is not None:
             stopped = stopped | (aux["charts/approx_kl"][-1] > cfg.target_kl)
         return (params, opts, stopped), aux
 
     carry = ((state.actor_params, state.critic_params), (state.actor_opt, state.critic_opt), jnp.bool_(False))
     ((actor_params, critic_params), (actor_opt, critic_opt), _), aux = jax.lax.scan(
-        epoch, carry, jax.random.split(key, cfg.update_epochs))
+        epoch, carry, jax.random.split(key, cfg.update_epochs)
+    )
     executed = aux.pop("executed")
     metrics = {k: jnp.sum(v * executed) / jnp.maximum(executed.sum(), 1.0) for k, v in aux.items()}
     metrics["charts/epochs_run"] = executed.sum() / cfg.num_minibatches
@@ -613,7 +689,8 @@ def update(state: PPOState, batch: Rollout, key):
     metrics["charts/log_std"] = actor_params["log_std"][...].mean() if "log_std" in actor_params else jnp.nan
     var_y = jnp.var(data["returns"])
     metrics["charts/explained_variance"] = jnp.where(
-        var_y > 0, 1.0 - jnp.var(data["returns"] - data["values"]) / jnp.where(var_y > 0, var_y, 1.0), jnp.nan)
+        var_y > 0, 1.0 - jnp.var(data["returns"] - data["values"]) / jnp.where(var_y > 0, var_y, 1.0), jnp.nan
+    )
     metrics["charts/advantage_std"] = jnp.std(data["advantages"])
     if gtr:
         mean, log_std = state.actor(actor_params, data["obs"])
@@ -624,8 +701,13 @@ def update(state: PPOState, batch: Rollout, key):
         metrics["gtr/weight0"] = weights[0]
     kl_old = gaussian_kl(*state.actor(old_actor, data["obs"]), *state.actor(actor_params, data["obs"])).mean()
     metrics["charts/kl_iteration"] = kl_old
-    state = state.replace(actor_params=actor_params, critic_params=critic_params, actor_opt=actor_opt,
-                          critic_opt=critic_opt, iteration=state.iteration + 1)
+    state = state.replace(
+        actor_params=actor_params,
+        critic_params=critic_params,
+        actor_opt=actor_opt,
+        critic_opt=critic_opt,
+        iteration=state.iteration + 1,
+    )
     state, diag = _diagnostics(state, actor_params)
     metrics.update(diag)
     return state, metrics
@@ -648,5 +730,4 @@ def plastic_losses(state: PPOState, batch: Minibatch, key):
     surrogate minus the entropy bonus (the GTR penalty needs the iteration's anchor statistics and is
     left out); the critic's is the (clipped) value loss."""
     del key
-    return {"actor": lambda p: actor_loss(p, state, batch)[0],
-            "critic": lambda p: critic_loss(p, state, batch)}
+    return {"actor": lambda p: actor_loss(p, state, batch)[0], "critic": lambda p: critic_loss(p, state, batch)}

@@ -30,6 +30,7 @@ Networks are 3 x 256 ReLU with EDAC's initialisation (spec section 4).  ``--netw
 change them as for every agent.  The dataset is given by ``--dataset PATH`` (D4RL HDF5
 layout, envs/datasets.py) or ``--env hopper --kind medium`` (looked up in the dataset cache).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,11 +45,11 @@ from plasticity_zoo.agents import dynamics as dynamics_lib
 from plasticity_zoo.agents import sac
 from plasticity_zoo.agents.api import OfflineDataConfig
 from plasticity_zoo.agents.dynamics import DynamicsConfig
-from plasticity_zoo.envs import termination
-from plasticity_zoo.plasticity.api import StaticPlasticity
 from plasticity_zoo.buffers import replay
-from plasticity_zoo.networks.config import AT_LEAST_ONE, UNIT, NetworkConfig
 from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.envs import termination
+from plasticity_zoo.networks.config import AT_LEAST_ONE, UNIT, NetworkConfig
+from plasticity_zoo.plasticity.api import StaticPlasticity
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,14 @@ class RAVLConfig(sac.SACHyperparams, OfflineDataConfig):
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
     """the dynamics ensemble (spec 3.1), as --dynamics.<field>"""
 
-    RANGES = {"batch_size": AT_LEAST_ONE, "horizon": AT_LEAST_ONE, "dataset_ratio": UNIT,
-              "rollout_batch": AT_LEAST_ONE, "retain_epochs": AT_LEAST_ONE, "updates_per_epoch": AT_LEAST_ONE}
+    RANGES = {
+        "batch_size": AT_LEAST_ONE,
+        "horizon": AT_LEAST_ONE,
+        "dataset_ratio": UNIT,
+        "rollout_batch": AT_LEAST_ONE,
+        "retain_epochs": AT_LEAST_ONE,
+        "updates_per_epoch": AT_LEAST_ONE,
+    }
 
     def __post_init__(self):
         if isinstance(self.dynamics, dict):  # from config.json
@@ -95,8 +102,14 @@ class Data(NamedTuple):
     model: replay.Buffer
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: RAVLConfig, network: NetworkConfig = NetworkConfig(),
-         plasticity: StaticPlasticity = StaticPlasticity()):
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: RAVLConfig,
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+):
     """SAC-N/EDAC state with the spec's 3 x 256 networks (unless ``--network.depth`` says otherwise); ``sac.init``
     checks the ranges of both tables (``RAVLConfig.RANGES`` and SAC's)."""
     network = dataclasses.replace(network, depth=3 if network.depth is None else network.depth)
@@ -154,11 +167,14 @@ def rollouts(state, data: Data, model, key, cfg: RAVLConfig, done_fn):
     k_start, k_roll = jax.random.split(key)
     idx = jax.random.randint(k_start, (cfg.rollout_batch,), 0, data.real.reward.shape[0])
     policy = lambda obs, k: sac.act(state, obs, k, explore=True)  # noqa: E731
-    batch, valid = dynamics_lib.flatten(*dynamics_lib.rollout(model, policy, data.real.obs[idx], cfg.horizon,
-                                                              k_roll, done_fn))
-    stats = {"rollout/valid_fraction": valid.mean(),
-             "rollout/terminated_fraction": (batch.terminated & valid).sum() / cfg.rollout_batch,
-             "rollout/reward_mean": (batch.reward * valid).sum() / jnp.maximum(valid.sum(), 1)}
+    batch, valid = dynamics_lib.flatten(
+        *dynamics_lib.rollout(model, policy, data.real.obs[idx], cfg.horizon, k_roll, done_fn)
+    )
+    stats = {
+        "rollout/valid_fraction": valid.mean(),
+        "rollout/terminated_fraction": (batch.terminated & valid).sum() / cfg.rollout_batch,
+        "rollout/reward_mean": (batch.reward * valid).sum() / jnp.maximum(valid.sum(), 1),
+    }
     return data._replace(model=replay.add_masked(data.model, batch, valid)), stats
 
 

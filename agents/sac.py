@@ -19,6 +19,7 @@ switch them); with NE the target critic shares the critic's masks.
 ``truncated`` never enters the target: a transition cut by a time limit bootstraps from its
 true final observation, which the replay buffer stores.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,16 +30,15 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
+from plasticity_zoo.buffers import replay
+from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build
+from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig, check_ranges
 from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample, tanh_max_entropy
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
 from plasticity_zoo.plasticity.sigreg import regularized
-from plasticity_zoo.agents.api import OffPolicyConfig, check_replay
-from plasticity_zoo.networks.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig,
-                                            check_ranges)
-from plasticity_zoo.buffers import replay
-from plasticity_zoo.buffers.replay import Transition
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,16 @@ class SACHyperparams:
 
     # alpha_lr 0 keeps the temperature at init_alpha; target_entropy is checked against the action's
     # dimension in init (check_target_entropy)
-    RANGES = {"critics": AT_LEAST_ONE, "eta": NON_NEGATIVE, "actor_lr": POSITIVE, "critic_lr": POSITIVE,
-              "alpha_lr": NON_NEGATIVE, "gamma": UNIT, "tau": RATE, "init_alpha": POSITIVE}
+    RANGES = {
+        "critics": AT_LEAST_ONE,
+        "eta": NON_NEGATIVE,
+        "actor_lr": POSITIVE,
+        "critic_lr": POSITIVE,
+        "alpha_lr": NON_NEGATIVE,
+        "gamma": UNIT,
+        "tau": RATE,
+        "init_alpha": POSITIVE,
+    }
 
 
 @dataclass(frozen=True)
@@ -100,13 +108,21 @@ def _optimizers(cfg: SACConfig, plasticity: StaticPlasticity):
     """Actor, critic (plastic: the shared factory, with the Kron / NE choice built in) and temperature
     (plain Adam) optimizers."""
     spec = plasticity.optim
-    return (optim_lib.optimizer(cfg.actor_lr, "actor", spec=spec),
-            optim_lib.optimizer(cfg.critic_lr, "critic", ensemble=True, spec=spec),
-            optax.adam(cfg.alpha_lr))
+    return (
+        optim_lib.optimizer(cfg.actor_lr, "actor", spec=spec),
+        optim_lib.optimizer(cfg.critic_lr, "critic", ensemble=True, spec=spec),
+        optax.adam(cfg.alpha_lr),
+    )
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig = NetworkConfig(),
-         plasticity: StaticPlasticity = StaticPlasticity()) -> SACState:
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: SACConfig,
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+) -> SACState:
     check_ranges(cfg)  # RAVL's too (its config's own table included)
     if cfg.eta > 0 and cfg.critics < 2:
         raise ValueError("EDAC's diversity term (--eta > 0) needs at least 2 critics")
@@ -115,17 +131,35 @@ def init(key, obs_dim: int, act_dim: int, cfg: SACConfig, network: NetworkConfig
         check_replay(cfg)
     spec = network.trunk(TrunkSpec(256, 2, hidden_bias_init=0.1 if cfg.edac_init else 0.0))
     k_actor, k_critic = jax.random.split(key)
-    actor, actor_params = build("actor", lambda r: GaussianPolicyHead(
-        obs_dim, act_dim, spec, rngs=r, out_init_scale=1e-3 if cfg.edac_init else None), k_actor)
-    critic, critic_params = build("critic", lambda r: MLPHead(
-        obs_dim + act_dim, 1, spec, rngs=r, out_init_scale=3e-3 if cfg.edac_init else None),
-        k_critic, ensemble=cfg.critics)
+    actor, actor_params = build(
+        "actor",
+        lambda r: GaussianPolicyHead(obs_dim, act_dim, spec, rngs=r, out_init_scale=1e-3 if cfg.edac_init else None),
+        k_actor,
+    )
+    critic, critic_params = build(
+        "critic",
+        lambda r: MLPHead(obs_dim + act_dim, 1, spec, rngs=r, out_init_scale=3e-3 if cfg.edac_init else None),
+        k_critic,
+        ensemble=cfg.critics,
+    )
     log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
     tx_a, tx_c, tx_t = _optimizers(cfg, plasticity)
     target_params = jax.tree.map(jnp.copy, critic_params)  # distinct buffers (the loop donates state)
-    return SACState(actor_params, critic_params, target_params, log_alpha,
-                    tx_a.init(actor_params), tx_c.init(critic_params), tx_t.init(log_alpha),
-                    jnp.zeros((), jnp.int32), cfg, actor, critic, act_dim, plasticity)
+    return SACState(
+        actor_params,
+        critic_params,
+        target_params,
+        log_alpha,
+        tx_a.init(actor_params),
+        tx_c.init(critic_params),
+        tx_t.init(log_alpha),
+        jnp.zeros((), jnp.int32),
+        cfg,
+        actor,
+        critic,
+        act_dim,
+        plasticity,
+    )
 
 
 def act(state: SACState, obs, key, explore: bool):
@@ -149,9 +183,11 @@ def check_target_entropy(target: Optional[float], act_dim: int):
         return
     most = tanh_max_entropy(act_dim)
     if not target <= most:  # NaN too
-        raise ValueError(f"--target-entropy must be <= {most:.4g} for a {act_dim}-dimensional action "
-                         f"({act_dim} x log 2: the entropy of the uniform distribution on [-1, 1]^{act_dim}, the most "
-                         f"a tanh-squashed policy can have; SAC's default is -{act_dim}), got {target}")
+        raise ValueError(
+            f"--target-entropy must be <= {most:.4g} for a {act_dim}-dimensional action "
+            f"({act_dim} x log 2: the entropy of the uniform distribution on [-1, 1]^{act_dim}, the most "
+            f"a tanh-squashed policy can have; SAC's default is -{act_dim}), got {target}"
+        )
 
 
 def td_target(reward, terminated, next_q_min, next_log_prob, alpha, gamma):
@@ -164,8 +200,10 @@ def diversity_loss(critic: Net, critic_params, obs, action):
     n = critic.ensemble
     # One backward pass: each member gets its own copy of the actions, so d(sum of all Q)/d(copy i)
     # is grad_a Q_i (a jacrev over members would cost N backward passes through the whole ensemble).
-    x = jnp.broadcast_to(jnp.concatenate([obs, action], axis=-1), (n, *obs.shape[:-1], obs.shape[-1] + action.shape[-1]))
-    grads = jax.grad(lambda x: critic.apply(critic_params, x, member_inputs=True)[0].sum())(x)[..., obs.shape[-1]:]
+    x = jnp.broadcast_to(
+        jnp.concatenate([obs, action], axis=-1), (n, *obs.shape[:-1], obs.shape[-1] + action.shape[-1])
+    )
+    grads = jax.grad(lambda x: critic.apply(critic_params, x, member_inputs=True)[0].sum())(x)[..., obs.shape[-1] :]
     # ||g|| as sqrt(sum g^2 + 1e-20): jnp.linalg.norm's gradient is NaN at g = 0 (a ReLU critic can
     # have exactly zero action-gradient), torch.norm's is 0; this matches the latter.
     unit = grads / (jnp.sqrt(jnp.sum(grads**2, axis=-1, keepdims=True) + 1e-20) + 1e-10)
@@ -212,26 +250,49 @@ def update(state: SACState, batch: Transition, key):
     alpha = jnp.exp(log_alpha)
 
     (pi_loss, (log_prob, q_policy_std)), pi_grad = jax.value_and_grad(regularized(actor_loss, "actor"), has_aux=True)(
-        state.actor_params, state, batch.obs, alpha, k_actor, reg_key=k_reg_actor, sigreg=state.plasticity.sigreg)
+        state.actor_params, state, batch.obs, alpha, k_actor, reg_key=k_reg_actor, sigreg=state.plasticity.sigreg
+    )
     upd, actor_opt = tx_a.update(pi_grad, state.actor_opt, state.actor_params)
     actor_params = optax.apply_updates(state.actor_params, upd)
 
     (q_loss, (q, td, div, next_q)), q_grad = jax.value_and_grad(regularized(critic_loss, "critic"), has_aux=True)(
-        state.critic_params, state, actor_params, batch, alpha, k_critic, reg_key=k_reg_critic,
-        sigreg=state.plasticity.sigreg)
+        state.critic_params,
+        state,
+        actor_params,
+        batch,
+        alpha,
+        k_critic,
+        reg_key=k_reg_critic,
+        sigreg=state.plasticity.sigreg,
+    )
     upd, critic_opt = tx_c.update(q_grad, state.critic_opt, state.critic_params)
     critic_params = optax.apply_updates(state.critic_params, upd)
     target = optax.incremental_update(critic_params, state.target_critic_params, cfg.tau)
     target = optim_lib.apply_mask(critic_opt, target)  # NE: target networks share the masks (Liu et al. 2025 code)
 
-    new = state.replace(actor_params=actor_params, critic_params=critic_params, target_critic_params=target,
-                        log_alpha=log_alpha, actor_opt=actor_opt, critic_opt=critic_opt, alpha_opt=alpha_opt,
-                        updates=state.updates + 1)
-    metrics = {"losses/critic": td, "losses/actor": pi_loss, "losses/alpha": a_loss,
-               "losses/diversity": div, "charts/alpha": alpha, "charts/entropy": -log_prob.mean(),
-               "values/q_mean": q.mean(), "values/q_std_ensemble": q.std(axis=0).mean(),
-               "values/q_std_policy": q_policy_std, "values/q_std_random": _q_std_random(new, batch.obs, key),
-               "values/next_q_min": next_q}
+    new = state.replace(
+        actor_params=actor_params,
+        critic_params=critic_params,
+        target_critic_params=target,
+        log_alpha=log_alpha,
+        actor_opt=actor_opt,
+        critic_opt=critic_opt,
+        alpha_opt=alpha_opt,
+        updates=state.updates + 1,
+    )
+    metrics = {
+        "losses/critic": td,
+        "losses/actor": pi_loss,
+        "losses/alpha": a_loss,
+        "losses/diversity": div,
+        "charts/alpha": alpha,
+        "charts/entropy": -log_prob.mean(),
+        "values/q_mean": q.mean(),
+        "values/q_std_ensemble": q.std(axis=0).mean(),
+        "values/q_std_policy": q_policy_std,
+        "values/q_std_random": _q_std_random(new, batch.obs, key),
+        "values/next_q_min": next_q,
+    }
     return new, metrics
 
 
@@ -253,6 +314,8 @@ buffer_add = replay.add
 def buffer_init(capacity: int, obs_dim: int, act_dim: int, cfg=None) -> replay.Buffer:
     """The uniform ring buffer (the config is not needed)."""
     return replay.init(capacity, obs_dim, act_dim)
+
+
 plastic_params = declared_params(PLASTIC)
 plastic_nets = declared_nets(PLASTIC)
 
@@ -263,7 +326,8 @@ def sample_batch(state: SACState, buffer: replay.Buffer, key, batch_size: int) -
 
 
 def train_block(state: SACState, buffer: replay.Buffer, key, num_updates: int, replay_control=None):
-    """``num_updates`` SAC updates on uniform batches (NE's review and auto batch given ``replay_control``) as one scan."""
+    """``num_updates`` SAC updates on uniform batches (NE's review and auto batch given ``replay_control``)
+    as one scan."""
     return replay.scan_updates(update, state, buffer, key, num_updates, state.cfg.batch_size, replay_control)
 
 
@@ -271,8 +335,10 @@ def plastic_losses(state: SACState, batch: Transition, key):
     """Per plastic network, its training loss as a function of that network's params (for metrics/resets)."""
     k1, k2 = jax.random.split(key)
     alpha = jnp.exp(state.log_alpha)
-    return {"actor": lambda p: actor_loss(p, state, batch.obs, alpha, k1)[0],
-            "critic": lambda p: critic_loss(p, state, state.actor_params, batch, alpha, k2)[0]}
+    return {
+        "actor": lambda p: actor_loss(p, state, batch.obs, alpha, k1)[0],
+        "critic": lambda p: critic_loss(p, state, state.actor_params, batch, alpha, k2)[0],
+    }
 
 
 def least_signals(state: SACState, transition: Transition, key):

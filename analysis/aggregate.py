@@ -20,6 +20,7 @@ are all ``dmc:`` tasks 0 to 1000 (its return is their mean), and its ``score`` c
 (0 to 1); any env with ``--norm ENV=LOW:HIGH``.  Without a reference an env keeps its raw score and is left out of
 aggregates across envs (a report over one env aggregates its raw scores).
 """
+
 from __future__ import annotations
 
 import csv
@@ -34,8 +35,13 @@ import numpy as np
 from plasticity_zoo.training.logger import AGGREGATE_TASK  # the task column of a multitask run's aggregate rows
 
 # (random, TD3) returns at 1M steps, Gymnasium MuJoCo (MR.Q paper, Fujimoto et al. 2025, the Gym table).
-TD3_NORMALISATION = {"Ant": (-70.3, 3942.0), "HalfCheetah": (-289.4, 10574.0), "Hopper": (18.8, 3226.0),
-                     "Humanoid": (120.4, 5165.0), "Walker2d": (2.8, 3946.0)}
+TD3_NORMALISATION = {
+    "Ant": (-70.3, 3942.0),
+    "HalfCheetah": (-289.4, 10574.0),
+    "Hopper": (18.8, 3226.0),
+    "Humanoid": (120.4, 5165.0),
+    "Walker2d": (2.8, 3946.0),
+}
 DMC_RANGE = (0.0, 1000.0)
 SCORE_RANGE = (0.0, 1.0)  # a multitask run's score column: already normalised
 
@@ -105,7 +111,8 @@ def run_labels(configs: list[dict]) -> list[str]:
     for (agent, _), runs in by_env.items():
         shared = set.intersection(*(set(settings[i]) for i in runs))
         differ.setdefault(agent, set()).update(
-            k for k in shared if len({json.dumps(settings[i][k], sort_keys=True) for i in runs}) > 1)
+            k for k in shared if len({json.dumps(settings[i][k], sort_keys=True) for i in runs}) > 1
+        )
     labels = []
     for i, c in enumerate(configs):
         if c.get("label"):
@@ -137,8 +144,12 @@ def find_runs(paths) -> list[Path]:
     for p in map(Path, paths):
         if not p.exists():
             raise ReportError(f"{p}: no such file or directory")
-        found = [d.parent for d in sorted(p.rglob("config.json")) if (d.parent / "eval.csv").is_file()
-                 and not any(part.startswith(".replaced-") for part in d.parent.relative_to(p).parts)]
+        found = [
+            d.parent
+            for d in sorted(p.rglob("config.json"))
+            if (d.parent / "eval.csv").is_file()
+            and not any(part.startswith(".replaced-") for part in d.parent.relative_to(p).parts)
+        ]
         if p.is_dir() and (p / "config.json").is_file() and (p / "eval.csv").is_file() and p not in found:
             found.insert(0, p)
         if not found:
@@ -208,8 +219,9 @@ def steps_text(n: int) -> str:
 def stopped_note(g: Group) -> str:
     """``<run dir's name> stopped at 43k of 100k`` (its last evaluation, and the step a finished run ends at)
     for each run of ``g`` that stopped early, joined by ``; ``; empty if none did."""
-    return "; ".join(f"{d.name} stopped at {steps_text(reached)} of {steps_text(final)}"
-                     for d, reached, final in g.stopped)
+    return "; ".join(
+        f"{d.name} stopped at {steps_text(reached)} of {steps_text(final)}" for d, reached, final in g.stopped
+    )
 
 
 def parse_norm(items) -> dict[str, tuple[float, float]]:

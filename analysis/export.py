@@ -24,6 +24,7 @@ Box as the env does (``EnvActions``: ``rescale``: low + (a + 1) / 2 (high - low)
 checkpoint.  Recurrent (``neubay``) and multitask (``mrq-mt``) agents are not exported
 (``UNSUPPORTED`` says why), nor ``mt:`` / ``playground:`` envs (no single Gymnasium Box to map onto).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from plasticity_zoo.analysis.restore import (EnvActions, EnvPolicy, RunEnv, action_repeat_of, env_actions,  # noqa: F401
-                                             env_units_supported, run_env)
+from plasticity_zoo.analysis.restore import (
+    EnvActions,
+    EnvPolicy,
+    env_actions,  # noqa: F401
+    env_units_supported,
+    run_env,
+)
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.evaluation import SeedPolicy, eval_block
 
@@ -50,7 +56,7 @@ POLICY_FIELDS = {
 }
 UNSUPPORTED = {
     "neubay": "its policy is recurrent (it acts from the episode's history: a memory, the previous action "
-              "and reward), which an exported observation -> action function does not carry",
+    "and reward), which an exported observation -> action function does not carry",
     "mrq-mt": "its policy is conditioned on the task of a multitask (mt:) env, which has no single action Box",
 }
 
@@ -61,8 +67,9 @@ def check_exportable(agent_name: str, env_id: str | None = None):
     if agent_name in UNSUPPORTED:
         raise ValueError(f"agent {agent_name!r} cannot be exported: {UNSUPPORTED[agent_name]}")
     if agent_name not in POLICY_FIELDS:
-        raise ValueError(f"agent {agent_name!r} cannot be exported (exportable agents: "
-                         f"{', '.join(sorted(POLICY_FIELDS))})")
+        raise ValueError(
+            f"agent {agent_name!r} cannot be exported (exportable agents: {', '.join(sorted(POLICY_FIELDS))})"
+        )
     if env_id is not None:
         env_units_supported(env_id)
 
@@ -83,9 +90,9 @@ def export_policy(run_dir, out, step: int | None = None, seed: int = 0, warn=Non
     describes it).  SystemExit (a message) for a directory that is no run, a missing checkpoint or
     step, a seed out of range or an output inside the run's checkpoints; ValueError for an agent or
     env that cannot be exported."""
+    from plasticity_zoo.analysis.restore import restore_policy, run_env_id
     from plasticity_zoo.training.config import to_json
     from plasticity_zoo.training.evaluation import eval_action_mode
-    from plasticity_zoo.analysis.restore import restore_policy, run_env_id
     from plasticity_zoo.training.run import load_config
 
     run_dir, out = Path(run_dir), Path(out)
@@ -106,16 +113,34 @@ def export_policy(run_dir, out, step: int | None = None, seed: int = 0, warn=Non
     state = jax.tree.map(lambda x: x[seed], restored.state)
     arrays = policy_arrays(cfg.agent_name, state)
     full, fields = to_json(cfg), POLICY_FIELDS[cfg.agent_name]
-    meta = {"format": FORMAT, "kind": KIND, "agent": cfg.agent_name, "agent_config": full["agent"],
-            "network": full["network"], "obs_dim": env.obs_dim, "act_dim": env.act_dim,
-            "action_shape": list(np.shape(actions.low)), "env": restored.env_id, "action_repeat": env.action_repeat,
-            "action_mode": eval_action_mode(cfg, agent), "action_dtype": actions.dtype.name,
-            "obs_normalization": "obs_rms" in fields and bool(getattr(cfg.agent, "norm_obs", False)),
-            "fields": list(fields), "arrays": list(arrays), "eval_block": eval_block(cfg),
-            "step": restored.step, "seed": seed, "checkpoint": restored.path.name}
+    meta = {
+        "format": FORMAT,
+        "kind": KIND,
+        "agent": cfg.agent_name,
+        "agent_config": full["agent"],
+        "network": full["network"],
+        "obs_dim": env.obs_dim,
+        "act_dim": env.act_dim,
+        "action_shape": list(np.shape(actions.low)),
+        "env": restored.env_id,
+        "action_repeat": env.action_repeat,
+        "action_mode": eval_action_mode(cfg, agent),
+        "action_dtype": actions.dtype.name,
+        "obs_normalization": "obs_rms" in fields and bool(getattr(cfg.agent, "norm_obs", False)),
+        "fields": list(fields),
+        "arrays": list(arrays),
+        "eval_block": eval_block(cfg),
+        "step": restored.step,
+        "seed": seed,
+        "checkpoint": restored.path.name,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
-    members = {**{f"params/{k}": v for k, v in arrays.items()}, "bounds/low": actions.low,
-               "bounds/high": actions.high, "meta": np.asarray(json.dumps(meta, indent=1, sort_keys=True))}
+    members = {
+        **{f"params/{k}": v for k, v in arrays.items()},
+        "bounds/low": actions.low,
+        "bounds/high": actions.high,
+        "meta": np.asarray(json.dumps(meta, indent=1, sort_keys=True)),
+    }
     tmp = out.with_name(f".tmp_{out.name}")
     try:
         checkpoint.write_npz(tmp, members)
@@ -136,8 +161,10 @@ def _read(path) -> tuple[dict, dict]:
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path}: not an exported policy ({type(e).__name__}: {e})") from e
     if not isinstance(meta, dict) or meta.get("kind") != KIND or not 1 <= fmt <= FORMAT:
-        raise ValueError(f"{path}: not an exported policy of format {FORMAT} (kind "
-                         f"{meta.get('kind') if isinstance(meta, dict) else None!r})")
+        raise ValueError(
+            f"{path}: not an exported policy of format {FORMAT} (kind "
+            f"{meta.get('kind') if isinstance(meta, dict) else None!r})"
+        )
     return meta, stored
 
 
@@ -154,8 +181,12 @@ class Policy(EnvPolicy):
     def __init__(self, meta: dict, agent, state, actions: EnvActions):
         self.meta, self.agent, self.state = meta, agent, state
         stacked = jax.tree.map(lambda x: x[None], state)  # one seed, as SeedPolicy takes a vmapped state
-        super().__init__(SeedPolicy(agent, stacked, [0], block=int(meta["eval_block"])), meta["obs_dim"], actions,
-                         meta["action_shape"])
+        super().__init__(
+            SeedPolicy(agent, stacked, [0], block=int(meta["eval_block"])),
+            meta["obs_dim"],
+            actions,
+            meta["action_shape"],
+        )
 
     @property
     def env_id(self) -> str:
@@ -181,8 +212,9 @@ def load_policy(path) -> Policy:
     agent_cfg = agent.CONFIG(**meta["agent_config"])
     network = NetworkConfig(**meta["network"])
     obs_dim, act_dim = int(meta["obs_dim"]), int(meta["act_dim"])
-    abstract = jax.eval_shape(lambda: agent.init(jax.random.key(0), obs_dim, act_dim, agent_cfg, network,
-                                                 StaticPlasticity()))
+    abstract = jax.eval_shape(
+        lambda: agent.init(jax.random.key(0), obs_dim, act_dim, agent_cfg, network, StaticPlasticity())
+    )
     params = {k.removeprefix("params/"): v for k, v in stored.items() if k.startswith("params/")}
     state = fill_state(abstract, POLICY_FIELDS[name], params, str(path))
     actions = EnvActions(stored["bounds/low"], stored["bounds/high"], meta["action_mode"], meta["action_dtype"])
@@ -197,16 +229,21 @@ def fill_state(abstract, fields, arrays: dict, where: str):
     missing = [n for n in names if n not in arrays]
     unknown = [n for n in arrays if n not in set(names)]
     if missing or unknown:
-        raise ValueError(f"{where}: the exported arrays do not fit this agent's networks: "
-                         + "; ".join(([f"no array {missing[0]}"] if missing else [])
-                                     + ([f"array {unknown[0]} has no place"] if unknown else [])))
+        raise ValueError(
+            f"{where}: the exported arrays do not fit this agent's networks: "
+            + "; ".join(
+                ([f"no array {missing[0]}"] if missing else [])
+                + ([f"array {unknown[0]} has no place"] if unknown else [])
+            )
+        )
     leaves, treedef = jax.tree.flatten(tree)
     filled = []
     for name, ref in zip(names, leaves):
         x = arrays[name]
         if x.shape != ref.shape or x.dtype != ref.dtype:
-            raise ValueError(f"{where}: array {name} is {x.dtype}{x.shape}, this agent's networks expect "
-                             f"{ref.dtype}{ref.shape}")
+            raise ValueError(
+                f"{where}: array {name} is {x.dtype}{x.shape}, this agent's networks expect {ref.dtype}{ref.shape}"
+            )
         filled.append(x)
     own = jax.tree.unflatten(treedef, filled)
 

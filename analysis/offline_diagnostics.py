@@ -25,6 +25,7 @@ For SAC-family offline agents (RAVL: a state with ``critic``, ``critic_params``,
   (``data_distance``, the median over sampled rows).  States many times farther than that are
   outside the data's support: no dataset row, and no short model rollout from one, reaches them.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,14 @@ import numpy as np
 from plasticity_zoo import agents
 from plasticity_zoo.agents import dynamics as dynamics_lib
 from plasticity_zoo.agents import imagination
+from plasticity_zoo.analysis.restore import restore_policy
+from plasticity_zoo.buffers import replay
 from plasticity_zoo.envs import datasets, termination
 from plasticity_zoo.envs.make import VectorEnv
 from plasticity_zoo.networks.distributions import tanh_gaussian_sample
-from plasticity_zoo.buffers import replay
 from plasticity_zoo.training import checkpoint
-from plasticity_zoo.training.offline import initial_state, resolve_dataset, _buffers
 from plasticity_zoo.training.evaluation import is_recurrent, policy_maker
-from plasticity_zoo.analysis.restore import restore_policy
+from plasticity_zoo.training.offline import _buffers, initial_state, resolve_dataset
 from plasticity_zoo.training.run import load_config
 
 
@@ -75,8 +76,10 @@ def load_run(run_dir):
     if agent.KIND != "offline":
         raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}, not an offline agent")
     if is_recurrent(agent) and not (hasattr(agent, "history_values") and hasattr(agent, "rollout_policy")):
-        raise SystemExit(f"{run_dir} is a run of {cfg.agent_name!r}: its critics read whole histories and the "
-                         "agent has no history_values / rollout_policy to read them along an episode")
+        raise SystemExit(
+            f"{run_dir} is a run of {cfg.agent_name!r}: its critics read whole histories and the "
+            "agent has no history_values / rollout_policy to read them along an episode"
+        )
     path, dataset, env_id = resolve_dataset(cfg)
     keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
     aux = agent.prepare(keys[0], dataset, path, cfg.agent, cfg.seed, log=lambda *_: None)
@@ -101,10 +104,10 @@ def nearest_distances(points, reference, scale, exclude=None, point_groups=None,
     groups = None if exclude is None else np.asarray(point_groups)[:, None]
     best = np.full(len(p), np.inf)
     for start in range(0, len(reference), chunk):
-        r = np.asarray(reference[start:start + chunk], np.float64) / scale
+        r = np.asarray(reference[start : start + chunk], np.float64) / scale
         d2 = p_sq + (r * r).sum(1)[None, :] - 2.0 * p @ r.T  # (P, chunk)
         if groups is not None:
-            d2[groups == np.asarray(exclude[start:start + chunk])[None, :]] = np.inf
+            d2[groups == np.asarray(exclude[start : start + chunk])[None, :]] = np.inf
         best = np.minimum(best, d2.min(1))
     return np.sqrt(np.maximum(best, 0.0))
 
@@ -127,8 +130,9 @@ def _drift(state, batch, key) -> float:
     """mean over non-terminal rows of min_i Q'(s', a') - min_i Q(s, a), a' ~ pi(s')."""
     mean, log_std = state.actor(state.actor_params, batch.next_obs)
     next_action, _ = tanh_gaussian_sample(key, mean, log_std)
-    gain = _q(state, state.target_critic_params, batch.next_obs, next_action).min(0) - \
-        _q(state, state.critic_params, batch.obs, batch.action).min(0)
+    gain = _q(state, state.target_critic_params, batch.next_obs, next_action).min(0) - _q(
+        state, state.critic_params, batch.obs, batch.action
+    ).min(0)
     live = ~np.asarray(batch.terminated)
     return float(gain[live].mean()) if live.any() else float("nan")
 
@@ -145,8 +149,11 @@ def _model_checks(model, obs, action, next_obs) -> dict:
     elite, _ = _elite_predictions(model, obs, action)
     elite = elite[..., : model.obs_dim]  # (E, B, O)
     pred = np.asarray(obs) + elite.mean(0)
-    return {"model_error": float(np.abs(pred - np.asarray(next_obs)).mean()),
-            "model_spread": float(elite.std(0).mean()), "pred_next_obs": pred}
+    return {
+        "model_error": float(np.abs(pred - np.asarray(next_obs)).mean()),
+        "model_spread": float(elite.std(0).mean()),
+        "pred_next_obs": pred,
+    }
 
 
 def _real_episodes(policy, env_id, episodes: int, seed: int):
@@ -173,7 +180,7 @@ class _SeedPolicy:
     carries each episode's memory, previous action and reward) on observations (n, O)."""
 
     def __init__(self, agent, states, j: int):
-        self.policy = policy_maker(agent)(jax.tree.map(lambda x: x[j:j + 1], states))
+        self.policy = policy_maker(agent)(jax.tree.map(lambda x: x[j : j + 1], states))
 
     def __call__(self, obs):
         return np.asarray(self.policy(jnp.asarray(obs, jnp.float32)[None]))[0]
@@ -188,8 +195,13 @@ def episode_values(q) -> dict:
     step where that maximum is, and the mean ensemble spread."""
     q = np.asarray(q)
     q_min = q.min(0)
-    return {"q_min_first": float(q_min[0]), "q_min_max": float(q_min.max()), "q_min_max_at": int(np.argmax(q_min)),
-            "q_min_last": float(q_min[-1]), "q_std": float(q.std(0).mean())}
+    return {
+        "q_min_first": float(q_min[0]),
+        "q_min_max": float(q_min.max()),
+        "q_min_max_at": int(np.argmax(q_min)),
+        "q_min_last": float(q_min[-1]),
+        "q_std": float(q.std(0).mean()),
+    }
 
 
 def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> dict:
@@ -210,14 +222,20 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
     scale = np.maximum(data_obs.std(0), 1e-6)
     episode_id = np.concatenate([[0], np.cumsum(episode_ends(dataset))[:-1]])
     ref = idx[:512]
-    out = {"run_dir": str(run_dir), "step": run["step"], "env_id": run["env_id"],
-           "mc_return": float(g[idx].mean()),
-           "data_distance": float(np.median(nearest_distances(data_obs[ref], data_obs, scale, episode_id,
-                                                              episode_id[ref]))),
-           "seeds": []}
+    out = {
+        "run_dir": str(run_dir),
+        "step": run["step"],
+        "env_id": run["env_id"],
+        "mc_return": float(g[idx].mean()),
+        "data_distance": float(
+            np.median(nearest_distances(data_obs[ref], data_obs, scale, episode_id, episode_id[ref]))
+        ),
+        "seeds": [],
+    }
     if has_model:
-        out["model_on_data"] = {k: v for k, v in _model_checks(model, real.obs, real.action, real.next_obs).items()
-                                if k != "pred_next_obs"}
+        out["model_on_data"] = {
+            k: v for k, v in _model_checks(model, real.obs, real.action, real.next_obs).items() if k != "pred_next_obs"
+        }
     for j in range(cfg.seeds):
         state = jax.tree.map(lambda x: x[j], run["state"])
         key = jax.random.fold_in(jax.random.key(seed), j)
@@ -225,22 +243,30 @@ def diagnose(run_dir, episodes: int = 3, samples: int = 4096, seed: int = 0) -> 
         mean, log_std = state.actor(state.actor_params, jnp.asarray(real.obs))
         policy_action = np.asarray(jnp.tanh(mean))
         random_action = rng.uniform(-1, 1, real.action.shape).astype(np.float32)
-        row = {"seed": j,
-               "data_actions": _spread_stats(_q(state, state.critic_params, real.obs, real.action)),
-               "policy_actions": _spread_stats(_q(state, state.critic_params, real.obs, policy_action)),
-               "random_actions": _spread_stats(_q(state, state.critic_params, real.obs, random_action)),
-               "drift_real": _drift(state, real, k_drift_real)}
+        row = {
+            "seed": j,
+            "data_actions": _spread_stats(_q(state, state.critic_params, real.obs, real.action)),
+            "policy_actions": _spread_stats(_q(state, state.critic_params, real.obs, policy_action)),
+            "random_actions": _spread_stats(_q(state, state.critic_params, real.obs, random_action)),
+            "drift_real": _drift(state, real, k_drift_real),
+        }
         buffer = getattr(run["data"], "model", None)
         if buffer is not None and int(np.asarray(buffer.size)[j]) > 0:
             b = replay.sample(jax.tree.map(lambda x: x[j], buffer), k_model, samples)
             row["drift_model"] = _drift(state, b, k_drift_model)
         row["episodes"] = []
-        episodes_j = _real_episodes(_SeedPolicy(run["agent"], run["state"], j), run["env_id"], episodes,
-                                    seed * 1000 + 10_000 + 100 * j)
+        episodes_j = _real_episodes(
+            _SeedPolicy(run["agent"], run["state"], j), run["env_id"], episodes, seed * 1000 + 10_000 + 100 * j
+        )
         for obs, action, reward, next_obs, terminated in episodes_j:
             q = _q(state, state.critic_params, obs, action)
-            ep = {"return": float(reward.sum()), "length": int(len(reward)), "terminated": bool(terminated[-1]),
-                  **episode_values(q), **episode_coverage(nearest_distances(obs, data_obs, scale))}
+            ep = {
+                "return": float(reward.sum()),
+                "length": int(len(reward)),
+                "terminated": bool(terminated[-1]),
+                **episode_values(q),
+                **episode_coverage(nearest_distances(obs, data_obs, scale)),
+            }
             if has_model:
                 m = _model_checks(model, obs, action, next_obs)
                 ep.update(model_error=m["model_error"], model_spread=m["model_spread"])
@@ -283,10 +309,12 @@ def _one_step(model, obs, action, reward, next_obs, done_fn) -> dict:
     whose predicted next state is terminal."""
     elite, pred = _elite_predictions(model, obs, action)  # (E, T, O + 1), (E, T, O)
     obs, action = jnp.asarray(obs, jnp.float32), jnp.asarray(action, jnp.float32)
-    return {"state_mse": ((pred - np.asarray(next_obs)[None]) ** 2).mean(-1).mean(0),
-            "reward_mse": ((elite[..., model.obs_dim] - np.asarray(reward)[None]) ** 2).mean(0),
-            "uncertainty": np.asarray(dynamics_lib.epistemic_uncertainty(model, obs, action)),
-            "done_fraction": np.asarray(done_fn(jnp.asarray(pred))).mean(0)}
+    return {
+        "state_mse": ((pred - np.asarray(next_obs)[None]) ** 2).mean(-1).mean(0),
+        "reward_mse": ((elite[..., model.obs_dim] - np.asarray(reward)[None]) ** 2).mean(0),
+        "uncertainty": np.asarray(dynamics_lib.epistemic_uncertainty(model, obs, action)),
+        "done_fraction": np.asarray(done_fn(jnp.asarray(pred))).mean(0),
+    }
 
 
 def imagination_stats(stats, tape) -> dict:
@@ -297,10 +325,11 @@ def imagination_stats(stats, tape) -> dict:
     rewards = float(np.where(imagined, np.asarray(tape.reward), 0.0).sum())
     out = {"horizon_mean": float(h.mean()), "horizon_max": int(h.max())}
     out.update({f"horizon_p{q}": float(np.percentile(h, q)) for q in (10, 50, 90)})
-    out.update(reward_per_step=rewards / max(int(imagined.sum()), 1),
-               imagined_return=float(np.asarray(stats["imagined_return"]).mean()),
-               **{k: float(np.asarray(stats[k]).mean()) for k in ("ended_terminated", "ended_uncertainty",
-                                                                  "ended_horizon")})
+    out.update(
+        reward_per_step=rewards / max(int(imagined.sum()), 1),
+        imagined_return=float(np.asarray(stats["imagined_return"]).mean()),
+        **{k: float(np.asarray(stats[k]).mean()) for k in ("ended_terminated", "ended_uncertainty", "ended_horizon")},
+    )
     return out
 
 
@@ -328,30 +357,51 @@ def diagnose_posterior(run: dict, episodes: int, samples: int, seed: int) -> dic
     real = jax.tree.map(lambda x: np.asarray(x)[idx], dataset.transitions(unit_actions=True))
     on_data = _one_step(model, real.obs, real.action, real.reward, real.next_obs, done_fn)
     data_mse = float(np.median(on_data["state_mse"]))
-    out = {"run_dir": str(run["run_dir"]), "step": run["step"], "env_id": run["env_id"], "kind": "posterior",
-           "threshold": float(world.threshold), "elites": int(model.elites.shape[0]),
-           "model_on_data": {"state_mse_median": data_mse,
-                             "reward_mse_median": float(np.median(on_data["reward_mse"])),
-                             "uncertainty_median": float(np.median(on_data["uncertainty"])),
-                             "uncertainty_max": float(on_data["uncertainty"].max())},
-           "seeds": []}
+    out = {
+        "run_dir": str(run["run_dir"]),
+        "step": run["step"],
+        "env_id": run["env_id"],
+        "kind": "posterior",
+        "threshold": float(world.threshold),
+        "elites": int(model.elites.shape[0]),
+        "model_on_data": {
+            "state_mse_median": data_mse,
+            "reward_mse_median": float(np.median(on_data["reward_mse"])),
+            "uncertainty_median": float(np.median(on_data["uncertainty"])),
+            "uncertainty_max": float(on_data["uncertainty"].max()),
+        },
+        "seeds": [],
+    }
     for j in range(cfg.seeds):
         state = jax.tree.map(lambda x: x[j], run["state"])
         key = jax.random.fold_in(jax.random.key(seed), j)
         row = {"seed": j, "imagination": {}}
-        for name, from_start, explore in (("from_start_deterministic", True, False),
-                                          ("from_prefix_stochastic", False, True)):
+        for name, from_start, explore in (
+            ("from_start_deterministic", True, False),
+            ("from_prefix_stochastic", False, True),
+        ):
             key, k = jax.random.split(key)
-            imagine = jax.jit(lambda k, fs=from_start, ex=explore: imagination.imagine(
-                model, world.histories, agent.rollout_policy(state, ex), agent.initial_memory(state, a.rollout_batch),
-                k, batch=a.rollout_batch, max_horizon=a.max_horizon, threshold=world.threshold, done_fn=done_fn,
-                from_start=fs))
+            imagine = jax.jit(
+                lambda k, fs=from_start, ex=explore: imagination.imagine(
+                    model,
+                    world.histories,
+                    agent.rollout_policy(state, ex),
+                    agent.initial_memory(state, a.rollout_batch),
+                    k,
+                    batch=a.rollout_batch,
+                    max_horizon=a.max_horizon,
+                    threshold=world.threshold,
+                    done_fn=done_fn,
+                    from_start=fs,
+                )
+            )
             tape, stats = imagine(k)
             row["imagination"][name] = imagination_stats(stats, tape)
         row["episodes"] = []
         values = jax.jit(lambda o, ac, r: agent.history_values(state, o, ac, r))
         for obs, action, reward, next_obs, terminated in _real_episodes(
-                _SeedPolicy(agent, run["state"], j), run["env_id"], episodes, seed * 1000 + 10_000 + 100 * j):
+            _SeedPolicy(agent, run["state"], j), run["env_id"], episodes, seed * 1000 + 10_000 + 100 * j
+        ):
             n = len(reward)
             ends = np.zeros(n, bool)
             ends[-1] = True
@@ -359,17 +409,23 @@ def diagnose_posterior(run: dict, episodes: int, samples: int, seed: int) -> dic
             q = np.asarray(values(obs, action, reward))  # (N, T)
             m = _one_step(model, obs, action, reward, next_obs, done_fn)
             replay = open_loop_ends(model, obs[0], action, done_fn)
-            ep = {"return": float(reward.sum()), "length": n, "terminated": bool(terminated[-1]),
-                  "reward_per_step": float(reward.mean()),
-                  "q_first": float(q[:, 0].mean()), "return_to_go_first": float(g[0]),
-                  "q_minus_return_to_go": float((q.mean(0) - g).mean()), "q_std": float(q.std(0).mean()),
-                  "state_mse_median": float(np.median(m["state_mse"])),
-                  "state_mse_over_data": float(np.median(m["state_mse"]) / max(data_mse, 1e-12)),
-                  "uncertainty_median": float(np.median(m["uncertainty"])),
-                  "uncertainty_max": float(m["uncertainty"].max()),
-                  "steps_over_threshold": int((m["uncertainty"] > float(world.threshold)).sum()),
-                  "open_loop_ended": float((replay > 0).mean()),
-                  "open_loop_end_median": float(np.median(replay[replay > 0])) if (replay > 0).any() else None}
+            ep = {
+                "return": float(reward.sum()),
+                "length": n,
+                "terminated": bool(terminated[-1]),
+                "reward_per_step": float(reward.mean()),
+                "q_first": float(q[:, 0].mean()),
+                "return_to_go_first": float(g[0]),
+                "q_minus_return_to_go": float((q.mean(0) - g).mean()),
+                "q_std": float(q.std(0).mean()),
+                "state_mse_median": float(np.median(m["state_mse"])),
+                "state_mse_over_data": float(np.median(m["state_mse"]) / max(data_mse, 1e-12)),
+                "uncertainty_median": float(np.median(m["uncertainty"])),
+                "uncertainty_max": float(m["uncertainty"].max()),
+                "steps_over_threshold": int((m["uncertainty"] > float(world.threshold)).sum()),
+                "open_loop_ended": float((replay > 0).mean()),
+                "open_loop_end_median": float(np.median(replay[replay > 0])) if (replay > 0).any() else None,
+            }
             if terminated[-1]:
                 ep["elites_predicting_the_fall"] = float(m["done_fraction"][-1])
             row["episodes"].append(ep)
@@ -379,25 +435,31 @@ def diagnose_posterior(run: dict, episodes: int, samples: int, seed: int) -> dic
 
 def _report_posterior(d: dict) -> list[str]:
     m = d["model_on_data"]
-    lines = [f"{d['run_dir']} at update {d['step']} ({d['env_id']}): world-model posterior of {d['elites']} elites; "
-             f"on dataset rows one-step state MSE {m['state_mse_median']:.3g} (median), reward MSE "
-             f"{m['reward_mse_median']:.3g}, uncertainty {m['uncertainty_median']:.3g} (median), max "
-             f"{m['uncertainty_max']:.3g}; truncation threshold {d['threshold']:.3g}"]
+    lines = [
+        f"{d['run_dir']} at update {d['step']} ({d['env_id']}): world-model posterior of {d['elites']} elites; "
+        f"on dataset rows one-step state MSE {m['state_mse_median']:.3g} (median), reward MSE "
+        f"{m['reward_mse_median']:.3g}, uncertainty {m['uncertainty_median']:.3g} (median), max "
+        f"{m['uncertainty_max']:.3g}; truncation threshold {d['threshold']:.3g}"
+    ]
     for s in d["seeds"]:
         lines.append(f"  seed {s['seed']}:")
         for name, i in s["imagination"].items():
-            lines.append(f"    imagined, {name.replace('_', ' ')}: horizon {i['horizon_mean']:.1f} "
-                         f"(p10 {i['horizon_p10']:.0f}, p50 {i['horizon_p50']:.0f}, p90 {i['horizon_p90']:.0f}, "
-                         f"max {i['horizon_max']}), return {i['imagined_return']:.1f}, reward per step "
-                         f"{i['reward_per_step']:.2f}; ended by termination {i['ended_terminated']:.0%}, "
-                         f"uncertainty {i['ended_uncertainty']:.0%}, horizon {i['ended_horizon']:.0%}")
+            lines.append(
+                f"    imagined, {name.replace('_', ' ')}: horizon {i['horizon_mean']:.1f} "
+                f"(p10 {i['horizon_p10']:.0f}, p50 {i['horizon_p50']:.0f}, p90 {i['horizon_p90']:.0f}, "
+                f"max {i['horizon_max']}), return {i['imagined_return']:.1f}, reward per step "
+                f"{i['reward_per_step']:.2f}; ended by termination {i['ended_terminated']:.0%}, "
+                f"uncertainty {i['ended_uncertainty']:.0%}, horizon {i['ended_horizon']:.0%}"
+            )
         for e in s["episodes"]:
-            text = (f"    real episode: return {e['return']:.1f}, length {e['length']}, reward per step "
-                    f"{e['reward_per_step']:.2f}; Q first {e['q_first']:.1f} against the return-to-go "
-                    f"{e['return_to_go_first']:.1f} (mean Q - return-to-go {e['q_minus_return_to_go']:+.1f}, "
-                    f"head spread {e['q_std']:.2f}); one-step state MSE {e['state_mse_median']:.3g} "
-                    f"({e['state_mse_over_data']:.1f}x the data's), uncertainty {e['uncertainty_median']:.3g} median, "
-                    f"max {e['uncertainty_max']:.3g}, {e['steps_over_threshold']} steps over the threshold")
+            text = (
+                f"    real episode: return {e['return']:.1f}, length {e['length']}, reward per step "
+                f"{e['reward_per_step']:.2f}; Q first {e['q_first']:.1f} against the return-to-go "
+                f"{e['return_to_go_first']:.1f} (mean Q - return-to-go {e['q_minus_return_to_go']:+.1f}, "
+                f"head spread {e['q_std']:.2f}); one-step state MSE {e['state_mse_median']:.3g} "
+                f"({e['state_mse_over_data']:.1f}x the data's), uncertainty {e['uncertainty_median']:.3g} median, "
+                f"max {e['uncertainty_max']:.3g}, {e['steps_over_threshold']} steps over the threshold"
+            )
             if "elites_predicting_the_fall" in e:
                 text += f"; {e['elites_predicting_the_fall']:.0%} of elites predict the fall"
             end = "" if e["open_loop_end_median"] is None else f", at step {e['open_loop_end_median']:.0f} (median)"
@@ -410,28 +472,37 @@ def report(d: dict) -> str:
     """A short human-readable summary of ``diagnose``'s output."""
     if d.get("kind") == "posterior":
         return "\n".join(_report_posterior(d))
-    lines = [f"{d['run_dir']} at update {d['step']} ({d['env_id']}): dataset discounted return-to-go "
-             f"{d['mc_return']:.1f}; a dataset state's distance to the nearest state of another episode "
-             f"{d['data_distance']:.2f} (median)"]
+    lines = [
+        f"{d['run_dir']} at update {d['step']} ({d['env_id']}): dataset discounted return-to-go "
+        f"{d['mc_return']:.1f}; a dataset state's distance to the nearest state of another episode "
+        f"{d['data_distance']:.2f} (median)"
+    ]
     if "model_on_data" in d:
         m = d["model_on_data"]
-        lines.append(f"  dynamics on dataset rows: one-step error {m['model_error']:.4f}, elite spread "
-                     f"{m['model_spread']:.4f}")
+        lines.append(
+            f"  dynamics on dataset rows: one-step error {m['model_error']:.4f}, elite spread {m['model_spread']:.4f}"
+        )
     for s in d["seeds"]:
-        lines.append(f"  seed {s['seed']}: min-Q (critic spread) at data actions {s['data_actions']['q_min']:.1f} "
-                     f"({s['data_actions']['q_std']:.2f}), policy {s['policy_actions']['q_min']:.1f} "
-                     f"({s['policy_actions']['q_std']:.2f}), random {s['random_actions']['q_min']:.1f} "
-                     f"({s['random_actions']['q_std']:.2f})")
+        lines.append(
+            f"  seed {s['seed']}: min-Q (critic spread) at data actions {s['data_actions']['q_min']:.1f} "
+            f"({s['data_actions']['q_std']:.2f}), policy {s['policy_actions']['q_min']:.1f} "
+            f"({s['policy_actions']['q_std']:.2f}), random {s['random_actions']['q_min']:.1f} "
+            f"({s['random_actions']['q_std']:.2f})"
+        )
         drift = f"value drift per step: dataset rows {s['drift_real']:+.2f}"
         if "drift_model" in s:
             drift += f", model rows {s['drift_model']:+.2f}"
         lines.append("    " + drift)
         for e in s["episodes"]:
-            text = (f"    real episode: return {e['return']:.1f}, length {e['length']}, min-Q first {e['q_min_first']:.1f} "
-                    f"max {e['q_min_max']:.1f} at step {e['q_min_max_at']}, last {e['q_min_last']:.1f} "
-                    f"(spread {e['q_std']:.2f})")
-            text += (f"; distance to the data first {e['data_distance_first']:.2f} max {e['data_distance_max']:.2f} "
-                     f"last {e['data_distance_last']:.2f}")
+            text = (
+                f"    real episode: return {e['return']:.1f}, length {e['length']}, min-Q first {e['q_min_first']:.1f} "
+                f"max {e['q_min_max']:.1f} at step {e['q_min_max_at']}, last {e['q_min_last']:.1f} "
+                f"(spread {e['q_std']:.2f})"
+            )
+            text += (
+                f"; distance to the data first {e['data_distance_first']:.2f} max {e['data_distance_max']:.2f} "
+                f"last {e['data_distance_last']:.2f}"
+            )
             if "model_error" in e:
                 text += f"; dynamics error {e['model_error']:.4f}, elite spread {e['model_spread']:.4f}"
             if "model_done_at_terminal" in e:

@@ -35,6 +35,7 @@ the mean over tasks of return / task maximum).  Their curve is the aggregate; ``
 per env, the aggregate panel and one panel per task (each the mean and interval over seeds), in a
 grid of panels with the ``metrics`` panels after them, and the table has a row per task.
 """
+
 from __future__ import annotations
 
 import csv
@@ -177,8 +178,10 @@ def split_tasks(table, path):
     tasks = list(dict.fromkeys(table[TASK_COLUMN]))
     if AGGREGATE_TASK not in tasks:
         fail(path, f"has a {TASK_COLUMN!r} column but no aggregate rows ({TASK_COLUMN} == {AGGREGATE_TASK})")
-    return {task: {name: [cell for cell, t in zip(cells, table[TASK_COLUMN]) if t == task]
-                   for name, cells in table.items()} for task in tasks}
+    return {
+        task: {name: [cell for cell, t in zip(cells, table[TASK_COLUMN]) if t == task] for name, cells in table.items()}
+        for task in tasks
+    }
 
 
 def seed_curves(table, column, path):
@@ -195,8 +198,11 @@ def seed_curves(table, column, path):
     curves, last = {}, {}
     for line, (step, seed, value) in enumerate(zip(steps, seeds, values), start=2):
         if step < last.get(seed, -np.inf):
-            fail(path, f"line {line}: seed {int(seed)} goes back from step {int(last[seed])} to {int(step)}; "
-                       "the file holds more than one run")
+            fail(
+                path,
+                f"line {line}: seed {int(seed)} goes back from step {int(last[seed])} to {int(step)}; "
+                "the file holds more than one run",
+            )
         last[seed] = step
         curve = curves.setdefault(seed, {})
         if np.isfinite(value):
@@ -296,13 +302,19 @@ def group_curves(runs, column, table_name, k=1, align=False):
     what = "evaluated" if table_name == "eval" else "logged"
     paths = ", ".join(str(run.path) for run in runs)
     if not align:
-        fail(paths, f"runs pooled under one (env, label) were {what} at different steps "
-                    f"({describe_grids(runs, table_name)}), so few or none of their steps are shared; "
-                    "plot them separately, give them different labels (config.json 'label', --label when "
-                    "training), or pass --align to interpolate every seed onto their steps")
+        fail(
+            paths,
+            f"runs pooled under one (env, label) were {what} at different steps "
+            f"({describe_grids(runs, table_name)}), so few or none of their steps are shared; "
+            "plot them separately, give them different labels (config.json 'label', --label when "
+            "training), or pass --align to interpolate every seed onto their steps",
+        )
     if not steps:
-        fail(paths, f"runs pooled under one (env, label) were {what} over step ranges that do not overlap "
-                    f"({describe_grids(runs, table_name)}): nothing to align")
+        fail(
+            paths,
+            f"runs pooled under one (env, label) were {what} over step ranges that do not overlap "
+            f"({describe_grids(runs, table_name)}): nothing to align",
+        )
     return [interpolate(curve, steps) for curve in curves]
 
 
@@ -332,8 +344,9 @@ def expand_metric(pattern, runs):
 
 def draw(ax, agg, color, label, linestyle="-"):
     """Draw a mean line with its shaded confidence band (a lone point gets a marker)."""
-    ax.plot(agg.steps, agg.mean, color=color, linestyle=linestyle, label=label,
-            marker="o" if agg.steps.size == 1 else None)
+    ax.plot(
+        agg.steps, agg.mean, color=color, linestyle=linestyle, label=label, marker="o" if agg.steps.size == 1 else None
+    )
     ax.fill_between(agg.steps, agg.low, agg.high, color=color, alpha=0.2, linewidth=0)
 
 
@@ -412,7 +425,7 @@ def make_task_figure(groups, y, metrics=(), k=1, title=None, align=False):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         ax.set_xlabel("environment steps")
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
@@ -445,8 +458,9 @@ def summary_rows(groups, y, align=False, per_task=False):
         for name, part in parts:
             for label, runs in part.items():
                 agg = group_aggregate(runs, y, "eval", align=align)
-                rows.append((name, label, int(agg.n_seeds[-1]), int(agg.steps[-1]),
-                             agg.mean[-1], agg.low[-1], agg.high[-1]))
+                rows.append(
+                    (name, label, int(agg.n_seeds[-1]), int(agg.steps[-1]), agg.mean[-1], agg.low[-1], agg.high[-1])
+                )
     return rows
 
 
@@ -474,8 +488,9 @@ def _build(run_dirs, y, metrics, smooth, title, align, per_task):
     return build(groups, y, list(metrics), smooth, title, align), groups
 
 
-def learning_curves(run_dirs, y="return_mean", *, metrics=(), smooth=1, title=None, align=False,
-                    per_task=False) -> Figure:
+def learning_curves(
+    run_dirs, y="return_mean", *, metrics=(), smooth=1, title=None, align=False, per_task=False
+) -> Figure:
     """The figure of ``run_dirs``: per env a column with the evaluation curves of column ``y`` of
     eval.csv on top and a row per ``metrics`` pattern (metrics.csv columns, globs allowed) below;
     ``smooth``: a trailing moving average over that many points per seed; ``align``: interpolate runs
@@ -492,8 +507,9 @@ def final_table(run_dirs, y="return_mean", *, align=False, per_task=False) -> st
     return format_table(summary_rows(groups, y, align, per_task), y)
 
 
-def save_figure(run_dirs, out, y="return_mean", *, metrics=(), smooth=1, title=None, align=False,
-                per_task=False) -> str:
+def save_figure(
+    run_dirs, out, y="return_mean", *, metrics=(), smooth=1, title=None, align=False, per_task=False
+) -> str:
     """``learning_curves`` saved to ``out`` (its format from the extension; folders made), loading the runs
     once; returns ``final_table``'s text.  Nothing is written when a run cannot be drawn."""
     fig, groups = _build(run_dirs, y, metrics, smooth, title, align, per_task)

@@ -36,6 +36,7 @@ some env are compared on the envs they share.  Intervals come from a fixed ``see
 report is reproducible.  A mistake (no run directory, an unknown baseline or column) raises
 ``ReportError`` (a ValueError) with the message the command line prints as ``error:``.
 """
+
 from __future__ import annotations
 
 import csv
@@ -72,9 +73,21 @@ def per_env_rows(groups, norm, rng_seed, y="return_mean"):
         point, low, high = stats.bootstrap_ci(g.scores, n_boot=N_BOOT, rng=rng_seed)
         ref, source = agg.reference(g.env, norm, y)
         n = (lambda v: float(agg.normalise(v, *ref))) if ref else (lambda v: float("nan"))
-        rows.append({"env": g.env, "label": g.label, "seeds": len(g.scores), "mean": point, "low": low, "high": high,
-                     "normalised": n(point), "normalised_low": n(low), "normalised_high": n(high),
-                     "reference": source, "note": agg.stopped_note(g)})
+        rows.append(
+            {
+                "env": g.env,
+                "label": g.label,
+                "seeds": len(g.scores),
+                "mean": point,
+                "low": low,
+                "high": high,
+                "normalised": n(point),
+                "normalised_low": n(low),
+                "normalised_high": n(high),
+                "reference": source,
+                "note": agg.stopped_note(g),
+            }
+        )
     return rows
 
 
@@ -92,8 +105,13 @@ def score_tasks(groups, norm, y="return_mean"):
         raw = False
         left = [e for e in envs if e not in kept]
         if left:
-            note = "left out of the aggregates (no reference score): " + ", ".join(left) + " (include with " + \
-                " ".join(f"--norm {e}=LOW:HIGH" for e in left) + ")"
+            note = (
+                "left out of the aggregates (no reference score): "
+                + ", ".join(left)
+                + " (include with "
+                + " ".join(f"--norm {e}=LOW:HIGH" for e in left)
+                + ")"
+            )
     out: dict[str, dict[str, np.ndarray]] = {}
     for g in groups:
         if g.env in kept:
@@ -121,10 +139,12 @@ def improvement_rows(tasks, baseline, rng_seed):
         shared = sorted(set(tasks[label]) & set(tasks[baseline]))
         if not shared:
             continue
-        p, lo, hi = stats.probability_of_improvement([tasks[label][e] for e in shared],
-                                                     [tasks[baseline][e] for e in shared], N_BOOT, rng=rng_seed)
-        rows.append({"label": label, "baseline": baseline, "envs": len(shared), "P(label > baseline)": p,
-                     "low": lo, "high": hi})
+        p, lo, hi = stats.probability_of_improvement(
+            [tasks[label][e] for e in shared], [tasks[baseline][e] for e in shared], N_BOOT, rng=rng_seed
+        )
+        rows.append(
+            {"label": label, "baseline": baseline, "envs": len(shared), "P(label > baseline)": p, "low": lo, "high": hi}
+        )
     return rows
 
 
@@ -154,8 +174,14 @@ def aggregate_figure(rows, unit):
     ys = np.arange(len(rows))
     for ax, name in zip(axes, names):
         for i, r in enumerate(rows):
-            ax.barh(i, r[f"{name} high"] - r[f"{name} low"], left=r[f"{name} low"], height=0.6,
-                    color=f"C{i % 10}", alpha=0.75)
+            ax.barh(
+                i,
+                r[f"{name} high"] - r[f"{name} low"],
+                left=r[f"{name} low"],
+                height=0.6,
+                color=f"C{i % 10}",
+                alpha=0.75,
+            )
             ax.plot([r[name]] * 2, [i - 0.3, i + 0.3], color="k", lw=1.5)
         ax.set_title(name)
         ax.set_xlabel(unit)
@@ -169,12 +195,17 @@ def profile_figure(tasks, unit, rng_seed):
 
     fig = Figure(figsize=(5.5, 4), layout="constrained")
     ax = fig.subplots()
-    taus = TAUS if unit == "normalised score" else np.linspace(
-        min(float(np.min(np.concatenate(list(v.values())))) for v in tasks.values()),
-        max(float(np.max(np.concatenate(list(v.values())))) for v in tasks.values()), 61)
+    taus = (
+        TAUS
+        if unit == "normalised score"
+        else np.linspace(
+            min(float(np.min(np.concatenate(list(v.values())))) for v in tasks.values()),
+            max(float(np.max(np.concatenate(list(v.values())))) for v in tasks.values()),
+            61,
+        )
+    )
     for i, (label, per_env) in enumerate(sorted(tasks.items())):
-        point, low, high = stats.performance_profile([per_env[e] for e in sorted(per_env)], taus, N_BOOT,
-                                                     rng=rng_seed)
+        point, low, high = stats.performance_profile([per_env[e] for e in sorted(per_env)], taus, N_BOOT, rng=rng_seed)
         ax.plot(taus, point, color=f"C{i % 10}", label=label)
         ax.fill_between(taus, low, high, color=f"C{i % 10}", alpha=0.2)
     ax.set_xlabel(f"{unit} tau")
@@ -225,27 +256,66 @@ def markdown(per_env, agg_rows, imp_rows, unit, note, files, baseline) -> str:
         return f"{r[c]:.3g} [{r[c + ' low']:.3g}, {r[c + ' high']:.3g}]"
 
     columns = ["env", "label", "seeds", "mean", "normalised"] + (["note"] if any(r["note"] for r in per_env) else [])
-    lines = ["# Report", "", "## Final score per env (mean over seeds, 95% bootstrap interval)", "",
-             table(per_env, columns,
-                   lambda r, c: (f"{r['mean']:.1f} [{r['low']:.1f}, {r['high']:.1f}]" if c == "mean" else
-                                 (f"{r['normalised']:.3f}" if c == "normalised" and r["normalised"] == r["normalised"]
-                                  else ("-" if c == "normalised" else str(r[c]))))),
-             f"## Across envs ({unit}; 95% stratified-bootstrap intervals, Agarwal et al. 2021)", ""]
+    lines = [
+        "# Report",
+        "",
+        "## Final score per env (mean over seeds, 95% bootstrap interval)",
+        "",
+        table(
+            per_env,
+            columns,
+            lambda r, c: (
+                f"{r['mean']:.1f} [{r['low']:.1f}, {r['high']:.1f}]"
+                if c == "mean"
+                else (
+                    f"{r['normalised']:.3f}"
+                    if c == "normalised" and r["normalised"] == r["normalised"]
+                    else ("-" if c == "normalised" else str(r[c]))
+                )
+            ),
+        ),
+        f"## Across envs ({unit}; 95% stratified-bootstrap intervals, Agarwal et al. 2021)",
+        "",
+    ]
     if note:
         lines += [f"Note: {note}.", ""]
-    lines += [table(agg_rows, ["label", "envs", "runs", *stats.AGGREGATES],
-                    lambda r, c: ci(r, c) if c in stats.AGGREGATES else str(r[c])), "",
-              f"## Probability of improvement over `{baseline}`", ""]
-    lines += [table(imp_rows, ["label", "envs", "P(label > baseline)"],
-                    lambda r, c: (f"{r[c]:.3f} [{r['low']:.3f}, {r['high']:.3f}]" if c.startswith("P(")
-                                  else str(r[c]))) if imp_rows else "(one label only)", "",
-              "Figures: " + ", ".join(f"[{f}]({f})" for f in files if f.endswith(".png")), ""]
+    lines += [
+        table(
+            agg_rows,
+            ["label", "envs", "runs", *stats.AGGREGATES],
+            lambda r, c: ci(r, c) if c in stats.AGGREGATES else str(r[c]),
+        ),
+        "",
+        f"## Probability of improvement over `{baseline}`",
+        "",
+    ]
+    lines += [
+        table(
+            imp_rows,
+            ["label", "envs", "P(label > baseline)"],
+            lambda r, c: f"{r[c]:.3f} [{r['low']:.3f}, {r['high']:.3f}]" if c.startswith("P(") else str(r[c]),
+        )
+        if imp_rows
+        else "(one label only)",
+        "",
+        "Figures: " + ", ".join(f"[{f}]({f})" for f in files if f.endswith(".png")),
+        "",
+    ]
     return "\n".join(lines)
 
 
-def write_report(paths, out, *, y: str = "return_mean", final_window: int = 1,
-                 norm: Mapping[str, tuple[float, float]] | list[str] | None = None, baseline: str | None = None,
-                 metrics=(), align: bool = False, seed: int = 0) -> dict:
+def write_report(
+    paths,
+    out,
+    *,
+    y: str = "return_mean",
+    final_window: int = 1,
+    norm: Mapping[str, tuple[float, float]] | list[str] | None = None,
+    baseline: str | None = None,
+    metrics=(),
+    align: bool = False,
+    seed: int = 0,
+) -> dict:
     """Write the report of the runs at or under ``paths`` (sweep or run directories) into ``out``.
 
     ``y``: the eval.csv column scored; ``final_window``: a seed's score is the mean of its last K
@@ -264,8 +334,11 @@ def write_report(paths, out, *, y: str = "return_mean", final_window: int = 1,
     out.mkdir(parents=True, exist_ok=True)
     for g in groups:
         if g.stopped:
-            print(f"warning: {g.env} {g.label}: {agg.stopped_note(g)} (kept: its score is its last evaluation; "
-                  "marked in report.md and per_env.csv)", file=sys.stderr)
+            print(
+                f"warning: {g.env} {g.label}: {agg.stopped_note(g)} (kept: its score is its last evaluation; "
+                "marked in report.md and per_env.csv)",
+                file=sys.stderr,
+            )
     per_env = per_env_rows(groups, norm, seed, y)
     tasks, kept, raw, note = score_tasks(groups, norm, y)
     unit = "raw score" if raw else "normalised score"
@@ -284,7 +357,17 @@ def write_report(paths, out, *, y: str = "return_mean", final_window: int = 1,
     write_csv(out / "improvement.csv", imp_rows)
     text = markdown(per_env, agg_rows, imp_rows, unit, note, files, baseline)
     (out / "report.md").write_text(text)
-    summary = (f"{len(run_dirs)} run directories, {len(groups)} (env, label) groups; wrote {out}/: "
-               f"report.md, per_env.csv, aggregate.csv, improvement.csv, {', '.join(files)}")
-    return {"groups": groups, "per_env": per_env, "aggregate": agg_rows, "improvement": imp_rows, "files": files,
-            "run_dirs": run_dirs, "text": text, "summary": summary}
+    summary = (
+        f"{len(run_dirs)} run directories, {len(groups)} (env, label) groups; wrote {out}/: "
+        f"report.md, per_env.csv, aggregate.csv, improvement.csv, {', '.join(files)}"
+    )
+    return {
+        "groups": groups,
+        "per_env": per_env,
+        "aggregate": agg_rows,
+        "improvement": imp_rows,
+        "files": files,
+        "run_dirs": run_dirs,
+        "text": text,
+        "summary": summary,
+    }

@@ -6,6 +6,7 @@ env's units.
 does (``training.evaluation.SeedPolicy``) and ``RestoredRun.env_policy`` in the env's units.  Reading
 finished runs sits above starting one: nothing in ``training`` imports this module.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from plasticity_zoo.training.evaluation import (Evaluator, SeedPolicy, env_impl, eval_action_mode, eval_block,
-                                                is_recurrent, run_evaluator)
+from plasticity_zoo.training.evaluation import (
+    Evaluator,
+    SeedPolicy,
+    env_impl,
+    eval_action_mode,
+    eval_block,
+    is_recurrent,
+    run_evaluator,
+)
 from plasticity_zoo.training.loop import RunTree
 
 
@@ -51,8 +59,14 @@ def checkpoint_template(cfg, agent, obs_dim: int, act_dim: int):
                 return self.real
 
         def build():
-            real = Transition(jnp.zeros((1, obs_dim)), jnp.zeros((1, act_dim)), jnp.zeros(1), jnp.zeros((1, obs_dim)),
-                              jnp.zeros(1, bool), jnp.zeros(1, bool))
+            real = Transition(
+                jnp.zeros((1, obs_dim)),
+                jnp.zeros((1, act_dim)),
+                jnp.zeros(1),
+                jnp.zeros((1, obs_dim)),
+                jnp.zeros(1, bool),
+                jnp.zeros(1, bool),
+            )
             keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
             state, data = initial_state(cfg, agent, _Shapes(real), keys[2:])
             return RunTree(state, _buffers(data), keys[1])  # OfflineIteration.tree()
@@ -74,11 +88,15 @@ def checkpoint_template(cfg, agent, obs_dim: int, act_dim: int):
 def env_units_supported(env_id: str):
     """ValueError for env ids whose actions have no single Gymnasium Box to map onto."""
     if env_id.startswith("mt:"):
-        raise ValueError(f"env {env_id!r}: a multitask env pads each task's actions to a common width; it has "
-                         "no single action Box in env units")
+        raise ValueError(
+            f"env {env_id!r}: a multitask env pads each task's actions to a common width; it has "
+            "no single action Box in env units"
+        )
     if env_id.startswith("playground:"):
-        raise ValueError(f"env {env_id!r}: Playground envs map actions on the device (float32, in JAX); env-unit "
-                         "policies are for Gymnasium, dmc: and ns: envs")
+        raise ValueError(
+            f"env {env_id!r}: Playground envs map actions on the device (float32, in JAX); env-unit "
+            "policies are for Gymnasium, dmc: and ns: envs"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,9 +104,9 @@ class EnvActions:
     """Agent actions -> the env's units, as the zoo's env wrappers map them (``envs.actions.to_env_action``,
     then the dtype the base env receives: its action space's for a Gymnasium env, float64 for ``dmc:``)."""
 
-    low: np.ndarray   # float64, the env's Box
+    low: np.ndarray  # float64, the env's Box
     high: np.ndarray
-    mode: str         # "rescale" or "clip" (the run's evaluation action mode)
+    mode: str  # "rescale" or "clip" (the run's evaluation action mode)
     dtype: np.dtype
 
     def __post_init__(self):
@@ -122,8 +140,15 @@ def env_actions(env) -> EnvActions:
         if isinstance(e, NonStationaryEnv):
             maps = [env_actions(t) for t in e.tasks]
             first = maps[0]
-            if any(not (np.array_equal(m.low, first.low) and np.array_equal(m.high, first.high)
-                        and m.mode == first.mode and m.dtype == first.dtype) for m in maps[1:]):
+            if any(
+                not (
+                    np.array_equal(m.low, first.low)
+                    and np.array_equal(m.high, first.high)
+                    and m.mode == first.mode
+                    and m.dtype == first.dtype
+                )
+                for m in maps[1:]
+            ):
                 raise ValueError(f"{e.env_id}: its tasks have different action bounds; no single map to env units")
             return first
         if not hasattr(e, "env"):
@@ -153,8 +178,8 @@ class RunEnv:
     """What a policy needs to know of the env a run evaluates on."""
 
     actions: EnvActions  # agent actions -> env units
-    action_repeat: int   # env steps per agent step
-    obs_dim: int         # flat observation size
+    action_repeat: int  # env steps per agent step
+    obs_dim: int  # flat observation size
     act_dim: int
 
 
@@ -165,8 +190,12 @@ def run_env(cfg, agent, env_id: str) -> RunEnv:
     env_units_supported(env_id)
     env = make_env(env_id, 0, cfg.action_repeat, action_mode=eval_action_mode(cfg, agent), env_impl=env_impl(cfg))
     try:
-        return RunEnv(env_actions(env), action_repeat_of(env), int(np.prod(env.observation_space.shape)),
-                      int(np.prod(env.action_space.shape)))
+        return RunEnv(
+            env_actions(env),
+            action_repeat_of(env),
+            int(np.prod(env.observation_space.shape)),
+            int(np.prod(env.action_space.shape)),
+        )
     finally:
         env.close()
 
@@ -196,8 +225,10 @@ class EnvPolicy:
             return obs, False
         if obs.size == self.obs_dim:
             return obs.reshape(1, self.obs_dim), True
-        raise ValueError(f"observation of shape {obs.shape}: the policy takes one observation of {self.obs_dim} "
-                         f"values or a batch shaped (n, {self.obs_dim})")
+        raise ValueError(
+            f"observation of shape {obs.shape}: the policy takes one observation of {self.obs_dim} "
+            f"values or a batch shaped (n, {self.obs_dim})"
+        )
 
     def unit(self, obs) -> np.ndarray:
         batch, single = self._batch(obs)
@@ -216,19 +247,25 @@ class RestoredRun:
     """A run's agent at one checkpoint: ``state`` is vmapped over the run's seeds."""
 
     run_dir: Path
-    cfg: object          # training.config.RunConfig
-    agent: object        # the agent module
+    cfg: object  # training.config.RunConfig
+    agent: object  # the agent module
     state: object
     step: int
-    path: Path           # the checkpoint directory
-    env_id: str          # the env the run evaluates on
+    path: Path  # the checkpoint directory
+    env_id: str  # the env the run evaluates on
     counter: object = None  # ns: ids: the training envs' step counter at the checkpoint (evaluations follow it)
 
     def evaluator(self, env_id: str | None = None, episodes: int | None = None, seed: int | None = None) -> Evaluator:
         """The run's evaluator (``run_evaluator``) on ``env_id`` (default: the run's, following its
         non-stationary schedule as the run does), for one seed index or all (``seed=None``)."""
-        ev = run_evaluator(self.cfg, self.agent, env_id or self.env_id, episodes,
-                           seeds=None if seed is None else 1, first_seed=seed or 0)
+        ev = run_evaluator(
+            self.cfg,
+            self.agent,
+            env_id or self.env_id,
+            episodes,
+            seeds=None if seed is None else 1,
+            first_seed=seed or 0,
+        )
         if env_id in (None, self.env_id) and self.counter is not None:
             from plasticity_zoo.envs import nonstationary
 
@@ -237,8 +274,9 @@ class RestoredRun:
 
     def policy(self, seed: int | None = None) -> SeedPolicy:
         """The deterministic policy of one seed index or all, acting as the run's evaluation acts."""
-        return SeedPolicy(self.agent, self.state, range(self.cfg.seeds) if seed is None else [seed],
-                          block=eval_block(self.cfg))
+        return SeedPolicy(
+            self.agent, self.state, range(self.cfg.seeds) if seed is None else [seed], block=eval_block(self.cfg)
+        )
 
     def env_policy(self, seed: int = 0):
         """Seed index ``seed``'s deterministic policy in the env's units (an ``EnvPolicy``):
@@ -248,8 +286,10 @@ class RestoredRun:
         the plain Gymnasium env with it reproduces the run's evaluation.  Not for recurrent agents
         (their actions depend on the episode's history) nor ``mt:`` / ``playground:`` envs (ValueError)."""
         if is_recurrent(self.agent):
-            raise ValueError(f"agent {self.cfg.agent_name!r} is recurrent: its actions depend on the episode's "
-                             "history; use policy() with the run's evaluator")
+            raise ValueError(
+                f"agent {self.cfg.agent_name!r} is recurrent: its actions depend on the episode's "
+                "history; use policy() with the run's evaluator"
+            )
         if not 0 <= seed < self.cfg.seeds:
             raise ValueError(f"seed index {seed}: the run has {self.cfg.seeds} seed(s)")
         env = run_env(self.cfg, self.agent, self.env_id)
@@ -268,8 +308,9 @@ def run_env_id(run_dir, cfg) -> str:
 
 def checkpoint_steps(run_dir) -> list[int]:
     """The steps of the checkpoints in ``run_dir/ckpt``, ascending."""
-    return sorted(int(p.name.split("_")[1]) for p in (Path(run_dir) / "ckpt").glob("step_*")
-                  if p.name.split("_")[1].isdigit())
+    return sorted(
+        int(p.name.split("_")[1]) for p in (Path(run_dir) / "ckpt").glob("step_*") if p.name.split("_")[1].isdigit()
+    )
 
 
 def restore_policy(run_dir, step: int | None = None, warn=None) -> RestoredRun:

@@ -39,6 +39,7 @@ LAP (Fujimoto et al. 2020, arXiv 2007.06049)
     maximum priority; ``priority(|delta|) = max(|delta|, min_priority) ** alpha``.  There
     are no importance weights (the Huber loss plays their role in LAP).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -79,14 +80,24 @@ class Window(NamedTuple):
 def init(capacity: int, obs_dim: int, act_dim: int, initial_priority: float = 1.0, horizon: int = 1) -> LAPBuffer:
     """An empty buffer whose validity mask and sum trees are kept for windows of ``horizon``."""
     f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
-    data = Transition(f(obs_dim), f(act_dim), f(), f(obs_dim),
-                      jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
+    data = Transition(f(obs_dim), f(act_dim), f(), f(obs_dim), jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
     i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
     leaves = 1 << max(capacity - 1, 0).bit_length()
-    return LAPBuffer(data, jnp.full(capacity, -1, jnp.int32), jnp.zeros(capacity, jnp.float32),
-                     jnp.asarray(initial_priority, jnp.float32), i32(0), i32(0), i32(0), i32(0),
-                     jnp.asarray(False), jnp.zeros(capacity, bool), jnp.zeros(2 * leaves, jnp.float32),
-                     jnp.zeros(2 * leaves, jnp.float32), jnp.arange(horizon, dtype=jnp.int32))
+    return LAPBuffer(
+        data,
+        jnp.full(capacity, -1, jnp.int32),
+        jnp.zeros(capacity, jnp.float32),
+        jnp.asarray(initial_priority, jnp.float32),
+        i32(0),
+        i32(0),
+        i32(0),
+        i32(0),
+        jnp.asarray(False),
+        jnp.zeros(capacity, bool),
+        jnp.zeros(2 * leaves, jnp.float32),
+        jnp.zeros(2 * leaves, jnp.float32),
+        jnp.arange(horizon, dtype=jnp.int32),
+    )
 
 
 def capacity(buffer: LAPBuffer) -> int:
@@ -109,7 +120,8 @@ def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
         size=jnp.minimum(buffer.size + n, cap),
         calls=buffer.calls + 1,
         num_envs=jnp.asarray(n, jnp.int32),
-        ever_terminated=buffer.ever_terminated | jnp.any(batch.terminated))
+        ever_terminated=buffer.ever_terminated | jnp.any(batch.terminated),
+    )
     # the windows whose validity a write can change: those holding a written slot, starting H-1 .. 0 steps before it
     starts = ((idx[None, :] - n * buffer.horizon[:, None]) % cap).reshape(-1)
     return _refresh(buffer, starts)
@@ -145,8 +157,11 @@ def _refresh(buffer: LAPBuffer, starts) -> LAPBuffer:
     ok = _window_ok(buffer, starts, buffer.horizon.shape[0])
     valid = buffer.valid.at[starts].set(ok)
     ok = valid[starts]  # where a start repeats, the value the scatter kept
-    return buffer._replace(valid=valid, weights=_set_leaves(buffer.weights, starts, buffer.priority[starts] * ok),
-                           counts=_set_leaves(buffer.counts, starts, ok.astype(jnp.float32)))
+    return buffer._replace(
+        valid=valid,
+        weights=_set_leaves(buffer.weights, starts, buffer.priority[starts] * ok),
+        counts=_set_leaves(buffer.counts, starts, ok.astype(jnp.float32)),
+    )
 
 
 def slots(buffer: LAPBuffer, start, horizon: int):
@@ -213,8 +228,9 @@ def window(buffer: LAPBuffer, start, horizon: int) -> Window:
     return Window(d.obs[start], d.action[sl], d.reward[sl], d.next_obs[sl], d.terminated[sl], d.truncated[sl])
 
 
-def sample(buffer: LAPBuffer, key, batch_size: int, horizon: int, prioritized: bool = True,
-           mask_horizon: int | None = None):
+def sample(
+    buffer: LAPBuffer, key, batch_size: int, horizon: int, prioritized: bool = True, mask_horizon: int | None = None
+):
     """Draw ``batch_size`` windows -> (start slots, Window).  ``mask_horizon``: validity horizon (>= horizon).
 
     For the buffer's own validity horizon this descends its sum trees; for another it builds the
@@ -235,8 +251,11 @@ def priority(td_abs, alpha: float = 0.4, min_priority: float = 1.0):
 def update_priorities(buffer: LAPBuffer, idx, new_priority) -> LAPBuffer:
     """Set the sampled slots' priorities (and their leaves of the weight tree) and raise the running maximum."""
     priority = buffer.priority.at[idx].set(new_priority)
-    return buffer._replace(priority=priority, max_priority=jnp.maximum(buffer.max_priority, jnp.max(new_priority)),
-                           weights=_set_leaves(buffer.weights, idx, priority[idx] * buffer.valid[idx]))
+    return buffer._replace(
+        priority=priority,
+        max_priority=jnp.maximum(buffer.max_priority, jnp.max(new_priority)),
+        weights=_set_leaves(buffer.weights, idx, priority[idx] * buffer.valid[idx]),
+    )
 
 
 def reward_scale(buffer: LAPBuffer, eps: float = 1e-8) -> jax.Array:
@@ -244,11 +263,16 @@ def reward_scale(buffer: LAPBuffer, eps: float = 1e-8) -> jax.Array:
 
     One variadic reduction over (|reward|, written): ``jnp.sum(jnp.where(...))`` made XLA on CPU
     write the masked rewards out first, a temporary of 4 bytes per slot."""
+
     def add_written(x, y):
         return jnp.where(x[1], x[0], 0.0) + jnp.where(y[1], y[0], 0.0), jnp.bool_(True)
 
-    total = jax.lax.reduce((jnp.abs(buffer.data.reward), buffer.step >= 0), (jnp.float32(0), jnp.bool_(True)),
-                           add_written, (buffer.step.ndim - 1,))[0]
+    total = jax.lax.reduce(
+        (jnp.abs(buffer.data.reward), buffer.step >= 0),
+        (jnp.float32(0), jnp.bool_(True)),
+        add_written,
+        (buffer.step.ndim - 1,),
+    )[0]
     return jnp.maximum(total / jnp.maximum(buffer.size, 1), eps)
 
 

@@ -4,6 +4,7 @@ Transitions hold the true next observation, so a truncated episode's last transi
 bootstraps from its real final state (``terminated`` masks the bootstrap, ``truncated``
 does not).  With ``--seeds N`` the loop vmaps ``add`` and ``sample`` over a leading axis.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,8 +30,7 @@ class Buffer(NamedTuple):
 
 def init(capacity: int, obs_dim: int, act_dim: int) -> Buffer:
     f = lambda *s: jnp.zeros((capacity, *s), jnp.float32)  # noqa: E731
-    data = Transition(f(obs_dim), f(act_dim), f(), f(obs_dim),
-                      jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
+    data = Transition(f(obs_dim), f(act_dim), f(), f(obs_dim), jnp.zeros(capacity, bool), jnp.zeros(capacity, bool))
     return Buffer(data, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
@@ -95,8 +95,7 @@ def half_batch(batch: Transition, half) -> Transition:
     return jax.tree.map(lambda x: jnp.where(jnp.reshape(half, (1,) * x.ndim), x[rows], x), batch)
 
 
-def scan_updates(update, state, buffer: Buffer, key, num_updates: int, batch_size: int,
-                 replay_control=None):
+def scan_updates(update, state, buffer: Buffer, key, num_updates: int, batch_size: int, replay_control=None):
     """``num_updates`` gradient steps on uniform batches as one ``lax.scan`` -> (state, buffer, mean metrics).
 
     ``update(state, batch, key) -> (state, metrics)`` is the agent's.  ``replay_control`` (NE's

@@ -14,6 +14,7 @@ Episodes are whole or absent: adding overwrites the oldest positions and drops e
 whose first position was overwritten.  Positions and episodes are counted with int32 totals, so a
 buffer takes at most 2**31 positions over its life.  Every function is jit- and vmap-friendly.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -93,15 +94,17 @@ def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=
         raise ValueError("this tape buffer stores no reward penalty: make it with init(..., penalized=True)")
     b, horizon = reward.shape
     if b * (horizon + 1) > cap:
-        raise ValueError(f"{b} episodes of up to {horizon} transitions need up to {b * (horizon + 1)} positions; "
-                         f"the buffer holds {cap}")
+        raise ValueError(
+            f"{b} episodes of up to {horizon} transitions need up to {b * (horizon + 1)} positions; "
+            f"the buffer holds {cap}"
+        )
     keep = (length >= 1) if keep is None else (keep & (length >= 1))
     size = jnp.where(keep, length + 1, 0).astype(jnp.int32)
     offset = jnp.cumsum(size) - size
     t = jnp.arange(horizon + 1)
     inside = keep[:, None] & (t[None] <= length[:, None])
     dest = jnp.where(inside, (buffer.written + offset[:, None] + t[None]) % cap, cap).reshape(-1)
-    moving = (t[None, :horizon] < length[:, None])
+    moving = t[None, :horizon] < length[:, None]
 
     def transitions(x):  # (B, H, ...) -> (B, H + 1, ...) with zeros at and past the episode's length
         x = jnp.where(moving.reshape(moving.shape + (1,) * (x.ndim - 2)), x, jnp.zeros_like(x))
@@ -109,10 +112,18 @@ def add(buffer: TapeBuffer, obs, action, reward, terminated, real, length, keep=
 
     if buffer.steps.penalty is not None:
         penalty = transitions(jnp.zeros_like(reward) if penalty is None else jnp.asarray(penalty))
-    new = Steps(obs, transitions(action), transitions(reward), transitions(terminated), transitions(real),
-                transitions(jnp.ones_like(terminated, bool)), penalty)
-    steps = jax.tree.map(lambda d, x: d.at[dest].set(x.reshape((-1,) + d.shape[1:]).astype(d.dtype), mode="drop"),
-                         buffer.steps, new)
+    new = Steps(
+        obs,
+        transitions(action),
+        transitions(reward),
+        transitions(terminated),
+        transitions(real),
+        transitions(jnp.ones_like(terminated, bool)),
+        penalty,
+    )
+    steps = jax.tree.map(
+        lambda d, x: d.at[dest].set(x.reshape((-1,) + d.shape[1:]).astype(d.dtype), mode="drop"), buffer.steps, new
+    )
     k = buffer.episodes + jnp.cumsum(keep) - 1
     slot = jnp.where(keep, k % n_ep, n_ep)
     episode_start = buffer.episode_start.at[slot].set(buffer.written + offset, mode="drop")

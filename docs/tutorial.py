@@ -6,6 +6,7 @@
 Each step is one call of the Python API (docs/python-api.md); the same runs could come from
 ``scripts/train.py``, and every file written here is read by the command-line tools too.
 """
+
 import os
 import tempfile
 from pathlib import Path
@@ -20,11 +21,24 @@ OUT = Path(os.environ.get("RLZOO_TUTORIAL_DIR") or tempfile.mkdtemp(prefix="zoo-
 SMALL = {"width": 64}  # a small backbone for a CPU; the paper's SAC is 256 x 2
 
 # 1. Train SAC with two vmapped seeds, and the same run with ReDo resets: keywords are train.py's flags.
-common = dict(env="Pendulum-v1", seeds=2, learning_starts=min(1000, STEPS // 2), eval_every=max(STEPS // 4, 100),
-              eval_episodes=3, network=SMALL, progress=False)
+common = dict(
+    env="Pendulum-v1",
+    seeds=2,
+    learning_starts=min(1000, STEPS // 2),
+    eval_every=max(STEPS // 4, 100),
+    eval_episodes=3,
+    network=SMALL,
+    progress=False,
+)
 base = pz.train("sac", total_steps=STEPS // 2, run_dir=str(OUT / "sac"), **common)
-redo = pz.train("sac", total_steps=STEPS, run_dir=str(OUT / "sac-redo"), label="sac+redo",
-                plasticity={"redo": True, "reset_every": max(STEPS // 8, 50)}, **common)
+redo = pz.train(
+    "sac",
+    total_steps=STEPS,
+    run_dir=str(OUT / "sac-redo"),
+    label="sac+redo",
+    plasticity={"redo": True, "reset_every": max(STEPS // 8, 50)},
+    **common,
+)
 print(f"SAC: step {base.step}, last evaluation {base.last_eval:.1f}")
 
 # 2. Extend the first run to the full budget: it resumes bit for bit from its checkpoint.

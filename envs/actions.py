@@ -7,6 +7,7 @@ action is clipped to the bounds (``gym.wrappers.ClipAction``, which CleanRL's
 Control Suite tasks) and differ elsewhere (Humanoid's are [-0.4, 0.4]).  The lowest module of
 ``envs``: base envs, wrappers and vector backends all map actions here.
 """
+
 from __future__ import annotations
 
 import gymnasium as gym

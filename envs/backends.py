@@ -19,6 +19,7 @@ Both adapters expose ``num_envs``, ``obs_dim``, ``act_dim``, ``reset(seeds=None)
   cannot be pickled: a restored EnvPool env is rebuilt and reset (``restored_fresh`` is set), so a
   resumed run restarts the episodes that were in flight.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -89,8 +90,9 @@ def _make_worker(env_id, seed, action_repeat, index, action_mode="rescale"):
 
 
 class AsyncVectorEnv(_EpisodeStats):
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                 action_mode: str = "rescale"):
+    def __init__(
+        self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None, action_mode: str = "rescale"
+    ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env_id, self.num_envs, self.seed, self.action_repeat = env_id, num_envs, seed, action_repeat
@@ -106,8 +108,10 @@ class AsyncVectorEnv(_EpisodeStats):
 
         from gymnasium.vector import AutoresetMode
 
-        fns = [partial(_make_worker, self.env_id, self.seed + i, self.action_repeat, i, self.action_mode)
-               for i in range(self.num_envs)]
+        fns = [
+            partial(_make_worker, self.env_id, self.seed + i, self.action_repeat, i, self.action_mode)
+            for i in range(self.num_envs)
+        ]
         # "spawn": the workers never inherit JAX's threads (forking a process that runs JAX can deadlock)
         self._env = gym.vector.AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.DISABLED, context="spawn")
 
@@ -122,8 +126,7 @@ class AsyncVectorEnv(_EpisodeStats):
         reward = np.asarray(reward, np.float32)
         terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
         self._track(reward, terminated | truncated)
-        return (np.asarray(obs, np.float32), reward, terminated, truncated,
-                np.asarray(info["next_obs"], np.float32))
+        return (np.asarray(obs, np.float32), reward, terminated, truncated, np.asarray(info["next_obs"], np.float32))
 
     def close(self):
         self._env.close()
@@ -147,20 +150,25 @@ def _envpool():
     try:
         import envpool
     except ImportError as e:
-        raise ImportError("the envpool backend needs EnvPool, which is not installed: "
-                          "pip install -e '.[envpool]' (or pip install envpool), or use --backend sync") from e
+        raise ImportError(
+            "the envpool backend needs EnvPool, which is not installed: "
+            "pip install -e '.[envpool]' (or pip install envpool), or use --backend sync"
+        ) from e
     return envpool
 
 
 class EnvPoolVectorEnv(_EpisodeStats):
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                 action_mode: str = "rescale"):
+    def __init__(
+        self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None, action_mode: str = "rescale"
+    ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.action_mode = check_action_mode(action_mode)
         if not isinstance(env_id, str) or env_id.startswith(("ns:", "dmc:")):
-            raise ValueError(f"the envpool backend runs Gymnasium ids only, not {env_id!r}: use --backend sync "
-                             "(non-stationary ns: and Control Suite dmc: envs need the zoo's own wrappers)")
+            raise ValueError(
+                f"the envpool backend runs Gymnasium ids only, not {env_id!r}: use --backend sync "
+                "(non-stationary ns: and Control Suite dmc: envs need the zoo's own wrappers)"
+            )
         envpool = _envpool()
         if env_id not in envpool.list_all_envs():
             raise ValueError(f"EnvPool {envpool.__version__} has no env {env_id!r}; use --backend sync")
@@ -176,8 +184,10 @@ class EnvPoolVectorEnv(_EpisodeStats):
         self._pool = _envpool().make_gymnasium(self.env_id, num_envs=self.num_envs, seed=self.seed)
         space = self._pool.action_space
         if not isinstance(space, gym.spaces.Box):
-            raise ValueError(f"env {self.env_id!r} has a {type(space).__name__} action space; "
-                             "this zoo is for continuous (Box) actions")
+            raise ValueError(
+                f"env {self.env_id!r} has a {type(space).__name__} action space; "
+                "this zoo is for continuous (Box) actions"
+            )
         self._low = np.asarray(space.low, np.float64)
         self._high = np.asarray(space.high, np.float64)
         self._act_dtype = space.dtype

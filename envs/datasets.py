@@ -24,6 +24,7 @@ Also here: Minari HDF5 datasets read without the ``minari`` package (spec 2.2), 
 scores (spec 1.3) and the project's own references, the dataset cache, and ``collect`` (roll a
 policy in a vector env into a dataset; used by scripts/make_dataset.py, spec 2.3).
 """
+
 from __future__ import annotations
 
 import functools
@@ -116,15 +117,22 @@ class Dataset:
         if unit_actions:
             low, high = self.action_bounds()
             actions = (2.0 * (actions - low) / (high - low) - 1.0).astype(np.float32)
-        return Transition(np.asarray(self.observations, np.float32), actions, np.asarray(self.rewards, np.float32),
-                          np.asarray(self.next_observations, np.float32), np.asarray(self.terminals, bool),
-                          np.asarray(self.timeouts, bool))
+        return Transition(
+            np.asarray(self.observations, np.float32),
+            actions,
+            np.asarray(self.rewards, np.float32),
+            np.asarray(self.next_observations, np.float32),
+            np.asarray(self.terminals, bool),
+            np.asarray(self.timeouts, bool),
+        )
 
     def action_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """The env's action bounds the actions are expressed in (metadata first, then the env)."""
         if "action_low" in self.metadata and "action_high" in self.metadata:
-            return (np.asarray(self.metadata["action_low"], np.float32),
-                    np.asarray(self.metadata["action_high"], np.float32))
+            return (
+                np.asarray(self.metadata["action_low"], np.float32),
+                np.asarray(self.metadata["action_high"], np.float32),
+            )
         if self.env_id is None:
             raise DatasetError("dataset has neither metadata action_low/action_high nor env_id: action bounds unknown")
         s = env_spaces(self.env_id)
@@ -133,8 +141,9 @@ class Dataset:
     def select(self, rows) -> "Dataset":
         """A new dataset of the given rows (a slice, index array or mask); metadata is copied."""
         pick = lambda x: np.asarray(x)[rows]  # noqa: E731
-        return Dataset(*(pick(getattr(self, k)) for k in KEYS), metadata=dict(self.metadata),
-                       infos=_map_tree(pick, self.infos))
+        return Dataset(
+            *(pick(getattr(self, k)) for k in KEYS), metadata=dict(self.metadata), infos=_map_tree(pick, self.infos)
+        )
 
 
 def _map_tree(fn, tree):
@@ -192,8 +201,12 @@ def env_spaces(env_id: str) -> EnvSpaces:
                 low, high = inner._low, inner._high
                 break
             inner = getattr(inner, "env", None)
-        return EnvSpaces(int(env.observation_space.shape[0]), int(env.action_space.shape[0]),
-                         np.asarray(low, np.float64).copy(), np.asarray(high, np.float64).copy())
+        return EnvSpaces(
+            int(env.observation_space.shape[0]),
+            int(env.action_space.shape[0]),
+            np.asarray(low, np.float64).copy(),
+            np.asarray(high, np.float64).copy(),
+        )
     finally:
         env.close()
 
@@ -232,22 +245,31 @@ def validate(dataset: Dataset, env_id: Optional[str] = None, path=None) -> Datas
     for k in BOOL_KEYS:
         if arrays[k].dtype != np.bool_:
             raise DatasetError(f"{where}: {k} has dtype {arrays[k].dtype}, expected bool")
-    for k, nd in (("observations", 2), ("actions", 2), ("next_observations", 2), ("rewards", 1),
-                  ("terminals", 1), ("timeouts", 1)):
+    for k, nd in (
+        ("observations", 2),
+        ("actions", 2),
+        ("next_observations", 2),
+        ("rewards", 1),
+        ("terminals", 1),
+        ("timeouts", 1),
+    ):
         if arrays[k].ndim != nd:
             raise DatasetError(f"{where}: {k} has shape {arrays[k].shape}, expected {nd} dimension(s)")
     lengths = {k: arrays[k].shape[0] for k in KEYS}
     for name, x in _leaves(dataset.infos, "infos/"):
         lengths[name] = np.shape(x)[0] if np.ndim(x) else -1
     if len(set(lengths.values())) != 1:
-        raise DatasetError(f"{where}: arrays disagree on the number of rows N: "
-                           + ", ".join(f"{k}={n}" for k, n in lengths.items()))
+        raise DatasetError(
+            f"{where}: arrays disagree on the number of rows N: " + ", ".join(f"{k}={n}" for k, n in lengths.items())
+        )
     n = lengths["rewards"]
     if n == 0:
         raise DatasetError(f"{where}: the dataset is empty (N = 0)")
     if arrays["next_observations"].shape[1] != arrays["observations"].shape[1]:
-        raise DatasetError(f"{where}: next_observations have dim {arrays['next_observations'].shape[1]} but "
-                           f"observations have dim {arrays['observations'].shape[1]}")
+        raise DatasetError(
+            f"{where}: next_observations have dim {arrays['next_observations'].shape[1]} but "
+            f"observations have dim {arrays['observations'].shape[1]}"
+        )
     for k in FLOAT_KEYS:
         bad = ~np.isfinite(arrays[k])
         if bad.any():
@@ -256,8 +278,10 @@ def validate(dataset: Dataset, env_id: Optional[str] = None, path=None) -> Datas
     both = arrays["terminals"] & arrays["timeouts"]
     if both.any():
         rows = np.flatnonzero(both)
-        raise DatasetError(f"{where}: {len(rows)} row(s) have both terminal and timeout set (first: row {rows[0]}); "
-                           "a row ends its episode either by termination or by time limit")
+        raise DatasetError(
+            f"{where}: {len(rows)} row(s) have both terminal and timeout set (first: row {rows[0]}); "
+            "a row ends its episode either by termination or by time limit"
+        )
     meta_env = dataset.metadata.get("env_id") if isinstance(dataset.metadata, dict) else None
     if env_id is not None and isinstance(meta_env, str) and _family(env_id) != _family(meta_env):
         raise DatasetError(f"{where}: the dataset was made on {meta_env!r}, not {env_id!r}")
@@ -275,9 +299,11 @@ def validate(dataset: Dataset, env_id: Optional[str] = None, path=None) -> Datas
         out = (arrays["actions"] < s.action_low - tol) | (arrays["actions"] > s.action_high + tol)
         if out.any():
             r, c = (int(i) for i in np.argwhere(out)[0])
-            raise DatasetError(f"{where}: {int(out.sum())} action value(s) outside {env_id}'s action bounds "
-                               f"[{s.action_low[c]:g}, {s.action_high[c]:g}] (first: row {r}, dim {c}, value "
-                               f"{arrays['actions'][r, c]:g}); actions are stored in the env's own units")
+            raise DatasetError(
+                f"{where}: {int(out.sum())} action value(s) outside {env_id}'s action bounds "
+                f"[{s.action_low[c]:g}, {s.action_high[c]:g}] (first: row {r}, dim {c}, value "
+                f"{arrays['actions'][r, c]:g}); actions are stored in the env's own units"
+            )
     return dataset
 
 
@@ -321,11 +347,15 @@ def check_transitions(dataset: Dataset, env_id: Optional[str] = None, rows=None,
     bad = []
     try:
         for i in rows:
-            sim.set_state(np.asarray(dataset.infos["qpos"][i], np.float64), np.asarray(dataset.infos["qvel"][i], np.float64))
+            sim.set_state(
+                np.asarray(dataset.infos["qpos"][i], np.float64), np.asarray(dataset.infos["qvel"][i], np.float64)
+            )
             obs, reward, terminated, _, _ = sim.step(np.asarray(dataset.actions[i], np.float64))
-            ok = (np.allclose(np.asarray(obs, np.float32), dataset.next_observations[i], atol=atol, rtol=1e-4)
-                  and np.isclose(reward, dataset.rewards[i], atol=atol, rtol=1e-4)
-                  and bool(terminated) == bool(dataset.terminals[i]))
+            ok = (
+                np.allclose(np.asarray(obs, np.float32), dataset.next_observations[i], atol=atol, rtol=1e-4)
+                and np.isclose(reward, dataset.rewards[i], atol=atol, rtol=1e-4)
+                and bool(terminated) == bool(dataset.terminals[i])
+            )
             if not ok:
                 bad.append(int(i))
     finally:
@@ -374,14 +404,18 @@ def _write_meta(group, meta: dict, where: str):
         elif isinstance(v, (np.ndarray, np.generic)):
             arr = np.asarray(v)
             if arr.dtype.kind == "U":
-                group.create_dataset(k, data=arr.astype(object), dtype=h5py.string_dtype()).attrs["py_type"] = "str_array"
+                group.create_dataset(k, data=arr.astype(object), dtype=h5py.string_dtype()).attrs["py_type"] = (
+                    "str_array"
+                )
             elif arr.dtype.kind in "biufc":
                 group.create_dataset(k, data=arr)
             else:
                 raise DatasetError(f"{where}/{k}: arrays of dtype {arr.dtype} cannot be stored")
         else:
-            raise DatasetError(f"{where}/{k}: values of type {type(v).__name__} cannot be stored in metadata "
-                               "(use str, int, float, bool, None, lists, numpy arrays or dicts)")
+            raise DatasetError(
+                f"{where}/{k}: values of type {type(v).__name__} cannot be stored in metadata "
+                "(use str, int, float, bool, None, lists, numpy arrays or dicts)"
+            )
 
 
 def _plain(v):
@@ -507,11 +541,14 @@ def load(path, env_id: Optional[str] = None, validate: bool = True, allow_missin
                     f"{path}: has no next_observations; the true next observations are needed (spec 1.2: "
                     "observations[i+1] is the next episode's reset state at an episode end, which corrupts "
                     "dynamics-model targets). Pass allow_missing_next=True to rebuild them within episodes "
-                    "and drop the rows where they are unknown.")
+                    "and drop the rows where they are unknown."
+                )
             if missing and any(re.fullmatch(r"episode_\d+", k) for k in f):
                 raise DatasetError(minari_file_hint(path))
             if missing:
-                raise DatasetError(f"{path}: missing key(s) {', '.join(missing)} (the file has: {', '.join(sorted(f))})")
+                raise DatasetError(
+                    f"{path}: missing key(s) {', '.join(missing)} (the file has: {', '.join(sorted(f))})"
+                )
             for k in KEYS:
                 if k in f:
                     if not isinstance(f[k], h5py.Dataset):
@@ -544,11 +581,21 @@ def _rebuild_next(arrays, infos, metadata, path) -> Dataset:
     before_end[:-1] = end[1:]
     timeouts = arrays["timeouts"] | (before_end & keep)  # the episode now ends one row earlier
     rows = np.flatnonzero(keep)
-    warnings.warn(f"{path}: next_observations rebuilt from observations[i+1]; dropped {n - len(rows)} rows "
-                  f"(episode ends incl. {int(arrays['terminals'].sum())} terminals, and the last row)")
+    warnings.warn(
+        f"{path}: next_observations rebuilt from observations[i+1]; dropped {n - len(rows)} rows "
+        f"(episode ends incl. {int(arrays['terminals'].sum())} terminals, and the last row)"
+    )
     meta = dict(metadata, next_observations_rebuilt=True, rows_dropped=int(n - len(rows)))
-    return Dataset(obs[rows], arrays["actions"][rows], arrays["rewards"][rows], arrays["terminals"][rows],
-                   timeouts[rows], nxt[rows], metadata=meta, infos=_map_tree(lambda x: np.asarray(x)[rows], infos))
+    return Dataset(
+        obs[rows],
+        arrays["actions"][rows],
+        arrays["rewards"][rows],
+        arrays["terminals"][rows],
+        timeouts[rows],
+        nxt[rows],
+        metadata=meta,
+        infos=_map_tree(lambda x: np.asarray(x)[rows], infos),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,11 +622,15 @@ def minari_file_hint(path) -> str:
     parts = len(Path(name).parts) if isinstance(name, str) else 0
     root = data.parents[parts] if 0 < parts < len(data.parents) else None
     if root is None or data != root / name / "data":
-        return (f"{head}; train on it with --dataset minari:<id>, its Minari id, with MINARI_DATASETS_PATH set to "
-                "the folder holding <id>/data/ (converted once into the dataset cache; docs/offline-data.md)")
+        return (
+            f"{head}; train on it with --dataset minari:<id>, its Minari id, with MINARI_DATASETS_PATH set to "
+            "the folder holding <id>/data/ (converted once into the dataset cache; docs/offline-data.md)"
+        )
     env = "" if root == minari_root().expanduser().resolve() else f" with MINARI_DATASETS_PATH={root}"
-    return f"{head}; train on it with --dataset minari:{name}{env} (converted once into the dataset cache; " \
-           "docs/offline-data.md)"
+    return (
+        f"{head}; train on it with --dataset minari:{name}{env} (converted once into the dataset cache; "
+        "docs/offline-data.md)"
+    )
 
 
 def _minari_data_dir(name_or_path, root) -> Path:
@@ -591,8 +642,10 @@ def _minari_data_dir(name_or_path, root) -> Path:
     base = minari_root(root)
     name = str(name_or_path)
     if not re.search(r"-v\d+$", name):  # no version: the newest one present
-        found = sorted(base.glob(f"{name}-v*"), key=lambda q: int(re.search(r"-v(\d+)$", q.name).group(1))
-                       if re.search(r"-v(\d+)$", q.name) else -1)
+        found = sorted(
+            base.glob(f"{name}-v*"),
+            key=lambda q: int(re.search(r"-v(\d+)$", q.name).group(1)) if re.search(r"-v(\d+)$", q.name) else -1,
+        )
         if found:
             return found[-1] / "data"
     return base / name / "data"
@@ -623,10 +676,15 @@ def load_minari(name_or_path, root=None) -> Dataset:
     fmt = meta.get("data_format", "hdf5")
     if fmt != "hdf5" or not file.exists():
         present = sorted(q.name for q in data.iterdir()) if data.is_dir() else []
-        why = (f"its data_format is {fmt!r}; only the HDF5 format is readable without the minari package"
-               if fmt != "hdf5" else "no such file")
-        raise DatasetError(f"Minari dataset {name_or_path!r}: looked for {file} ({why}); "
-                           f"{data} holds: {', '.join(present) or 'nothing'}")
+        why = (
+            f"its data_format is {fmt!r}; only the HDF5 format is readable without the minari package"
+            if fmt != "hdf5"
+            else "no such file"
+        )
+        raise DatasetError(
+            f"Minari dataset {name_or_path!r}: looked for {file} ({why}); "
+            f"{data} holds: {', '.join(present) or 'nothing'}"
+        )
     episodes = []
     try:
         with h5py.File(file, "r") as f:
@@ -645,15 +703,31 @@ def load_minari(name_or_path, root=None) -> Dataset:
                 t = len(g["rewards"])
                 if len(obs) != t + 1:
                     raise DatasetError(f"{file}: {name} has {len(obs)} observations for {t} steps, expected {t + 1}")
-                ep = {"observations": obs[:-1], "next_observations": obs[1:], "actions": g["actions"][()],
-                      "rewards": g["rewards"][()], "terminals": g["terminations"][()],
-                      "timeouts": g["truncations"][()]}
-                ep = {k: _coerce(k, np.asarray(v).reshape(t, -1) if k in ("observations", "next_observations", "actions")
-                                 else np.asarray(v).reshape(t), f"{file}: {name}") for k, v in ep.items()}
+                ep = {
+                    "observations": obs[:-1],
+                    "next_observations": obs[1:],
+                    "actions": g["actions"][()],
+                    "rewards": g["rewards"][()],
+                    "terminals": g["terminations"][()],
+                    "timeouts": g["truncations"][()],
+                }
+                ep = {
+                    k: _coerce(
+                        k,
+                        np.asarray(v).reshape(t, -1)
+                        if k in ("observations", "next_observations", "actions")
+                        else np.asarray(v).reshape(t),
+                        f"{file}: {name}",
+                    )
+                    for k, v in ep.items()
+                }
                 infos = {}
                 if "infos" in g and isinstance(g["infos"], h5py.Group):
-                    infos = {k: np.asarray(v)[:t] for k, v in _read_infos(g["infos"]).items()  # T or T+1 long
-                             if not isinstance(v, dict) and np.ndim(v) and len(v) >= t}
+                    infos = {
+                        k: np.asarray(v)[:t]
+                        for k, v in _read_infos(g["infos"]).items()  # T or T+1 long
+                        if not isinstance(v, dict) and np.ndim(v) and len(v) >= t
+                    }
                 episodes.append(Dataset(**ep, infos=infos))
     except DatasetError:
         raise
@@ -708,21 +782,27 @@ def normalized_score(returns, env_id=None, metadata=None, reference: str = "d4rl
         env = env_id if env_id is not None else metadata.get("env_id")
         name = d4rl_name(env)
         if name is None:
-            raise ValueError(f"no D4RL reference scores for env {env!r}: D4RL has them for "
-                             f"{', '.join(D4RL_REF)} only; use reference='dataset'")
+            raise ValueError(
+                f"no D4RL reference scores for env {env!r}: D4RL has them for "
+                f"{', '.join(D4RL_REF)} only; use reference='dataset'"
+            )
         lo, hi = D4RL_REF[name]
     elif reference == "dataset":
         if "ref_min_score" not in metadata or "ref_max_score" not in metadata:
-            raise ValueError("reference='dataset' needs metadata ref_min_score and ref_max_score "
-                             f"(this metadata has: {', '.join(sorted(metadata)) or 'nothing'})")
+            raise ValueError(
+                "reference='dataset' needs metadata ref_min_score and ref_max_score "
+                f"(this metadata has: {', '.join(sorted(metadata)) or 'nothing'})"
+            )
         refs = {k: metadata[k] for k in ("ref_min_score", "ref_max_score")}
         missing = [k for k, v in refs.items() if v is None or not np.isfinite(np.asarray(v, np.float64))]
         if missing:
             sources = ", ".join(f"{k} = {metadata[k]!r}" for k in ("ref_min_source", "ref_max_source") if k in metadata)
-            raise ValueError(f"the dataset has no usable {' / '.join(missing)} "
-                             f"({', '.join(f'{k} = {refs[k]!r}' for k in missing)}{'; ' + sources if sources else ''}): "
-                             "normalised scores against the dataset's references are unavailable"
-                             + ("; use reference='d4rl'" if d4rl_name(env_id or metadata.get("env_id")) else ""))
+            raise ValueError(
+                f"the dataset has no usable {' / '.join(missing)} "
+                f"({', '.join(f'{k} = {refs[k]!r}' for k in missing)}{'; ' + sources if sources else ''}): "
+                "normalised scores against the dataset's references are unavailable"
+                + ("; use reference='d4rl'" if d4rl_name(env_id or metadata.get("env_id")) else "")
+            )
         lo, hi = float(refs["ref_min_score"]), float(refs["ref_max_score"])
         if hi == lo:
             raise ValueError(f"ref_max_score equals ref_min_score ({hi}); the normalised score is undefined")
@@ -765,16 +845,25 @@ def find(env_id: str, kind: str, root=None) -> Path:
     base = cache_dir(root)
     have = sorted(p.name for p in base.glob("*.hdf5")) if base.is_dir() else []
     cache_flag = f" --cache {base}" if root is not None else ""
-    raise DatasetError(f"no {kind} dataset for {env_id}: {path} does not exist; the cache {base} holds: "
-                       f"{', '.join(have) or 'nothing'}. Make it with: python scripts/make_dataset.py "
-                       f"--env {env_id} --kind {kind}{cache_flag}")
+    raise DatasetError(
+        f"no {kind} dataset for {env_id}: {path} does not exist; the cache {base} holds: "
+        f"{', '.join(have) or 'nothing'}. Make it with: python scripts/make_dataset.py "
+        f"--env {env_id} --kind {kind}{cache_flag}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # collection (spec 2.3)
 # ----------------------------------------------------------------------------------------------
-def collect(env_id: str, policy: Callable, size: int, seed: int, num_envs: int = 1,
-            max_episode_steps: int = MAX_EPISODE_STEPS, record_state: bool = True) -> Dataset:
+def collect(
+    env_id: str,
+    policy: Callable,
+    size: int,
+    seed: int,
+    num_envs: int = 1,
+    max_episode_steps: int = MAX_EPISODE_STEPS,
+    record_state: bool = True,
+) -> Dataset:
     """Roll ``policy`` in ``num_envs`` parallel envs until ``size`` rows of whole episodes are in, then cut to ``size``.
 
     ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1], or ``(actions, log_probs[E])``.
@@ -802,7 +891,7 @@ def collect(env_id: str, policy: Callable, size: int, seed: int, num_envs: int =
     try:
         while rows < size:
             out = policy(obs)
-            actions, lp = (out if isinstance(out, tuple) else (out, None))
+            actions, lp = out if isinstance(out, tuple) else (out, None)
             actions = np.asarray(actions, np.float32).reshape(num_envs, -1)
             if record_state:
                 qpos.append(np.stack([s.data.qpos.copy() for s in sims]))
@@ -830,22 +919,33 @@ def collect(env_id: str, policy: Callable, size: int, seed: int, num_envs: int =
         stacked["action_log_probs"] = np.stack(log_probs)
     if record_state:
         stacked["qpos"], stacked["qvel"] = np.stack(qpos), np.stack(qvel)
-    gathered = {k: np.concatenate([v[s:e + 1, i] for i, s, e in finished])[:size] for k, v in stacked.items()}
+    gathered = {k: np.concatenate([v[s : e + 1, i] for i, s, e in finished])[:size] for k, v in stacked.items()}
     gathered["actions"] = to_env_units(gathered["actions"], env_id)
     infos = {k: gathered.pop(k) for k in ("action_log_probs", "qpos", "qvel") if k in gathered}
     s = env_spaces(env_id)
-    ds = Dataset(gathered["observations"].astype(np.float32), gathered["actions"],
-                 gathered["rewards"].astype(np.float32), gathered["terminals"].astype(bool),
-                 gathered["timeouts"].astype(bool), gathered["next_observations"].astype(np.float32),
-                 metadata={"env_id": env_id, "collection_seed": int(seed), "num_envs": int(num_envs),
-                           "max_episode_steps": int(max_episode_steps),
-                           "action_low": s.action_low.astype(np.float32), "action_high": s.action_high.astype(np.float32)},
-                 infos=infos)
+    ds = Dataset(
+        gathered["observations"].astype(np.float32),
+        gathered["actions"],
+        gathered["rewards"].astype(np.float32),
+        gathered["terminals"].astype(bool),
+        gathered["timeouts"].astype(bool),
+        gathered["next_observations"].astype(np.float32),
+        metadata={
+            "env_id": env_id,
+            "collection_seed": int(seed),
+            "num_envs": int(num_envs),
+            "max_episode_steps": int(max_episode_steps),
+            "action_low": s.action_low.astype(np.float32),
+            "action_high": s.action_high.astype(np.float32),
+        },
+        infos=infos,
+    )
     return ds
 
 
-def evaluate_policy(env_id: str, policy: Callable, episodes: int, first_seed: int = REF_SEED,
-                    max_episode_steps: int = MAX_EPISODE_STEPS) -> np.ndarray:
+def evaluate_policy(
+    env_id: str, policy: Callable, episodes: int, first_seed: int = REF_SEED, max_episode_steps: int = MAX_EPISODE_STEPS
+) -> np.ndarray:
     """Returns of ``episodes`` parallel episodes reset from seeds first_seed, first_seed+1, ... (Minari's
     reference protocol, spec 2.2).  ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1]."""
     from plasticity_zoo.envs.make import VectorEnv

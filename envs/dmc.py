@@ -4,10 +4,11 @@
 Control Suite episodes end by the time limit (1000 physics-control steps), which is a
 truncation; a last time step with discount 0 is a termination.
 """
+
 from __future__ import annotations
 
-import numpy as np
 import gymnasium as gym
+import numpy as np
 
 from plasticity_zoo.envs.actions import agent_action_space, check_action_mode, to_env_action
 

@@ -5,20 +5,28 @@ Agents always see flat float32 observations and actions in [-1, 1].  ``terminate
 ``truncated`` stay separate, and vector envs return the true next observation of every
 transition (``next_obs``) beside the observation to act on (reset where an episode ended).
 """
+
 from __future__ import annotations
 
 from plasticity_zoo.envs import backends
 from plasticity_zoo.envs.multitask import is_multitask
 from plasticity_zoo.envs.playground import PlaygroundVectorEnv, is_playground
-from plasticity_zoo.envs.single import make_env
+from plasticity_zoo.envs.single import make_env  # noqa: F401  (re-exported: plasticity_zoo.envs.make_env)
 from plasticity_zoo.envs.vector import CountingVectorEnv, VectorEnv
 from plasticity_zoo.envs.wrappers import DMC_ACTION_REPEAT, ID_FORMS, ActionRepeat, FlatFloat32, UnitActions  # noqa: F401
 
 BACKENDS = ("sync", "async", "envpool")
 
 
-def make_vector_env(env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                    backend: str = "sync", action_mode: str = "rescale", env_impl: str = "jax"):
+def make_vector_env(
+    env_id: str,
+    num_envs: int,
+    seed: int,
+    action_repeat: int | None = None,
+    backend: str = "sync",
+    action_mode: str = "rescale",
+    env_impl: str = "jax",
+):
     """A vector env with ``VectorEnv``'s interface (same-step autoreset, true final observations).
 
     ``backend``: ``"sync"`` (this module's ``VectorEnv``; ``"gymnasium"`` is an alias), ``"async"``

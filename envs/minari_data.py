@@ -26,6 +26,7 @@ final observation):
 
 Observation and action spaces must be flat ``Box`` spaces (what the offline agents take).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,10 +55,12 @@ def is_minari(spec) -> bool:
 
 def dataset_id(spec: str) -> str:
     """``minari:mujoco/hopper/medium-v0`` -> ``mujoco/hopper/medium-v0`` (a malformed id: DatasetError)."""
-    name = spec[len(PREFIX):] if is_minari(spec) else spec
+    name = spec[len(PREFIX) :] if is_minari(spec) else spec
     if not _ID.fullmatch(name) or ".." in name.split("/"):
-        raise DatasetError(f"--dataset {spec}: not a Minari dataset id; the form is minari:<namespace>/<name>-v<k>, "
-                           "e.g. minari:mujoco/hopper/medium-v0")
+        raise DatasetError(
+            f"--dataset {spec}: not a Minari dataset id; the form is minari:<namespace>/<name>-v<k>, "
+            "e.g. minari:mujoco/hopper/medium-v0"
+        )
     return name
 
 
@@ -83,27 +86,43 @@ def locate(name: str, root=None) -> tuple[str, Path]:
     base = datasets.minari_root(root)
     if not re.search(r"-v\d+$", name):
         stem, parent = Path(name).name, (base / name).parent
-        found = [p for p in parent.glob(f"{stem}-v*") if re.fullmatch(rf"{re.escape(stem)}-v\d+", p.name)
-                 and (p / "data").is_dir()] if parent.is_dir() else []  # medium: not medium-replay-v0
+        found = (
+            [
+                p
+                for p in parent.glob(f"{stem}-v*")
+                if re.fullmatch(rf"{re.escape(stem)}-v\d+", p.name) and (p / "data").is_dir()
+            ]
+            if parent.is_dir()
+            else []
+        )  # medium: not medium-replay-v0
         if found:
             name = str(Path(name).parent / max(found, key=_version).name)
     data = base / name / "data"
     if not (data / "metadata.json").is_file():
-        where = ("the given Minari root" if root is not None else "$MINARI_DATASETS_PATH"
-                 if os.environ.get("MINARI_DATASETS_PATH") else "Minari's default data path")
+        where = (
+            "the given Minari root"
+            if root is not None
+            else "$MINARI_DATASETS_PATH"
+            if os.environ.get("MINARI_DATASETS_PATH")
+            else "Minari's default data path"
+        )
         present = local_ids(base)
-        raise DatasetError(f"Minari dataset {name} is not present: looked for {data} ({where} {base}; nothing is "
-                           f"downloaded here); get it with: minari download {name}"
-                           + (f" (present: {', '.join(present[:10])}{', ...' if len(present) > 10 else ''})"
-                              if present else ""))
+        raise DatasetError(
+            f"Minari dataset {name} is not present: looked for {data} ({where} {base}; nothing is "
+            f"downloaded here); get it with: minari download {name}"
+            + (f" (present: {', '.join(present[:10])}{', ...' if len(present) > 10 else ''})" if present else "")
+        )
     return name, data
 
 
 def source_fingerprint(data: Path) -> str:
     """A digest of the files under a Minari ``data`` folder (relative path, size, modification time)
     and of ``CONVERTER_VERSION``: it changes when the dataset or the conversion does.  Reads no data."""
-    entries = [[str(p.relative_to(data)), p.stat().st_size, p.stat().st_mtime_ns]
-               for p in sorted(data.rglob("*")) if p.is_file()]
+    entries = [
+        [str(p.relative_to(data)), p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(data.rglob("*"))
+        if p.is_file()
+    ]
     text = json.dumps({"converter": CONVERTER_VERSION, "files": entries})
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -161,8 +180,10 @@ def episode_rows(ep, where: str = "episode") -> tuple[Dataset, bool]:
     was closed with a timeout).  Array-valued (Box) observations and actions only."""
     obs, act = ep.observations, ep.actions
     if not isinstance(obs, np.ndarray) or not isinstance(act, np.ndarray):
-        raise DatasetError(f"{where}: observations / actions are {type(obs).__name__} / {type(act).__name__}, "
-                           "not arrays (Dict or Tuple spaces are not supported)")
+        raise DatasetError(
+            f"{where}: observations / actions are {type(obs).__name__} / {type(act).__name__}, "
+            "not arrays (Dict or Tuple spaces are not supported)"
+        )
     rewards = np.asarray(ep.rewards)
     t = len(rewards)
     if len(obs) != t + 1:
@@ -176,9 +197,15 @@ def episode_rows(ep, where: str = "episode") -> tuple[Dataset, bool]:
     cut = not (term[-1] or trunc[-1])
     timeouts[-1] |= cut
     obs = np.asarray(obs).reshape(t + 1, -1)
-    rows = Dataset(obs[:-1].astype(np.float32), np.asarray(act).reshape(t, -1).astype(np.float32),
-                   rewards.reshape(t).astype(np.float32), term, timeouts, obs[1:].astype(np.float32),
-                   infos=episode_infos(ep.infos, t))
+    rows = Dataset(
+        obs[:-1].astype(np.float32),
+        np.asarray(act).reshape(t, -1).astype(np.float32),
+        rewards.reshape(t).astype(np.float32),
+        term,
+        timeouts,
+        obs[1:].astype(np.float32),
+        infos=episode_infos(ep.infos, t),
+    )
     return rows, cut
 
 
@@ -214,12 +241,17 @@ def eval_env(raw: dict) -> tuple[Optional[str], Optional[str]]:
     if spec.get("max_episode_steps") not in (None, registered.max_episode_steps):
         differs.append(f"max_episode_steps {spec['max_episode_steps']} (registered: {registered.max_episode_steps})")
     if spec.get("additional_wrappers"):
-        differs.append("additional wrappers " + ", ".join(str(w.get("name", w)) if isinstance(w, dict) else str(w)
-                                                          for w in spec["additional_wrappers"]))
+        differs.append(
+            "additional wrappers "
+            + ", ".join(str(w.get("name", w)) if isinstance(w, dict) else str(w) for w in spec["additional_wrappers"])
+        )
     if not differs:
         return env_id, None
-    return env_id, f"the dataset's env spec differs from {env_id} as registered ({'; '.join(differs)}): " \
-                   f"the zoo evaluates on {env_id} as registered"
+    return (
+        env_id,
+        f"the dataset's env spec differs from {env_id} as registered ({'; '.join(differs)}): "
+        f"the zoo evaluates on {env_id} as registered",
+    )
 
 
 def _finite_float(v) -> Optional[float]:
@@ -233,9 +265,14 @@ def _finite_float(v) -> Optional[float]:
 def metadata(raw: dict, name: str, data: Path, fingerprint: str, action_space, counts: dict) -> dict:
     """The converted file's metadata from Minari's ``metadata.json`` (``raw``) and the conversion."""
     env_id, note = eval_env(raw)
-    meta: dict = {"minari_dataset_id": name, "minari_source": str(data.absolute()),
-                  "minari_source_fingerprint": fingerprint, "minari_converter_version": CONVERTER_VERSION,
-                  "minari_metadata": json.dumps(raw, sort_keys=True, default=str), **counts}
+    meta: dict = {
+        "minari_dataset_id": name,
+        "minari_source": str(data.absolute()),
+        "minari_source_fingerprint": fingerprint,
+        "minari_converter_version": CONVERTER_VERSION,
+        "minari_metadata": json.dumps(raw, sort_keys=True, default=str),
+        **counts,
+    }
     if env_id is not None:
         meta["env_id"] = env_id
     if note:
@@ -265,8 +302,10 @@ def require_minari():
     try:
         import minari
     except ImportError as e:
-        raise DatasetError(f"Minari datasets (--dataset minari:<id>) need the minari package, which is not "
-                           f"installed ({e}); install the extra: {INSTALL}") from None
+        raise DatasetError(
+            f"Minari datasets (--dataset minari:<id>) need the minari package, which is not "
+            f"installed ({e}); install the extra: {INSTALL}"
+        ) from None
     return minari
 
 
@@ -274,8 +313,9 @@ def _check_space(space, what: str, name: str):
     from gymnasium import spaces
 
     if not isinstance(space, spaces.Box) or len(space.shape) != 1:
-        raise DatasetError(f"Minari dataset {name}: its {what} space is {space}; the offline agents take flat "
-                           f"Box {what}s only")
+        raise DatasetError(
+            f"Minari dataset {name}: its {what} space is {space}; the offline agents take flat Box {what}s only"
+        )
 
 
 def to_dataset(source, name: str, data: Path, fingerprint: str) -> Dataset:
@@ -302,11 +342,14 @@ def _read(minari, data: Path, name: str):
     try:
         return minari.MinariDataset(data)
     except ImportError as e:  # e.g. an arrow dataset without pyarrow
-        raise DatasetError(f"Minari dataset {name} ({data}) needs a package that is not installed ({e}); "
-                           "arrow / parquet datasets need: pip install 'minari[arrow]'") from None
+        raise DatasetError(
+            f"Minari dataset {name} ({data}) needs a package that is not installed ({e}); "
+            "arrow / parquet datasets need: pip install 'minari[arrow]'"
+        ) from None
     except (ValueError, KeyError, OSError, AssertionError, TypeError) as e:
-        raise DatasetError(f"Minari dataset {name} ({data}) cannot be read by minari {minari.__version__}: "
-                           f"{type(e).__name__}: {e}") from None
+        raise DatasetError(
+            f"Minari dataset {name} ({data}) cannot be read by minari {minari.__version__}: {type(e).__name__}: {e}"
+        ) from None
 
 
 def derived_files(path: Path) -> list[Path]:
@@ -329,8 +372,10 @@ def convert(spec: str, root=None, cache_root=None, log: Callable = print) -> Pat
     old = cached_fingerprint(path)
     if old == fingerprint:
         return path
-    log(f"converting Minari dataset {name} ({data}) to the zoo's layout: {path}"
-        + (" (its source changed since the last conversion)" if old is not None else ""))
+    log(
+        f"converting Minari dataset {name} ({data}) to the zoo's layout: {path}"
+        + (" (its source changed since the last conversion)" if old is not None else "")
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # minari's own notes on missing authors, permalinks, ...
         try:
@@ -338,8 +383,9 @@ def convert(spec: str, root=None, cache_root=None, log: Callable = print) -> Pat
         except DatasetError:
             raise
         except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:  # h5py / minari reading the episodes
-            raise DatasetError(f"Minari dataset {name} ({data}): unreadable or corrupt ({type(e).__name__}: {e})") \
-                from None
+            raise DatasetError(
+                f"Minari dataset {name} ({data}): unreadable or corrupt ({type(e).__name__}: {e})"
+            ) from None
     stale = derived_files(path) if path.exists() else []
     datasets.save(path, ds)
     for p in stale:
@@ -348,8 +394,10 @@ def convert(spec: str, root=None, cache_root=None, log: Callable = print) -> Pat
         log(f"removed {len(stale)} file(s) made from the previous conversion: {', '.join(p.name for p in stale)}")
     if "minari_eval_note" in ds.metadata:
         log(f"note: {ds.metadata['minari_eval_note']}")
-    log(f"converted {len(ds)} steps in {ds.metadata['minari_episodes']} episodes (env {ds.env_id}); "
-        "later runs reuse the conversion while the source is unchanged")
+    log(
+        f"converted {len(ds)} steps in {ds.metadata['minari_episodes']} episodes (env {ds.env_id}); "
+        "later runs reuse the conversion while the source is unchanged"
+    )
     return path
 
 

@@ -18,6 +18,7 @@ pass through unchanged.  ``MultitaskEnv`` wraps the member built by ``make_base_
 ``env.unwrapped`` is the member's own env (MuJoCo state pickling in ``envs.vector`` works as for
 a single task).  ``envs.vector.VectorEnv`` runs task ``i % num_tasks`` in env ``i``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,11 +36,29 @@ UNSUPPORTED = ("ns:", "playground:")  # member forms a multitask env cannot hold
 
 # ScaleMRL (Obando-Ceron et al. 2026), johanobandoc/ScaleMRL tdmpc2/common/__init__.py,
 # TASK_SET['dmcontrol'], in its order, as the zoo's dm_control ids (cup = ball_in_cup).
-_DMC21 = ("walker-stand", "walker-walk", "walker-run", "cheetah-run", "reacher-easy", "reacher-hard",
-          "acrobot-swingup", "pendulum-swingup", "cartpole-balance", "cartpole-balance_sparse",
-          "cartpole-swingup", "cartpole-swingup_sparse", "ball_in_cup-catch", "finger-spin",
-          "finger-turn_easy", "finger-turn_hard", "fish-swim", "hopper-stand", "hopper-hop",
-          "quadruped-walk", "quadruped-run")
+_DMC21 = (
+    "walker-stand",
+    "walker-walk",
+    "walker-run",
+    "cheetah-run",
+    "reacher-easy",
+    "reacher-hard",
+    "acrobot-swingup",
+    "pendulum-swingup",
+    "cartpole-balance",
+    "cartpole-balance_sparse",
+    "cartpole-swingup",
+    "cartpole-swingup_sparse",
+    "ball_in_cup-catch",
+    "finger-spin",
+    "finger-turn_easy",
+    "finger-turn_hard",
+    "fish-swim",
+    "hopper-stand",
+    "hopper-hop",
+    "quadruped-walk",
+    "quadruped-run",
+)
 _DMC4 = ("dmc:cartpole-balance", "dmc:cartpole-swingup", "dmc:pendulum-swingup", "dmc:reacher-easy")
 SUITES: dict[str, tuple[str, ...]] = {
     "dmc21": tuple(f"dmc:{t}" for t in _DMC21),
@@ -47,8 +66,9 @@ SUITES: dict[str, tuple[str, ...]] = {
     "dmc4": _DMC4,
     "cartpole2": _DMC4[:2],
 }
-FORMS = ("a multitask id is 'mt:<id>,<id>,...' (Gymnasium or dmc: ids) "
-         f"or 'mt:<suite>' with a suite in {', '.join(SUITES)}")
+FORMS = (
+    f"a multitask id is 'mt:<id>,<id>,...' (Gymnasium or dmc: ids) or 'mt:<suite>' with a suite in {', '.join(SUITES)}"
+)
 
 
 def is_multitask(env_id) -> bool:
@@ -59,7 +79,7 @@ def member_ids(env_id: str) -> tuple[str, ...]:
     """The member ids of an ``mt:`` id (a suite's or the explicit list), checked for form only."""
     if not is_multitask(env_id):
         raise ValueError(f"{env_id!r} is not a multitask id; {FORMS}")
-    body = env_id[len(PREFIX):].strip()
+    body = env_id[len(PREFIX) :].strip()
     if not body:
         raise ValueError(f"{env_id!r}: empty task list; {FORMS}")
     if "," not in body and ":" not in body and body not in gym.registry:  # a suite name
@@ -116,8 +136,14 @@ class TaskSpec:
         return (np.arange(self.max_act_dim) < np.asarray(self.act_dims)[:, None]).astype(np.float32)
 
 
-def _member(env_id: str, member: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,
-            action_mode: str = "rescale") -> gym.Env:
+def _member(
+    env_id: str,
+    member: str,
+    seed: int = 0,
+    action_repeat: int | None = None,
+    render_mode=None,
+    action_mode: str = "rescale",
+) -> gym.Env:
     try:
         return make_base_env(member, seed, action_repeat, render_mode, action_mode)
     except ValueError as e:
@@ -153,24 +179,34 @@ def task_spec(env_id: str, action_repeat: int | None = None) -> TaskSpec:
         finally:
             env.close()
         if not math.isfinite(lengths[-1]):
-            raise ValueError(f"{env_id!r}: member {m!r} has no finite episode limit "
-                             "(a Gymnasium id needs max_episode_steps)")
+            raise ValueError(
+                f"{env_id!r}: member {m!r} has no finite episode limit (a Gymnasium id needs max_episode_steps)"
+            )
     return TaskSpec(env_id, tasks, tuple(obs), tuple(act), tuple(lengths))
 
 
 class MultitaskEnv(gym.Wrapper):
     """Task ``task`` of an ``mt:`` id: the member env with padded spaces and a one-hot task index."""
 
-    def __init__(self, env_id: str, task: int, seed: int = 0, action_repeat: int | None = None, render_mode=None,
-                 action_mode: str = "rescale"):
+    def __init__(
+        self,
+        env_id: str,
+        task: int,
+        seed: int = 0,
+        action_repeat: int | None = None,
+        render_mode=None,
+        action_mode: str = "rescale",
+    ):
         spec = task_spec(env_id, action_repeat)
         if not (isinstance(task, (int, np.integer)) and 0 <= task < spec.num_tasks):
             raise ValueError(f"{env_id!r}: task must be an int in [0, {spec.num_tasks}), got {task!r}")
         super().__init__(_member(env_id, spec.tasks[task], seed, action_repeat, render_mode, action_mode))
         space = self.env.action_space
         if action_mode == "clip" and not (np.all(space.low == -1) and np.all(space.high == 1)):
-            raise ValueError(f"{env_id!r}: member {spec.tasks[task]!r} has action bounds other than [-1, 1], "
-                             "which a multitask env cannot share in action mode 'clip'; use 'rescale'")
+            raise ValueError(
+                f"{env_id!r}: member {spec.tasks[task]!r} has action bounds other than [-1, 1], "
+                "which a multitask env cannot share in action mode 'clip'; use 'rescale'"
+            )
         self.task, self.task_spec = int(task), spec
         self._act_dim = spec.act_dims[task]
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (spec.obs_dim,), np.float32)

@@ -80,6 +80,7 @@ phase 0 and a hard switch truncates step ``N``.
 - ``follow(vector_env, counter)`` binds an evaluation env to read (never advance) the training
   counter, so evaluations see the current task.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -87,13 +88,21 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 
-from plasticity_zoo.envs.wrappers import DMC_ACTION_REPEAT, ActionRepeat, make_base_env as make_env
+from plasticity_zoo.envs.wrappers import DMC_ACTION_REPEAT, ActionRepeat
+from plasticity_zoo.envs.wrappers import make_base_env as make_env
 
-MODES = {"chain": "chain", "task_chain": "chain", "dynamics": "dynamics",
-         "obs_permute": "obs_permute", "reward_flip": "reward_flip"}
-GRAMMAR = ("non-stationary ids read 'ns:<mode>:<base>[:key=value,...]' with mode one of chain, dynamics, "
-           "obs_permute, reward_flip, e.g. 'ns:reward_flip:HalfCheetah-v5:every=100000' or "
-           "'ns:chain:dmc:walker-stand,dmc:walker-walk:every=1000000'")
+MODES = {
+    "chain": "chain",
+    "task_chain": "chain",
+    "dynamics": "dynamics",
+    "obs_permute": "obs_permute",
+    "reward_flip": "reward_flip",
+}
+GRAMMAR = (
+    "non-stationary ids read 'ns:<mode>:<base>[:key=value,...]' with mode one of chain, dynamics, "
+    "obs_permute, reward_flip, e.g. 'ns:reward_flip:HalfCheetah-v5:every=100000' or "
+    "'ns:chain:dmc:walker-stand,dmc:walker-walk:every=1000000'"
+)
 COMMON_KEYS = {"every", "switch", "seed"}
 MODE_KEYS = {"chain": set(), "dynamics": {"params"}, "obs_permute": {"signs"}, "reward_flip": {"term"}}
 DYNAMICS_PARAMS = ("friction", "gravity", "mass")
@@ -134,8 +143,9 @@ def parse(env_id: str) -> NSSpec:
         raise ValueError(f"malformed non-stationary id {env_id!r}: missing the base env; {GRAMMAR}")
     mode_name, rest = rest.split(":", 1)
     if mode_name not in MODES:
-        raise ValueError(f"unknown non-stationary mode {mode_name!r} in {env_id!r}; modes: "
-                         f"{', '.join(sorted(MODES))}; {GRAMMAR}")
+        raise ValueError(
+            f"unknown non-stationary mode {mode_name!r} in {env_id!r}; modes: {', '.join(sorted(MODES))}; {GRAMMAR}"
+        )
     mode = MODES[mode_name]
     options = {}
     head, _, tail = rest.rpartition(":")
@@ -143,8 +153,10 @@ def parse(env_id: str) -> NSSpec:
         rest = head
         for item in tail.split(","):
             if "=" not in item or not item.split("=", 1)[0]:
-                raise ValueError(f"malformed option {item!r} in {env_id!r}: options are key=value pairs "
-                                 f"separated by commas; {GRAMMAR}")
+                raise ValueError(
+                    f"malformed option {item!r} in {env_id!r}: options are key=value pairs "
+                    f"separated by commas; {GRAMMAR}"
+                )
             k, v = item.split("=", 1)
             if k in options:
                 raise ValueError(f"option {k!r} given twice in {env_id!r}")
@@ -152,13 +164,16 @@ def parse(env_id: str) -> NSSpec:
     elif head and tail.split(",")[0] in COMMON_KEYS | MODE_KEYS[mode]:
         raise ValueError(f"malformed option {tail!r} in {env_id!r}: options are key=value pairs; {GRAMMAR}")
     elif "=" in rest:
-        raise ValueError(f"malformed non-stationary id {env_id!r}: options must come last, after the base "
-                         f"env and a ':'; {GRAMMAR}")
+        raise ValueError(
+            f"malformed non-stationary id {env_id!r}: options must come last, after the base env and a ':'; {GRAMMAR}"
+        )
     allowed = COMMON_KEYS | MODE_KEYS[mode]
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for mode {mode!r} in {env_id!r}; "
-                         f"valid options: {', '.join(sorted(allowed))}")
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for mode {mode!r} in {env_id!r}; "
+            f"valid options: {', '.join(sorted(allowed))}"
+        )
     bases = tuple(b.strip() for b in rest.split(",")) if mode == "chain" else (rest,)
     if not all(bases):
         raise ValueError(f"empty env id in {env_id!r}; {GRAMMAR}")
@@ -181,8 +196,10 @@ def parse(env_id: str) -> NSSpec:
         params = tuple(p for p in options["params"].split("+") if p)
         bad = [p for p in params if p not in DYNAMICS_PARAMS]
         if bad or not params:
-            raise ValueError(f"{env_id!r}: params must be a '+'-joined subset of {'+'.join(DYNAMICS_PARAMS)}, "
-                             f"got {options['params']!r}")
+            raise ValueError(
+                f"{env_id!r}: params must be a '+'-joined subset of {'+'.join(DYNAMICS_PARAMS)}, "
+                f"got {options['params']!r}"
+            )
         kw["params"] = params
     if "signs" in options:
         if options["signs"] not in ("0", "1"):
@@ -281,9 +298,11 @@ class _RewardFlip(gym.Wrapper):
         obs, r, terminated, truncated, info = self.env.step(action)
         if self.term == "forward":
             if "reward_forward" not in info:
-                raise ValueError(f"reward_flip with term=forward needs an env that reports info['reward_forward'] "
-                                 f"(Gymnasium MuJoCo locomotion v5: HalfCheetah, Hopper, Walker2d, Ant, Humanoid, "
-                                 f"Swimmer); {self.env_id!r} does not: use term=all to flip the whole reward")
+                raise ValueError(
+                    f"reward_flip with term=forward needs an env that reports info['reward_forward'] "
+                    f"(Gymnasium MuJoCo locomotion v5: HalfCheetah, Hopper, Walker2d, Ant, Humanoid, "
+                    f"Swimmer); {self.env_id!r} does not: use term=all to flip the whole reward"
+                )
             if self.sign < 0:
                 r = r - 2.0 * float(info["reward_forward"])
         elif self.sign < 0:
@@ -312,12 +331,15 @@ class NonStationaryEnv(gym.Env):
             self.tasks = [make_env(b, seed, action_repeat, action_mode=action_mode) for b in spec.bases]
         ref = self.tasks[0]
         for b, t in zip(spec.bases, self.tasks):
-            if (t.observation_space.shape != ref.observation_space.shape
-                    or t.action_space.shape != ref.action_space.shape):
+            if (
+                t.observation_space.shape != ref.observation_space.shape
+                or t.action_space.shape != ref.action_space.shape
+            ):
                 raise ValueError(
                     f"{env_id!r}: a chain needs identical spaces, but {spec.bases[0]!r} has observations "
                     f"{ref.observation_space.shape} and actions {ref.action_space.shape} while {b!r} has "
-                    f"{t.observation_space.shape} and {t.action_space.shape}")
+                    f"{t.observation_space.shape} and {t.action_space.shape}"
+                )
         self.observation_space = ref.observation_space
         self.action_space = ref.action_space
         self.counter = StepCounter()
@@ -327,12 +349,17 @@ class NonStationaryEnv(gym.Env):
         if spec.mode == "dynamics":
             mj = _mj_model(ref)
             if mj is None:
-                raise ValueError(f"{env_id!r}: mode dynamics needs a MuJoCo env (Gymnasium MuJoCo or dmc:), "
-                                 f"{spec.bases[0]!r} is not one")
+                raise ValueError(
+                    f"{env_id!r}: mode dynamics needs a MuJoCo env (Gymnasium MuJoCo or dmc:), "
+                    f"{spec.bases[0]!r} is not one"
+                )
             model = mj[0]
-            self._nominal = {"friction": np.array(model.geom_friction[:, 0]),
-                             "gravity": float(model.opt.gravity[2]),
-                             "mass": np.array(model.body_mass), "inertia": np.array(model.body_inertia)}
+            self._nominal = {
+                "friction": np.array(model.geom_friction[:, 0]),
+                "gravity": float(model.opt.gravity[2]),
+                "mass": np.array(model.body_mass),
+                "inertia": np.array(model.body_inertia),
+            }
         self._apply(0)
 
     # -- schedule ---------------------------------------------------------------------------
@@ -401,8 +428,7 @@ class NonStationaryEnv(gym.Env):
         if self.counter.auto:
             self.counter.value += 1
         obs, r, terminated, truncated, info = self.tasks[self.active].step(action)
-        if (self.spec_ns.switch == "hard" and not terminated
-                and self.phase_at(self.counter.value) != self.phase):
+        if self.spec_ns.switch == "hard" and not terminated and self.phase_at(self.counter.value) != self.phase:
             truncated = True
         return self._obs(obs), r, terminated, truncated, self._info(info)
 
@@ -459,7 +485,9 @@ def _physics_state(env):
     return out, rng
 
 
-def make(env_id: str, seed: int = 0, action_repeat: int | None = None, action_mode: str = "rescale") -> NonStationaryEnv:
+def make(
+    env_id: str, seed: int = 0, action_repeat: int | None = None, action_mode: str = "rescale"
+) -> NonStationaryEnv:
     """The ``make_env`` entry for ``ns:`` ids (a private, self-advancing step counter)."""
     return NonStationaryEnv(env_id, seed, action_repeat, action_mode)
 

@@ -36,6 +36,7 @@ The device API (``Playground``): ``reset(keys) -> EnvState`` and ``step(state, a
 host ``VectorEnv`` interface (one jitted call per vector step) so that every agent, the host loops
 and the evaluator run on ``playground:`` ids unchanged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,8 +63,9 @@ def _registry():
     try:
         from mujoco_playground import registry
     except ImportError as e:
-        raise ValueError(f"playground: env ids need MuJoCo Playground, an optional extra: {EXTRA} "
-                         f"(import failed: {e})") from None
+        raise ValueError(
+            f"playground: env ids need MuJoCo Playground, an optional extra: {EXTRA} (import failed: {e})"
+        ) from None
     return registry
 
 
@@ -79,8 +81,10 @@ def _load(name: str, impl: str):
         raise ValueError(f"unknown --env-impl {impl!r}; choose one of {', '.join(IMPLS)}")
     names = tuple(registry.dm_control_suite.ALL_ENVS)
     if name not in names:
-        raise ValueError(f"unknown Playground task {PREFIX}{name}; the zoo offers the Control Suite ports: "
-                         + ", ".join(PREFIX + n for n in names))
+        raise ValueError(
+            f"unknown Playground task {PREFIX}{name}; the zoo offers the Control Suite ports: "
+            + ", ".join(PREFIX + n for n in names)
+        )
     if impl == "warp" and jax.default_backend() == "cpu":
         raise ValueError("--env-impl warp (MuJoCo Warp) needs a GPU; on CPU use --env-impl jax")
     try:
@@ -94,20 +98,20 @@ def _load(name: str, impl: str):
 class EnvState(NamedTuple):
     """A batch of envs: Playground's state plus the episode clock, reset keys and episode return."""
 
-    inner: object          # mujoco_playground State, batched (N,)
-    t: jax.Array           # (N,) agent steps into the current episode
-    key: jax.Array         # (N,) key of each env's next reset
-    ep_return: jax.Array   # (N,) return of the current episode so far
+    inner: object  # mujoco_playground State, batched (N,)
+    t: jax.Array  # (N,) agent steps into the current episode
+    key: jax.Array  # (N,) key of each env's next reset
+    ep_return: jax.Array  # (N,) return of the current episode so far
 
 
 class Step(NamedTuple):
-    obs: jax.Array         # (N, obs_dim) the observation to act on (a reset one where an episode ended)
-    reward: jax.Array      # (N,)
+    obs: jax.Array  # (N, obs_dim) the observation to act on (a reset one where an episode ended)
+    reward: jax.Array  # (N,)
     terminated: jax.Array  # (N,) bool
-    truncated: jax.Array   # (N,) bool (episode limit, not terminated)
-    next_obs: jax.Array    # (N, obs_dim) the true next observation (the final one where an episode ended)
-    ep_return: jax.Array   # (N,) the finished episode's return where terminated | truncated, else 0
-    ep_length: jax.Array   # (N,) the finished episode's length where terminated | truncated, else 0
+    truncated: jax.Array  # (N,) bool (episode limit, not terminated)
+    next_obs: jax.Array  # (N, obs_dim) the true next observation (the final one where an episode ended)
+    ep_return: jax.Array  # (N,) the finished episode's return where terminated | truncated, else 0
+    ep_length: jax.Array  # (N,) the finished episode's length where terminated | truncated, else 0
 
 
 @dataclass(frozen=True)
@@ -204,8 +208,9 @@ class Playground:
             return merged, jnp.where(ended, keys[:, 1], key)
 
         inner, key = jax.lax.cond(jnp.any(ended), with_resets, lambda args: args, (inner, state.key))
-        out = Step(inner.obs, reward, terminated, truncated, next_obs,
-                   jnp.where(ended, ep_return, 0.0), jnp.where(ended, t, 0))
+        out = Step(
+            inner.obs, reward, terminated, truncated, next_obs, jnp.where(ended, ep_return, 0.0), jnp.where(ended, t, 0)
+        )
         new = EnvState(inner, jnp.where(ended, 0, t), key, jnp.where(ended, 0.0, ep_return))
         return new, out
 
@@ -214,9 +219,11 @@ def _strong(tree):
     """Every leaf strongly typed.  Playground's reset returns weakly typed constants (e.g. the reward
     0.0) where its step returns float32 arrays; jit keys its cache on weak types, so a program
     compiled on a reset state would compile again on the first stepped one."""
+
     def one(x):
         x = jnp.asarray(x)
         return x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jax.lax.convert_element_type(x, x.dtype)
+
     return jax.tree.map(one, tree)
 
 
@@ -225,7 +232,7 @@ def _bcast(mask, x):
 
 
 def parse(env_id: str) -> str:
-    name = env_id[len(PREFIX):]
+    name = env_id[len(PREFIX) :]
     if not name:
         raise ValueError(f"malformed Playground id {env_id!r}: write playground:<Name>, e.g. playground:CheetahRun")
     return name
@@ -252,10 +259,12 @@ def jitted(pg: Playground):
 
 def _to_host(tree):
     """Device arrays -> numpy (typed keys as their raw data, tagged), for pickling."""
+
     def one(x):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             return ("key", np.asarray(jax.random.key_data(x)))
         return np.asarray(x)
+
     return jax.tree.map(one, tree)
 
 
@@ -264,6 +273,7 @@ def _from_host(tree):
         if isinstance(x, tuple) and len(x) == 2 and x[0] == "key":
             return jax.random.wrap_key_data(jnp.asarray(x[1]))
         return jnp.asarray(x)
+
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and x[0] == "key")
 
 
@@ -273,8 +283,15 @@ class PlaygroundVectorEnv:
     Env ``i`` resets from ``jax.random.key(seed + i)`` (or the seeds given to ``reset``); every
     ``step`` is one jitted call.  Pickles exactly (the device state is copied to the host)."""
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                 action_mode: str = "rescale", impl: str = "jax"):
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        seed: int,
+        action_repeat: int | None = None,
+        action_mode: str = "rescale",
+        impl: str = "jax",
+    ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env_id, self.num_envs, self.seed = env_id, num_envs, seed
@@ -294,8 +311,13 @@ class PlaygroundVectorEnv:
         out = jax.device_get(out)
         for i in np.nonzero(out.terminated | out.truncated)[0]:
             self.finished.append((int(i), float(out.ep_return[i]), int(out.ep_length[i])))
-        return (np.asarray(out.obs, np.float32), np.asarray(out.reward, np.float32), np.asarray(out.terminated),
-                np.asarray(out.truncated), np.asarray(out.next_obs, np.float32))
+        return (
+            np.asarray(out.obs, np.float32),
+            np.asarray(out.reward, np.float32),
+            np.asarray(out.terminated),
+            np.asarray(out.truncated),
+            np.asarray(out.next_obs, np.float32),
+        )
 
     def pop_finished(self):
         done, self.finished = self.finished, []
@@ -328,8 +350,14 @@ class PlaygroundGymEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env_id: str, seed: int = 0, action_repeat: int | None = None, action_mode: str = "rescale",
-                 impl: str = "jax"):
+    def __init__(
+        self,
+        env_id: str,
+        seed: int = 0,
+        action_repeat: int | None = None,
+        action_mode: str = "rescale",
+        impl: str = "jax",
+    ):
         self.vec = PlaygroundVectorEnv(env_id, 1, seed, action_repeat, action_mode, impl)
         low, high = self.vec.pg.bounds()
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (self.vec.obs_dim,), np.float32)

@@ -1,4 +1,5 @@
 """``make_env``: one env for any id of the scheme (Gymnasium, ``dmc:``, ``ns:``, ``mt:``, ``playground:``)."""
+
 from __future__ import annotations
 
 import gymnasium as gym
@@ -7,8 +8,15 @@ from plasticity_zoo.envs import multitask, nonstationary, playground
 from plasticity_zoo.envs.wrappers import ID_FORMS, make_base_env
 
 
-def make_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,
-             action_mode: str = "rescale", env_impl: str = "jax", task: int = 0) -> gym.Env:
+def make_env(
+    env_id: str,
+    seed: int = 0,
+    action_repeat: int | None = None,
+    render_mode=None,
+    action_mode: str = "rescale",
+    env_impl: str = "jax",
+    task: int = 0,
+) -> gym.Env:
     """A single env with flat float32 observations and actions mapped by ``action_mode``
     (``envs.actions``: ``rescale`` from [-1, 1], ``clip`` in the env's units); for an ``mt:`` id,
     task ``task`` of it (``envs.multitask.MultitaskEnv``: padded spaces, one-hot task index)."""

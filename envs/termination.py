@@ -6,6 +6,7 @@ Rules from Gymnasium's v5 envs (``healthy`` conditions), as in the hand-coded do
 MOPO's and RAVL's code (Sims et al. 2024; anyasims/edge-of-reach ``rollout_generation.py``) and
 D4RL's hopper / walker2d datasets.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -20,8 +21,12 @@ def hopper_done(next_obs):
     Gymnasium tests |state| < 100 on the unclipped velocities while the observation clips them to
     +-10, so a velocity above 100 terminates the env but not this function (unobservable from s')."""
     z, angle = next_obs[..., 0], next_obs[..., 1]
-    healthy = (jnp.isfinite(next_obs).all(-1) & (jnp.abs(next_obs[..., 1:]) < 100.0).all(-1)
-               & (z > 0.7) & (jnp.abs(angle) < 0.2))
+    healthy = (
+        jnp.isfinite(next_obs).all(-1)
+        & (jnp.abs(next_obs[..., 1:]) < 100.0).all(-1)
+        & (z > 0.7)
+        & (jnp.abs(angle) < 0.2)
+    )
     return ~healthy
 
 
@@ -37,8 +42,7 @@ def never_done(next_obs):
 
 
 halfcheetah_done = never_done
-TERMINATION_FNS = {"hopper": hopper_done, "walker2d": walker2d_done, "halfcheetah": never_done,
-                   "pendulum": never_done}
+TERMINATION_FNS = {"hopper": hopper_done, "walker2d": walker2d_done, "halfcheetah": never_done, "pendulum": never_done}
 
 
 def register_termination(name: str, fn: Callable):
@@ -52,7 +56,9 @@ def termination_fn(env_id: str) -> Callable:
     name = str(env_id).strip().lower()
     base = name.split("-")[0]
     if ":" in name or base not in TERMINATION_FNS:
-        raise ValueError(f"no termination function for env {env_id!r}; supported: "
-                         f"{', '.join(sorted(TERMINATION_FNS))} (ids such as 'Hopper-v5' or D4RL names such as "
-                         f"'hopper-medium-v2'); add one with envs.termination.register_termination")
+        raise ValueError(
+            f"no termination function for env {env_id!r}; supported: "
+            f"{', '.join(sorted(TERMINATION_FNS))} (ids such as 'Hopper-v5' or D4RL names such as "
+            f"'hopper-medium-v2'); add one with envs.termination.register_termination"
+        )
     return TERMINATION_FNS[base]

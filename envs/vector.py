@@ -1,6 +1,7 @@
 """Vector envs stepped on the host: ``VectorEnv`` (same-step autoreset, true final observations,
 exact pickling of the MuJoCo state, one task per env for ``mt:`` ids) and ``CountingVectorEnv``
 (non-stationary members on one clock)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,9 @@ class VectorEnv:
     ``task_index`` holds each env's task (zeros for a single-task id).
     """
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                 action_mode: str = "rescale"):
+    def __init__(
+        self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None, action_mode: str = "rescale"
+    ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env_id, self.num_envs, self.seed = env_id, num_envs, seed
@@ -31,11 +33,15 @@ class VectorEnv:
         if is_multitask(env_id):
             tasks = task_spec(env_id, action_repeat).num_tasks
             if num_envs % tasks:
-                raise ValueError(f"{env_id} has {tasks} tasks: the vector env needs a multiple of {tasks} envs "
-                                 f"(one env per task: --num-envs {tasks})")
+                raise ValueError(
+                    f"{env_id} has {tasks} tasks: the vector env needs a multiple of {tasks} envs "
+                    f"(one env per task: --num-envs {tasks})"
+                )
             self.task_index = np.arange(num_envs, dtype=np.int64) % tasks
-        self.envs = [make_env(env_id, seed + i, action_repeat, action_mode=action_mode, task=int(self.task_index[i]))
-                     for i in range(num_envs)]
+        self.envs = [
+            make_env(env_id, seed + i, action_repeat, action_mode=action_mode, task=int(self.task_index[i]))
+            for i in range(num_envs)
+        ]
         self.obs_dim = int(self.envs[0].observation_space.shape[0])
         self.act_dim = int(self.envs[0].action_space.shape[0])
         self._returns = np.zeros(num_envs)
@@ -132,8 +138,9 @@ class CountingVectorEnv(VectorEnv):
     switch together.
     """
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None,
-                 action_mode: str = "rescale"):
+    def __init__(
+        self, env_id: str, num_envs: int, seed: int, action_repeat: int | None = None, action_mode: str = "rescale"
+    ):
         super().__init__(env_id, num_envs, seed, action_repeat, action_mode)
         self.step_counter = nonstationary.StepCounter(auto=False)
         self.steps_per_call = 1

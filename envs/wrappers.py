@@ -6,10 +6,11 @@ the env's bounds; ``clip`` takes them in the env's own units and clips them to i
 CleanRL's PPO does (``gym.wrappers.ClipAction``).  The lowest layer of ``envs``:
 ``nonstationary`` builds on it, ``make`` dispatches over it, ``vector`` and ``backends`` step it.
 """
+
 from __future__ import annotations
 
-import numpy as np
 import gymnasium as gym
+import numpy as np
 
 from plasticity_zoo.envs.actions import agent_action_space, check_action_mode, to_env_action
 
@@ -92,13 +93,17 @@ def import_env_module(env_id: str) -> str:
     try:
         importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"env {env_id!r}: cannot import module {module!r} ({e}); it must be importable from "
-                         "the current directory or PYTHONPATH") from None
+        raise ValueError(
+            f"env {env_id!r}: cannot import module {module!r} ({e}); it must be importable from "
+            "the current directory or PYTHONPATH"
+        ) from None
     registered = _REGISTERED_BY.setdefault(module, sorted(set(gym.registry) - before))
     if name not in gym.registry:
         mine = registered
-        raise ValueError(f"env {env_id!r}: module {module!r} registers no env {name!r}"
-                         + (f"; it registers {', '.join(mine)}" if mine else ""))
+        raise ValueError(
+            f"env {env_id!r}: module {module!r} registers no env {name!r}"
+            + (f"; it registers {', '.join(mine)}" if mine else "")
+        )
     return name
 
 
@@ -109,13 +114,16 @@ def _gym_make(env_id: str, **kwargs) -> gym.Env:
         raise ValueError(f"unknown env id {env_id!r}; {ID_FORMS}")
     env = gym.make(env_id, **kwargs)
     if not isinstance(env.action_space, gym.spaces.Box):
-        raise ValueError(f"env {env_id!r} has a {type(env.action_space).__name__} action space; "
-                         "this zoo is for continuous (Box) actions")
+        raise ValueError(
+            f"env {env_id!r} has a {type(env.action_space).__name__} action space; "
+            "this zoo is for continuous (Box) actions"
+        )
     return env
 
 
-def make_base_env(env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None,
-                  action_mode: str = "rescale") -> gym.Env:
+def make_base_env(
+    env_id: str, seed: int = 0, action_repeat: int | None = None, render_mode=None, action_mode: str = "rescale"
+) -> gym.Env:
     """A Gymnasium or ``dmc:`` env with flat float32 observations and actions mapped by ``action_mode``
     (``envs.make_env`` also dispatches ``ns:`` ids)."""
     check_action_mode(action_mode)

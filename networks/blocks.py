@@ -3,7 +3,8 @@
 Each trunk maps ``x -> h`` and reports every hidden layer's post-activation output under a
 tap name.  Probes (zeros) can be added before and after each activation, so a loss's
 gradient is readable both at the neuron's pre-activation (the Linear/LayerNorm output, where
-GraMa scores neurons) and at its post-activation output.  A tap is a layer of *neurons*: the output units of one Linear layer, whose
+GraMa scores neurons) and at its post-activation output.  A tap is a layer of *neurons*: the output units of
+one Linear layer, whose
 incoming weights are that layer's kernel columns and whose outgoing weights are the next
 Linear layer's kernel rows.  ``neuron_layers()`` returns that map, which resets use.
 
@@ -30,6 +31,7 @@ count independent units (a unit's column spans its two features).  The W-wide re
 head reads stays in ``features``.  A reset of unit i redraws its incoming column and zeroes both of
 its outgoing rows, i and i + U (``neuron_layers()``: ``unit_outputs`` 2).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -107,13 +109,16 @@ class TrunkSpec:
         if self.block not in ("mlp", "simba", "multiskip"):
             raise ValueError(f"unknown network block {self.block!r}; choose mlp, simba or multiskip")
         if self.activation not in ACTIVATIONS and self.activation not in PAIRED_ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; "
-                             f"choose from {sorted([*ACTIVATIONS, *PAIRED_ACTIVATIONS])}")
+            raise ValueError(
+                f"unknown activation {self.activation!r}; choose from {sorted([*ACTIVATIONS, *PAIRED_ACTIVATIONS])}"
+            )
         if self.width < 1 or self.depth < 1:
             raise ValueError(f"network width and depth must be positive, got {self.width}, {self.depth}")
         if self.paired and self.block != "simba" and self.width % 2:  # simba's 4 x width is always even
-            raise ValueError(f"activation {self.activation!r} needs an even network width (a layer of width W has "
-                             f"W/2 Linear units whose {self.activation} pairs are its W features), got {self.width}")
+            raise ValueError(
+                f"activation {self.activation!r} needs an even network width (a layer of width W has "
+                f"W/2 Linear units whose {self.activation} pairs are its W features), got {self.width}"
+            )
 
     @property
     def paired(self) -> bool:
@@ -196,8 +201,12 @@ class Trunk(nnx.Module):
             elif b == "simba":
                 out[f"layer{i}"] = {"incoming": ("up", i), "norm": None, "outgoing": ("down", i), "unit_outputs": k}
             else:
-                out[f"layer{i}"] = {"incoming": ("fc1", i), "norm": ("ln1", i), "outgoing": ("fc2", i),
-                                    "unit_outputs": k}
+                out[f"layer{i}"] = {
+                    "incoming": ("fc1", i),
+                    "norm": ("ln1", i),
+                    "outgoing": ("fc2", i),
+                    "unit_outputs": k,
+                }
         return out
 
     def __call__(self, x, probes=None):

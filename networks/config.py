@@ -1,6 +1,7 @@
 """``NetworkConfig``: the backbone overrides every agent accepts (``--network.*``); and ``Range`` /
 ``check_ranges``, the valid values of a config's fields, which every config of the zoo declares with
 them (networks is the lowest layer, so the plasticity, agent and run configs all reach it)."""
+
 from __future__ import annotations
 
 import dataclasses

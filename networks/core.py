@@ -11,6 +11,7 @@ given an ``initializer`` (e.g. MR.Q's Xavier-uniform x sqrt(2)), from that funct
 the freshly made params.  The initializer is declared with the network, so every later draw
 (``Net.init``: ReDo / ReGraMa resets) uses the same initialisation as the network's first one.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,8 +75,13 @@ class Net:
         return self.apply(params, *inputs, member_inputs=member_inputs)[0]
 
 
-def build(name: str, make_module: Callable[[nnx.Rngs], nnx.Module], key, ensemble: int = 0,
-          initializer: Callable | None = None):
+def build(
+    name: str,
+    make_module: Callable[[nnx.Rngs], nnx.Module],
+    key,
+    ensemble: int = 0,
+    initializer: Callable | None = None,
+):
     """Create a network (or a vmapped ensemble of ``ensemble`` members) -> (Net, params).
 
     ``initializer(params, key) -> params`` (optional): the network's own initialisation, applied to

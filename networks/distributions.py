@@ -1,4 +1,5 @@
 """Hand-written distributions: diagonal Gaussian and tanh-squashed Gaussian."""
+
 from __future__ import annotations
 
 import math

@@ -19,6 +19,7 @@ and ``vmap`` as long as the ``record`` block is opened inside the same transform
 network calls (calling a network inside an inner ``vmap``/``scan`` of the loss would leak
 tracers and raises JAX's UnexpectedTracerError, never a silent wrong value).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -123,8 +124,7 @@ def activation_grads(loss_fn: Callable[[], jax.Array], names, at: str = "post"):
     if at not in ("pre", "post", "both"):
         raise ValueError(f"at must be 'pre', 'post' or 'both', got {at!r}")
     shapes = jax.eval_shape(lambda: _recorded(loss_fn, names)[1])  # the probes take the taps' own shapes
-    zeros = jax.tree.map(lambda s: {"pre": jnp.zeros(s.shape, s.dtype), "post": jnp.zeros(s.shape, s.dtype)},
-                         shapes)
+    zeros = jax.tree.map(lambda s: {"pre": jnp.zeros(s.shape, s.dtype), "post": jnp.zeros(s.shape, s.dtype)}, shapes)
     members = {}
 
     def probed(probes):
@@ -136,7 +136,9 @@ def activation_grads(loss_fn: Callable[[], jax.Array], names, at: str = "post"):
     grads, acts = jax.grad(probed, has_aux=True)(zeros)
     if at != "both":
         # a leaf is one tap's {"pre": array, "post": array} (a network may name a tap "pre" itself)
-        grads = jax.tree.map(lambda g: g[at], grads,
-                             is_leaf=lambda x: isinstance(x, dict) and set(x) == {"pre", "post"}
-                             and not isinstance(x["pre"], dict))
+        grads = jax.tree.map(
+            lambda g: g[at],
+            grads,
+            is_leaf=lambda x: isinstance(x, dict) and set(x) == {"pre", "post"} and not isinstance(x["pre"], dict),
+        )
     return _as_rows(members, acts), _as_rows(members, grads)

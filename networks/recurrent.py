@@ -30,6 +30,7 @@ Hidden activations are reported as for ``networks.core.Net`` (taps ``pre``, ``la
 output as ``features``), so the plasticity metrics read them; the recurrent parameters have no
 per-neuron reset rule, so resets (ReDo, ReGraMa) do not apply to this core.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,10 @@ class RecurrentSpec:
 
     def __post_init__(self):
         if self.d_model < 1 or self.d_hidden < 1 or self.layers < 1:
-            raise ValueError(f"recurrent core sizes must be positive, got d_model={self.d_model}, "
-                             f"d_hidden={self.d_hidden}, layers={self.layers}")
+            raise ValueError(
+                f"recurrent core sizes must be positive, got d_model={self.d_model}, "
+                f"d_hidden={self.d_hidden}, layers={self.layers}"
+            )
         if not 0.0 <= self.r_min < self.r_max < 1.0:
             raise ValueError(f"LRU eigenvalue ring needs 0 <= r_min < r_max < 1, got [{self.r_min}, {self.r_max}]")
         if not self.max_phase > 0:
@@ -88,10 +91,10 @@ class LRU(nnx.Module):
         h = spec.d_hidden
         u = jax.random.uniform(k_r, (h,))
         # |lambda|^2 uniform on [r_min^2, r_max^2] -> |lambda| uniform on the ring's area (section 3.3)
-        self.nu_log = nnx.Param(jnp.log(-0.5 * jnp.log(u * (spec.r_max ** 2 - spec.r_min ** 2) + spec.r_min ** 2)))
+        self.nu_log = nnx.Param(jnp.log(-0.5 * jnp.log(u * (spec.r_max**2 - spec.r_min**2) + spec.r_min**2)))
         self.theta_log = nnx.Param(jnp.log(spec.max_phase * jax.random.uniform(k_phase, (h,))))
         modulus = jnp.exp(-jnp.exp(self.nu_log[...]))
-        self.gamma_log = nnx.Param(jnp.log(jnp.sqrt(1.0 - modulus ** 2)))
+        self.gamma_log = nnx.Param(jnp.log(jnp.sqrt(1.0 - modulus**2)))
         b = jax.random.normal(k_b, (2, h, d_model)) / math.sqrt(2 * d_model)
         c = jax.random.normal(k_c, (2, d_model, h)) / math.sqrt(h)
         self.B_re, self.B_im = nnx.Param(b[0]), nnx.Param(b[1])
@@ -186,6 +189,7 @@ class RecurrentNet:
 
     def apply(self, params, x, state, start, probes=None):
         """-> (y, new state, taps); vmapped over the batch axes."""
+
         def one(x, state, start, probes):
             return nnx.merge(self.graphdef, params)(x, state, start, probes)
 
@@ -209,8 +213,9 @@ class RecurrentNet:
         return y[..., 0, :], state
 
 
-def build_recurrent(name: str, in_dim: int, spec: RecurrentSpec, key,
-                    initializer: Callable | None = None) -> tuple[RecurrentNet, Any]:
+def build_recurrent(
+    name: str, in_dim: int, spec: RecurrentSpec, key, initializer: Callable | None = None
+) -> tuple[RecurrentNet, Any]:
     """Create a recurrent core -> (RecurrentNet, params).
 
     ``initializer(params, key) -> params`` (optional) maps the freshly made params, e.g.
@@ -239,7 +244,7 @@ class Memoryless:
         return jnp.zeros((*batch_shape, 0), jnp.float32)
 
     def __call__(self, params, x, state, start):
-        return x[..., :self.out_dim], state
+        return x[..., : self.out_dim], state
 
     def step(self, params, x, state, start):
-        return x[..., :self.out_dim], state
+        return x[..., : self.out_dim], state

@@ -13,12 +13,12 @@ the compiled programs in the persistent cache (docs/benchmarks.md, "Start-up"). 
 private JAX function, registered only for the JAX versions it was checked with
 (``UNROLLED_THREEFRY_JAX``).
 """
+
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-
 
 UNROLLED_THREEFRY_JAX = ("0.10.", "0.11.")  # JAX versions whose private lowering rule this was checked with
 
@@ -31,12 +31,15 @@ def unroll_threefry_on_cpu() -> bool:
     import jax
 
     if not jax.__version__.startswith(UNROLLED_THREEFRY_JAX):
-        warnings.warn(f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with "
-                      f"{', '.join(v + 'x' for v in UNROLLED_THREEFRY_JAX)}); JAX's rolled loop is used")
+        warnings.warn(
+            f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with "
+            f"{', '.join(v + 'x' for v in UNROLLED_THREEFRY_JAX)}); JAX's rolled loop is used"
+        )
         return False
     try:
         from jax._src.interpreters import mlir
         from jax._src.random import threefry2x32 as threefry
+
         rule, primitive = threefry._threefry2x32_lowering_rule, threefry.threefry2x32_p
     except (ImportError, AttributeError):  # another JAX layout: keep its default lowering
         warnings.warn("RLZOO_UNROLLED_THREEFRY: JAX's Threefry lowering moved; its rolled loop is used")

@@ -18,6 +18,7 @@ Plasticity sits below the agents, so the agent contract (``agents/api.py``) buil
 ``declared_params`` / ``declared_nets`` build the two accessors from ``PLASTIC``; ``StaticPlasticity``
 is what an agent is built with (its optimizers' Kron / NE masks and SIGReg).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """``PlasticityConfig``: plasticity metrics and interventions by flag (``--plasticity.*``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,14 +105,28 @@ class PlasticityConfig:
 
     # Dormancy thresholds are shares of a layer's mean score: at 1 or more, every unit at or below the
     # layer's mean counts as dormant.
-    RANGES = {"metrics_every": NON_NEGATIVE, "metrics_batch": NON_NEGATIVE, "reset_every": NON_NEGATIVE,
-              "redo_tau": Range(0, 1, high_open=True), "regrama_tau": Range(0, 1, high_open=True),
-              "reset_max_fraction": Range(0, 1, low_open=True), "reset_batch": NON_NEGATIVE,
-              "sigreg_coef": NON_NEGATIVE, "sigreg_slices": NON_NEGATIVE, "least_window": AT_LEAST_ONE,
-              "least_warmup": UNIT, "least_max_len": AT_LEAST_ONE, "least_noise_max": NON_NEGATIVE,
-              "least_coef": NON_NEGATIVE, "ne_every": AT_LEAST_ONE,
-              "sp_every": AT_LEAST_ONE, "sp_shrink": Range(0, 1, low_open=True), "sp_perturb": NON_NEGATIVE,
-              "layer_reset_every": AT_LEAST_ONE, "layer_reset_layers": NON_NEGATIVE}
+    RANGES = {
+        "metrics_every": NON_NEGATIVE,
+        "metrics_batch": NON_NEGATIVE,
+        "reset_every": NON_NEGATIVE,
+        "redo_tau": Range(0, 1, high_open=True),
+        "regrama_tau": Range(0, 1, high_open=True),
+        "reset_max_fraction": Range(0, 1, low_open=True),
+        "reset_batch": NON_NEGATIVE,
+        "sigreg_coef": NON_NEGATIVE,
+        "sigreg_slices": NON_NEGATIVE,
+        "least_window": AT_LEAST_ONE,
+        "least_warmup": UNIT,
+        "least_max_len": AT_LEAST_ONE,
+        "least_noise_max": NON_NEGATIVE,
+        "least_coef": NON_NEGATIVE,
+        "ne_every": AT_LEAST_ONE,
+        "sp_every": AT_LEAST_ONE,
+        "sp_shrink": Range(0, 1, low_open=True),
+        "sp_perturb": NON_NEGATIVE,
+        "layer_reset_every": AT_LEAST_ONE,
+        "layer_reset_layers": NON_NEGATIVE,
+    }
 
     def validate(self):
         check_ranges(self, prefix="--plasticity.")
@@ -128,9 +143,18 @@ class PlasticityConfig:
                 raise ValueError("--plasticity.ne-init-space must be reference or full")
             if self.ne_auto_batch not in ("auto", "on", "off"):
                 raise ValueError("--plasticity.ne-auto-batch must be auto, on or off")
-        check_ranges(self, prefix="--plasticity.", ranges={"l2": NON_NEGATIVE, "l2_init": NON_NEGATIVE,
-                                                           "parseval": NON_NEGATIVE,
-                                                           "parseval_scale": Range(0, low_open=True)})
+        check_ranges(
+            self,
+            prefix="--plasticity.",
+            ranges={
+                "l2": NON_NEGATIVE,
+                "l2_init": NON_NEGATIVE,
+                "parseval": NON_NEGATIVE,
+                "parseval_scale": Range(0, low_open=True),
+            },
+        )
         if self.nap and self.ne:
-            raise ValueError("--plasticity.nap does not combine with --plasticity.ne: NaP holds each layer at its "
-                             "initial norm while NE changes how many connections the layer has")
+            raise ValueError(
+                "--plasticity.nap does not combine with --plasticity.ne: NaP holds each layer at its "
+                "initial norm while NE changes how many connections the layer has"
+            )

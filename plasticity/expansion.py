@@ -34,6 +34,7 @@ FAU on a fresh batch before every update; here it is measured at each NE event o
 batch and holds until the next one (every 100 updates by default).  The reference also skips the
 optimizer step at an event's update; here every update steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -172,14 +173,16 @@ class Schedule:
                 prune[i] = int(PRUNE_RATIO * grow[i])
             # any remainder left by rounding: one connection at a time in the layers with space
             for i in range(len(grow)):
-                while (not p.dense[i] and room - sum(m * (g - q) for m, g, q in zip(p.members, grow, prune)) >= p.members[i]
-                       and p.n_ones[i] - prune[i] + grow[i] < p.n_total[i]):
+                while (
+                    not p.dense[i]
+                    and room - sum(m * (g - q) for m, g, q in zip(p.members, grow, prune)) >= p.members[i]
+                    and p.n_ones[i] - prune[i] + grow[i] < p.n_total[i]
+                ):
                     grow[i] += 1
         return grow, prune, last
 
     def state_dict(self) -> dict:
-        return {"events": self.events,
-                "plans": {k: vars(p).copy() for k, p in self.plans.items()}}
+        return {"events": self.events, "plans": {k: vars(p).copy() for k, p in self.plans.items()}}
 
     def load_state_dict(self, d: dict):
         self.events = d["events"]
@@ -226,8 +229,10 @@ def update_topology(params, opt_state, grads, grow, prune, magnitude, dormant: d
     dormant = dormant or {}
     ms = optim_lib.find_masked(opt_state)
     if ms is None:
-        raise ValueError("NE: this optimizer state holds no masks (build the optimizer with "
-                         "plasticity.optim.optimizer(..., spec=state.plasticity.optim))")
+        raise ValueError(
+            "NE: this optimizer state holds no masks (build the optimizer with "
+            "plasticity.optim.optimizer(..., spec=state.plasticity.optim))"
+        )
     leaves, treedef = jax.tree.flatten(params)
     g_leaves = jax.tree.leaves(grads)
     new_leaves, new_masks, touched = [], [], []
@@ -275,7 +280,6 @@ class ReplayControl(NamedTuple):
 
     review: Any = None
     half: Any = None
-
 
 
 def pooled_active_fraction(acts: dict):

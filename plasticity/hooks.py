@@ -17,6 +17,7 @@ critic's FAU measured at the event sets NE's replay controls that the loop passe
 until the next event (``replay_control``: the experience-review probability and the auto batch's
 half-batch flag).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -28,14 +29,20 @@ import optax
 
 from plasticity_zoo.networks import instrument
 from plasticity_zoo.networks.runtime import cached_per_config
-from plasticity_zoo.plasticity import expansion
+from plasticity_zoo.plasticity import expansion, perturb, resets
 from plasticity_zoo.plasticity import metrics as metrics_lib
 from plasticity_zoo.plasticity import optim as optim_lib
-from plasticity_zoo.plasticity import perturb, resets
-from plasticity_zoo.plasticity.api import (ExplorationNoiseAgent, LEASTAgent, PlasticAgent, StaticPlasticity,  # noqa: F401
-                            declared_params, measured, measured_losses, measured_params)
-from plasticity_zoo.plasticity.sigreg import SIGRegSpec
+from plasticity_zoo.plasticity.api import (
+    ExplorationNoiseAgent,
+    LEASTAgent,
+    PlasticAgent,
+    StaticPlasticity,  # noqa: F401
+    measured,
+    measured_losses,
+    measured_params,
+)
 from plasticity_zoo.plasticity.config import PlasticityConfig
+from plasticity_zoo.plasticity.sigreg import SIGRegSpec
 
 # distinct buffers (the loop donates the state it measures later), in one dispatch: op by op, a
 # copy per leaf, each its own in-flight computation
@@ -46,42 +53,65 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
     """Raise a clear error for any requested intervention the agent cannot take."""
     cfg.validate()
     # metrics need plastic or measured networks (MeasuredAgent), interventions plastic ones
-    wanted = [flag for flag, on in (("--plasticity.metrics-every", cfg.metrics_every > 0 and not measured(agent)),
-                                    ("--plasticity.redo", cfg.redo), ("--plasticity.regrama", cfg.regrama),
-                                    ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
-                                    ("--plasticity.ne", cfg.ne), ("--plasticity.kron", cfg.kron),
-                                    ("--plasticity.shrink-perturb", cfg.shrink_perturb),
-                                    ("--plasticity.layer-reset", cfg.layer_reset),
-                                    ("--plasticity.l2", cfg.l2 > 0), ("--plasticity.l2-init", cfg.l2_init > 0),
-                                    ("--plasticity.parseval", cfg.parseval > 0), ("--plasticity.nap", cfg.nap)) if on]
+    wanted = [
+        flag
+        for flag, on in (
+            ("--plasticity.metrics-every", cfg.metrics_every > 0 and not measured(agent)),
+            ("--plasticity.redo", cfg.redo),
+            ("--plasticity.regrama", cfg.regrama),
+            ("--plasticity.sigreg-coef", cfg.sigreg_coef > 0),
+            ("--plasticity.ne", cfg.ne),
+            ("--plasticity.kron", cfg.kron),
+            ("--plasticity.shrink-perturb", cfg.shrink_perturb),
+            ("--plasticity.layer-reset", cfg.layer_reset),
+            ("--plasticity.l2", cfg.l2 > 0),
+            ("--plasticity.l2-init", cfg.l2_init > 0),
+            ("--plasticity.parseval", cfg.parseval > 0),
+            ("--plasticity.nap", cfg.nap),
+        )
+        if on
+    ]
     if wanted and not isinstance(agent, PlasticAgent):
-        why = (getattr(agent, "INTERVENTIONS_REFUSED", None) if measured(agent) else None) \
-            or "it declares no plastic networks (plasticity.api.PlasticAgent)"
+        why = (
+            getattr(agent, "INTERVENTIONS_REFUSED", None) if measured(agent) else None
+        ) or "it declares no plastic networks (plasticity.api.PlasticAgent)"
         raise ValueError(f"{', '.join(wanted)} does not apply to agent {agent_name!r}: {why}")
     if cfg.least and (agent.KIND != "offpolicy" or not isinstance(agent, LEASTAgent)):
-        raise ValueError(f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "
-                         "online off-policy agents from their Q and TD-loss histories (not on-policy or offline)")
+        raise ValueError(
+            f"--plasticity.least does not apply to agent {agent_name!r}: LEAST stops episodes of "
+            "online off-policy agents from their Q and TD-loss histories (not on-policy or offline)"
+        )
     if cfg.least_noise_max > 0 and not isinstance(agent, ExplorationNoiseAgent):
-        raise ValueError(f"--plasticity.least-noise-max does not apply to agent {agent_name!r}: it has no "
-                         "explicit exploration noise to raise (SAC explores through its entropy term)")
+        raise ValueError(
+            f"--plasticity.least-noise-max does not apply to agent {agent_name!r}: it has no "
+            "explicit exploration noise to raise (SAC explores through its entropy term)"
+        )
     if cfg.least_noise_max > 0 and not cfg.least:
         raise ValueError("--plasticity.least-noise-max is part of LEAST: add --plasticity.least")
     if cfg.sigreg_coef > 0 and not (isinstance(agent, PlasticAgent) and agent.SIGREG_NETWORKS):
-        raise ValueError(f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
-                         "expose no representation to regularise")
+        raise ValueError(
+            f"--plasticity.sigreg-coef does not apply to agent {agent_name!r}: its losses "
+            "expose no representation to regularise"
+        )
     if cfg.ne and cfg.ne_review and not agent.EXPERIENCE_REVIEW:
-        raise ValueError(f"--plasticity.ne-review does not apply to agent {agent_name!r}: experience review "
-                         f"draws from the oldest 30% of a uniform replay buffer and {_no_uniform_replay(agent)}; "
-                         "pass --plasticity.no-ne-review")
+        raise ValueError(
+            f"--plasticity.ne-review does not apply to agent {agent_name!r}: experience review "
+            f"draws from the oldest 30% of a uniform replay buffer and {_no_uniform_replay(agent)}; "
+            "pass --plasticity.no-ne-review"
+        )
     if cfg.ne and cfg.ne_auto_batch == "on" and not agent.EXPERIENCE_REVIEW:
-        raise ValueError(f"--plasticity.ne-auto-batch on does not apply to agent {agent_name!r}: auto batch "
-                         f"halves the uniform replay batches of its updates and {_no_uniform_replay(agent)}; "
-                         "pass --plasticity.ne-auto-batch auto (off for this agent) or off")
+        raise ValueError(
+            f"--plasticity.ne-auto-batch on does not apply to agent {agent_name!r}: auto batch "
+            f"halves the uniform replay batches of its updates and {_no_uniform_replay(agent)}; "
+            "pass --plasticity.ne-auto-batch auto (off for this agent) or off"
+        )
 
 
 def _no_uniform_replay(agent) -> str:
-    return {"onpolicy": "on-policy agents keep no replay", "offline": "offline agents learn from a fixed "
-            "dataset, with no online stream to review"}.get(agent.KIND, "it samples its own replay (e.g. LAP)")
+    return {
+        "onpolicy": "on-policy agents keep no replay",
+        "offline": "offline agents learn from a fixed dataset, with no online stream to review",
+    }.get(agent.KIND, "it samples its own replay (e.g. LAP)")
 
 
 def auto_batch_on(cfg: PlasticityConfig, agent) -> bool:
@@ -116,12 +146,16 @@ def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, state):
     if cfg.kron:
         adam = [name for name, opt in opt_states.items() if _has_adam_moments(opt)]
         if adam:
-            raise ValueError(f"--plasticity.kron does not apply to agent {agent_name!r}: the optimizers of "
-                             f"{', '.join(adam)} are not built with plasticity.optim.optimizer")
+            raise ValueError(
+                f"--plasticity.kron does not apply to agent {agent_name!r}: the optimizers of "
+                f"{', '.join(adam)} are not built with plasticity.optim.optimizer"
+            )
     missing = sorted(name for name, opt in opt_states.items() if optim_lib.find_masked(opt) is None) if cfg.ne else []
     if missing:
-        raise ValueError(f"--plasticity.ne does not apply to agent {agent_name!r}: the optimizers of "
-                         f"{', '.join(missing)} are not built with plasticity.optim.optimizer")
+        raise ValueError(
+            f"--plasticity.ne does not apply to agent {agent_name!r}: the optimizers of "
+            f"{', '.join(missing)} are not built with plasticity.optim.optimizer"
+        )
 
 
 def _has_adam_moments(opt_state) -> bool:
@@ -150,8 +184,14 @@ def reset_step(agent, cfg: PlasticityConfig, state, buffer, key):
         net_params = params[name]
         scores = resets.scores(method, lambda: loss(net_params), name)
         masks = {tap: resets.select(s, tau, cfg.reset_max_fraction) for tap, s in scores.items()}
-        new_params, new_opt = resets.reset_neurons(_net(agent, state, name), net_params, getattr(state, o_field),
-                                                   masks, jax.random.fold_in(k_init, i), cfg.reset_layer_norm)
+        new_params, new_opt = resets.reset_neurons(
+            _net(agent, state, name),
+            net_params,
+            getattr(state, o_field),
+            masks,
+            jax.random.fold_in(k_init, i),
+            cfg.reset_layer_norm,
+        )
         state = state.replace(**{p_field: new_params, o_field: new_opt})
         n = sum(m.size for m in masks.values())
         out[f"plasticity/{name}/reset_fraction"] = sum(m.sum() for m in masks.values()) / n
@@ -177,14 +217,16 @@ def layer_reset_step(agent, cfg: PlasticityConfig, state, key):
     out = {}
     for i, (name, (p_field, o_field)) in enumerate(agent.PLASTIC.items()):
         params, opt = getattr(state, p_field), getattr(state, o_field)
-        new, new_opt, mask = perturb.reset_layers(_net(agent, state, name), params, opt, jax.random.fold_in(key, i),
-                                                  cfg.layer_reset_layers)
+        new, new_opt, mask = perturb.reset_layers(
+            _net(agent, state, name), params, opt, jax.random.fold_in(key, i), cfg.layer_reset_layers
+        )
         new = optim_lib.apply_mask(new_opt, new)  # NE: the masked-out weights of the new layers stay 0
         state = state.replace(**{p_field: new, o_field: new_opt})
         if name in targets:
             t_field = targets[name]
-            state = state.replace(**{t_field: jax.tree.map(lambda m, n, t: jnp.where(m, n, t), mask, new,
-                                                           getattr(state, t_field))})
+            state = state.replace(
+                **{t_field: jax.tree.map(lambda m, n, t: jnp.where(m, n, t), mask, new, getattr(state, t_field))}
+            )
         sizes = [(m.sum(), m.size) for m in jax.tree.leaves(mask)]
         out[f"plasticity/{name}/layer_reset_fraction"] = sum(a for a, _ in sizes) / sum(b for _, b in sizes)
     return state, out
@@ -212,8 +254,9 @@ def ne_step(agent, cfg: PlasticityConfig, state, buffer, key, counts):
         acts = instrument.activations(lambda: loss(p), [name])[name]
         dormant = expansion.dormant_units(_net(agent, state, name), p, acts, cfg.redo_tau)
         grow, prune, magnitude = counts[name]
-        new_p, new_opt, stats = expansion.update_topology(p, getattr(state, o_field), grads, grow, prune,
-                                                          magnitude, dormant)
+        new_p, new_opt, stats = expansion.update_topology(
+            p, getattr(state, o_field), grads, grow, prune, magnitude, dormant
+        )
         state = state.replace(**{p_field: new_p, o_field: new_opt})
         out.update({f"plasticity/{name}/{k}": v for k, v in stats.items()})
         if name == review_name and acts:
@@ -250,15 +293,19 @@ def _reset_program(agent, cfg: PlasticityConfig):
 @cached_per_config
 def _perturb_programs(agent, cfg: PlasticityConfig):
     """(Shrink & Perturb, layer reset) over the seed axis, jitted and cached like the resets."""
-    return (jax.jit(jax.vmap(partial(shrink_perturb_step, agent, cfg)), donate_argnums=(0,)),
-            jax.jit(jax.vmap(partial(layer_reset_step, agent, cfg)), donate_argnums=(0,)))
+    return (
+        jax.jit(jax.vmap(partial(shrink_perturb_step, agent, cfg)), donate_argnums=(0,)),
+        jax.jit(jax.vmap(partial(layer_reset_step, agent, cfg)), donate_argnums=(0,)),
+    )
 
 
 @cached_per_config
 def _metrics_programs(agent, batch_size: int):
     """(metrics(state, batch, init_params, key), sample(state, buffer, key)) over the seed axis, jitted and cached."""
-    return (jax.jit(jax.vmap(partial(metrics_step, agent))),
-            jax.jit(jax.vmap(lambda s, b, k: agent.sample_batch(s, b, k, batch_size))))
+    return (
+        jax.jit(jax.vmap(partial(metrics_step, agent))),
+        jax.jit(jax.vmap(lambda s, b, k: agent.sample_batch(s, b, k, batch_size))),
+    )
 
 
 class Hooks:
@@ -298,16 +345,21 @@ class Hooks:
             plans = {}
             for name, (p_field, o_field) in self.agent.PLASTIC.items():
                 if optim_lib.find_masked(getattr(state, o_field)) is None:
-                    raise ValueError(f"--plasticity.ne: network {name!r} has no NE masks in its optimizer state "
-                                     "(the loop must build the agent with static_plasticity(...))")
+                    raise ValueError(
+                        f"--plasticity.ne: network {name!r} has no NE masks in its optimizer state "
+                        "(the loop must build the agent with static_plasticity(...))"
+                    )
                 shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), getattr(state, p_field))
                 plans[name] = expansion.plan(shapes, cfg.ne_initial_sparsity, cfg.ne_init_space)
-            self.schedule = expansion.Schedule(plans, self.total_updates, cfg.ne_target_sparsity, cfg.ne_schedule,
-                                               cfg.ne_prune)
+            self.schedule = expansion.Schedule(
+                plans, self.total_updates, cfg.ne_target_sparsity, cfg.ne_schedule, cfg.ne_prune
+            )
             state = jax.jit(partial(_mask_params, self.agent))(state)
             if cfg.ne_review or auto_batch_on(cfg, self.agent):  # until the first event: neither
-                self.replay_control = expansion.ReplayControl(jnp.zeros(seeds, jnp.float32) if cfg.ne_review else None,
-                                                    jnp.zeros(seeds, bool) if auto_batch_on(cfg, self.agent) else None)
+                self.replay_control = expansion.ReplayControl(
+                    jnp.zeros(seeds, jnp.float32) if cfg.ne_review else None,
+                    jnp.zeros(seeds, bool) if auto_batch_on(cfg, self.agent) else None,
+                )
         if cfg.metrics_every:
             self.init_params = _copy(measured_params(self.agent, state))
         return state
@@ -346,12 +398,16 @@ class Hooks:
         return state, rows
 
     def host_state(self):
-        return {"metrics_batch": None if self.metrics_batch is None else jax.tree.map(np.asarray, self.metrics_batch),
-                "ne": None if self.schedule is None else self.schedule.state_dict(),
-                "review": None if self.replay_control is None or self.replay_control.review is None
-                else np.asarray(self.replay_control.review),
-                "half_batch": None if self.replay_control is None or self.replay_control.half is None
-                else np.asarray(self.replay_control.half)}
+        return {
+            "metrics_batch": None if self.metrics_batch is None else jax.tree.map(np.asarray, self.metrics_batch),
+            "ne": None if self.schedule is None else self.schedule.state_dict(),
+            "review": None
+            if self.replay_control is None or self.replay_control.review is None
+            else np.asarray(self.replay_control.review),
+            "half_batch": None
+            if self.replay_control is None or self.replay_control.half is None
+            else np.asarray(self.replay_control.half),
+        }
 
     def restore(self, host):
         batch = host.get("metrics_batch")
@@ -393,23 +449,48 @@ def check_regularizers(cfg: PlasticityConfig, agent, agent_name: str, state):
     """Refuse the regulariser flags on an agent without plastic networks or whose plastic networks'
     optimizers ignored them, and NaP on a plastic network without LayerNorm."""
     reg = regularizer_spec(cfg)
-    flags = ", ".join(f for f, on in (("--plasticity.l2", cfg.l2 > 0), ("--plasticity.l2-init", cfg.l2_init > 0),
-                                      ("--plasticity.parseval", cfg.parseval > 0), ("--plasticity.nap", cfg.nap)) if on)
+    flags = ", ".join(
+        f
+        for f, on in (
+            ("--plasticity.l2", cfg.l2 > 0),
+            ("--plasticity.l2-init", cfg.l2_init > 0),
+            ("--plasticity.parseval", cfg.parseval > 0),
+            ("--plasticity.nap", cfg.nap),
+        )
+        if on
+    )
     if not isinstance(agent, PlasticAgent):
-        why = (getattr(agent, "INTERVENTIONS_REFUSED", None)
-               or "it declares no plastic networks (plasticity.api.PlasticAgent)")
+        why = (
+            getattr(agent, "INTERVENTIONS_REFUSED", None)
+            or "it declares no plastic networks (plasticity.api.PlasticAgent)"
+        )
         raise ValueError(f"{flags} does not apply to agent {agent_name!r}: {why}")
-    kinds = [k for k, on in ((optim_lib.regularizers.RegState, reg.adds_gradient),
-                             (optim_lib.regularizers.NaPState, reg.nap)) if on]
-    missing = sorted(name for name, (_, o_field) in agent.PLASTIC.items()
-                     if any(optim_lib.regularizers.find(getattr(state, o_field), k) is None for k in kinds))
+    kinds = [
+        k
+        for k, on in ((optim_lib.regularizers.RegState, reg.adds_gradient), (optim_lib.regularizers.NaPState, reg.nap))
+        if on
+    ]
+    missing = sorted(
+        name
+        for name, (_, o_field) in agent.PLASTIC.items()
+        if any(optim_lib.regularizers.find(getattr(state, o_field), k) is None for k in kinds)
+    )
     if missing:
-        raise ValueError(f"{flags} does not apply to agent {agent_name!r}: the optimizers of {', '.join(missing)} "
-                         "are not built with plasticity.optim.optimizer")
+        raise ValueError(
+            f"{flags} does not apply to agent {agent_name!r}: the optimizers of {', '.join(missing)} "
+            "are not built with plasticity.optim.optimizer"
+        )
     if reg.nap:
-        bare = sorted(name for name, (p_field, _) in agent.PLASTIC.items()
-                      if not any(optim_lib.path_names(p)[-1:] == ("scale",)
-                                 for p, _ in jax.tree_util.tree_flatten_with_path(getattr(state, p_field))[0]))
+        bare = sorted(
+            name
+            for name, (p_field, _) in agent.PLASTIC.items()
+            if not any(
+                optim_lib.path_names(p)[-1:] == ("scale",)
+                for p, _ in jax.tree_util.tree_flatten_with_path(getattr(state, p_field))[0]
+            )
+        )
         if bare:
-            raise ValueError(f"--plasticity.nap needs a LayerNorm before each nonlinearity, and the networks "
-                             f"{', '.join(bare)} of agent {agent_name!r} have none: add --network.layer-norm")
+            raise ValueError(
+                f"--plasticity.nap needs a LayerNorm before each nonlinearity, and the networks "
+                f"{', '.join(bare)} of agent {agent_name!r} have none: add --network.layer-norm"
+            )

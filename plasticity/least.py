@@ -19,6 +19,7 @@ noise, e.g. MR.Q; SAC explores through its entropy term and refuses it).  Not im
 entropy-aware window growth (the spec's [2nd] description is too vague to rebuild).
 Off-policy agents only: the agent provides ``least_signals(state, transition, key) -> (q, td_loss)``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -63,8 +64,16 @@ class History:
 class LEAST:
     """Per-env episode buffers and per-seed histories; ``decide`` returns which envs to stop."""
 
-    def __init__(self, seeds: int, envs_per_seed: int, window: int = 250, max_len: int = 1000,
-                 warmup_steps: int = 0, min_episodes: int = 5, coef: float = 0.5):
+    def __init__(
+        self,
+        seeds: int,
+        envs_per_seed: int,
+        window: int = 250,
+        max_len: int = 1000,
+        warmup_steps: int = 0,
+        min_episodes: int = 5,
+        coef: float = 0.5,
+    ):
         self.envs_per_seed = envs_per_seed
         self.histories = [History(window, max_len) for _ in range(seeds)]
         self.current = [([], []) for _ in range(seeds * envs_per_seed)]

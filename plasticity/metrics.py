@@ -1,4 +1,5 @@
-"""Plasticity metrics: ReDo's dormant score (Sokar et al., ICML 2023), GraMa (Liu et al., NeurIPS 2025), FAU, srank, ranks, norms.
+"""Plasticity metrics: ReDo's dormant score (Sokar et al., ICML 2023), GraMa (Liu et al., NeurIPS 2025), FAU,
+srank, ranks, norms.
 
 Pure ``jnp`` functions, safe under ``jit``, ``grad`` and ``vmap``.  Activations and
 activation gradients come from ``networks.instrument.activation_grads``: one array per
@@ -13,6 +14,7 @@ Conventions:
 * rank metrics take ``(..., B, H)`` and return one value per leading index; network
   metrics average them over ensemble members.
 """
+
 from __future__ import annotations
 
 import re
@@ -172,8 +174,11 @@ def rank_metrics(features) -> dict:
     """``srank``, ``effective_rank`` and ``feature_rank`` of ``(..., B, H)`` features, averaged over
     the leading axes (ensemble members), from one SVD per matrix."""
     s = _singular_values(features)
-    return {"srank": jnp.mean(_srank(s, 0.01)), "effective_rank": jnp.mean(_effective_rank(s)),
-            "feature_rank": jnp.mean(_feature_rank(s, features.shape[-2]))}
+    return {
+        "srank": jnp.mean(_srank(s, 0.01)),
+        "effective_rank": jnp.mean(_effective_rank(s)),
+        "feature_rank": jnp.mean(_feature_rank(s, features.shape[-2])),
+    }
 
 
 def _sq_norm(tree):
@@ -200,8 +205,16 @@ def _tap_order(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def network_metrics(acts: dict, act_grads: dict, params, init_params=None, param_grads=None,
-                    prefix: str = "plasticity/net", dormant_taus=DORMANT_TAUS, grama_taus=GRAMA_TAUS) -> dict:
+def network_metrics(
+    acts: dict,
+    act_grads: dict,
+    params,
+    init_params=None,
+    param_grads=None,
+    prefix: str = "plasticity/net",
+    dormant_taus=DORMANT_TAUS,
+    grama_taus=GRAMA_TAUS,
+) -> dict:
     """Flat dict of scalar plasticity metrics of one network (spec section 8).
 
     ``acts`` / ``act_grads``: ``{tap: (B, H) or (M, B, H)}`` of this network.  Per layer:
@@ -253,8 +266,9 @@ def network_metrics(acts: dict, act_grads: dict, params, init_params=None, param
     return out
 
 
-def compute(loss_fns: dict[str, Callable], params: dict, init_params: dict | None = None,
-            prefix: str = "plasticity", **kw) -> dict:
+def compute(
+    loss_fns: dict[str, Callable], params: dict, init_params: dict | None = None, prefix: str = "plasticity", **kw
+) -> dict:
     """Plasticity metrics of every network in ``loss_fns`` -> one flat dict of scalars.
 
     ``loss_fns[name](p) -> scalar`` is that network's training loss as a function of its
@@ -272,8 +286,7 @@ def compute(loss_fns: dict[str, Callable], params: dict, init_params: dict | Non
         # GraMa scores a neuron by the gradient at its Linear/LN output (spec section 2.5)
         acts, grads = instrument.activation_grads(lambda: loss(p), [name], at="pre")
         init = None if init_params is None else init_params[name]
-        out.update(network_metrics(acts[name], grads[name], p, init, param_grads,
-                                   prefix=f"{prefix}/{name}", **kw))
+        out.update(network_metrics(acts[name], grads[name], p, init, param_grads, prefix=f"{prefix}/{name}", **kw))
         # rank of the representation the head reads (spec section 8: penultimate features)
         feats = instrument.features(lambda: loss(p), [name])[name]
         out.update({f"{prefix}/{name}/features/{metric}": v for metric, v in rank_metrics(feats).items()})

@@ -21,6 +21,7 @@ static configuration rather than a context, it is part of every jitted program's
 
 With ``spec=None`` (or the default spec) ``optimizer`` returns ``make(lr, **kw)``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+
 from plasticity_zoo.networks.core import path_names
 from plasticity_zoo.plasticity import regularizers
 from plasticity_zoo.plasticity.regularizers import RegSpec
@@ -55,8 +57,16 @@ class OptimSpec:
     """L2 / L2 Init / Parseval / NaP for every network built with ``optimizer`` (None: none)"""
 
 
-def optimizer(lr: float, name: str, make: Callable = optax.adam, ensemble: bool = False, *,
-              spec: Optional[OptimSpec] = None, post_scaled: bool = False, **kw) -> optax.GradientTransformation:
+def optimizer(
+    lr: float,
+    name: str,
+    make: Callable = optax.adam,
+    ensemble: bool = False,
+    *,
+    spec: Optional[OptimSpec] = None,
+    post_scaled: bool = False,
+    **kw,
+) -> optax.GradientTransformation:
     """Network ``name``'s optimizer: ``make(lr, **kw)``, or Kron / NE-masked / regularised as ``spec`` says.
 
     ``ensemble``: every param carries a leading ensemble-member axis (Kron then keeps one
@@ -84,8 +94,10 @@ def require_kron():
     import importlib.util
 
     if importlib.util.find_spec("psgdax") is None:
-        raise SystemExit("--plasticity.kron needs psgdax: pip install 'plasticity-zoo[kron]' (or pip install "
-                         "'psgdax>=0.1.1,<0.2'; psgd-jax 0.2.9 does not work with optax 0.2.8)")
+        raise SystemExit(
+            "--plasticity.kron needs psgdax: pip install 'plasticity-zoo[kron]' (or pip install "
+            "'psgdax>=0.1.1,<0.2'; psgd-jax 0.2.9 does not work with optax 0.2.8)"
+        )
 
 
 def kron(lr: float, ensemble: bool = False, weight_decay: float = 0.0) -> optax.GradientTransformation:
@@ -141,17 +153,17 @@ def er_densities(shapes: list, sparsity: float) -> list[float]:
     raw = [(i + o) / (i * o) for i, o in shapes]
     dense: set[int] = set()
     while True:
-        rest = [l for l in range(len(n)) if l not in dense]
+        rest = [j for j in range(len(n)) if j not in dense]
         if not rest:
             raise ValueError(f"cannot reach sparsity {sparsity} with layers {shapes}")
-        budget = (1 - sparsity) * sum(n) - sum(n[l] for l in dense)
-        eps = budget / sum(raw[l] * n[l] for l in rest)
-        over = [l for l in rest if raw[l] * eps > 1]
+        budget = (1 - sparsity) * sum(n) - sum(n[j] for j in dense)
+        eps = budget / sum(raw[j] * n[j] for j in rest)
+        over = [j for j in rest if raw[j] * eps > 1]
         if not over:
             break
-        top = max(raw[l] for l in over)
-        dense |= {l for l in over if raw[l] == top}
-    return [1.0 if l in dense else raw[l] * eps for l in range(len(n))]
+        top = max(raw[j] for j in over)
+        dense |= {j for j in over if raw[j] == top}
+    return [1.0 if j in dense else raw[j] * eps for j in range(len(n))]
 
 
 def initial_counts(params, sparsity: float) -> list[int]:
@@ -209,14 +221,18 @@ def masked(inner: optax.GradientTransformation, initial_sparsity: float = 0.8) -
 
 def find_masked(opt_state) -> Optional[MaskedState]:
     """The ``MaskedState`` inside an optimizer state, or None."""
-    found = [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, MaskedState))
-             if isinstance(n, MaskedState)]
+    found = [
+        n
+        for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, MaskedState))
+        if isinstance(n, MaskedState)
+    ]
     return found[0] if found else None
 
 
 def replace_masked(opt_state, new: MaskedState):
-    return jax.tree.map(lambda n: new if isinstance(n, MaskedState) else n, opt_state,
-                        is_leaf=lambda n: isinstance(n, MaskedState))
+    return jax.tree.map(
+        lambda n: new if isinstance(n, MaskedState) else n, opt_state, is_leaf=lambda n: isinstance(n, MaskedState)
+    )
 
 
 def apply_mask(opt_state, params):
@@ -228,8 +244,9 @@ def apply_mask(opt_state, params):
     if state is None:
         return params
     leaves, treedef = jax.tree.flatten(params)
-    return treedef.unflatten([x if m is None else jnp.where(m, x, jnp.zeros_like(x))
-                              for x, m in zip(leaves, state.masks)])
+    return treedef.unflatten(
+        [x if m is None else jnp.where(m, x, jnp.zeros_like(x)) for x, m in zip(leaves, state.masks)]
+    )
 
 
 def constrain(opt_state, params):

@@ -20,6 +20,7 @@ non-network state are kept.
 
 Everything is a pure function of pytrees with static shapes (jit and vmap over seeds).
 """
+
 from __future__ import annotations
 
 import jax
@@ -39,8 +40,10 @@ def layers(net: Net, params) -> list[tuple[tuple, ...]]:
     """The network's Linear layers from input to output, each as the param-path prefixes it owns: a
     hidden layer its Linear and the LayerNorm on its units (if any), the last one the output layer."""
     layout = neuron_layout(net, params)
-    hidden = [tuple(p for p in (tuple(paths["incoming"]), paths["norm"] and tuple(paths["norm"])) if p)
-              for paths in layout.values()]
+    hidden = [
+        tuple(p for p in (tuple(paths["incoming"]), paths["norm"] and tuple(paths["norm"])) if p)
+        for paths in layout.values()
+    ]
     return hidden + [(("out",),)]
 
 
@@ -52,13 +55,14 @@ def layer_mask(net: Net, params, last: int):
 
     def hit(path, x):
         keys = path_names(path)
-        return jnp.full(x.shape, any(keys[:len(p)] == p for p in chosen), bool)
+        return jnp.full(x.shape, any(keys[: len(p)] == p for p in chosen), bool)
 
     return jax.tree_util.tree_map_with_path(hit, params)
 
 
 def restart_adam_counts(opt_state):
     """Every Adam step count in ``opt_state`` back to 0 (a fresh Adam's bias correction)."""
+
     def fresh(node):
         if isinstance(node, optax.ScaleByAdamState):
             return node._replace(count=jnp.zeros_like(node.count))

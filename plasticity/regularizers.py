@@ -50,6 +50,7 @@ a leading member axis on every leaf) everything is computed per member.
 
 Everything is a pure function of pytrees with static shapes (jit and vmap over seeds).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -129,8 +130,7 @@ def hidden_kernels(params, ensemble: bool = False) -> list[bool]:
     """Per param leaf: whether it is a hidden Linear layer's 2-D kernel (Parseval's W_l)."""
     names, leaves, _ = _leaves_with_names(params)
     groups = layer_groups(params)
-    return [g is not None and n[-1] == "kernel" and x.ndim == 2 + ensemble
-            for n, x, g in zip(names, leaves, groups)]
+    return [g is not None and n[-1] == "kernel" and x.ndim == 2 + ensemble for n, x, g in zip(names, leaves, groups)]
 
 
 # ----------------------------------------------------------------------------- the regularisers
@@ -161,7 +161,7 @@ def penalty(spec: RegSpec, params, init: tuple = (), ensemble: bool = False):
     leaves = jax.tree.leaves(params)
     total = jnp.zeros((), jnp.float32)
     if spec.l2 > 0:
-        total += spec.l2 * sum(jnp.sum(x ** 2) for x in leaves)
+        total += spec.l2 * sum(jnp.sum(x**2) for x in leaves)
     if spec.l2_init > 0:
         total += spec.l2_init * sum(jnp.sum((x - x0) ** 2) for x, x0 in zip(leaves, init))
     if spec.parseval > 0:
@@ -263,8 +263,9 @@ def nap_projection(ensemble: bool = False, post_scaled: bool = False) -> optax.G
     return optax.GradientTransformation(init, update)
 
 
-def wrap(tx: optax.GradientTransformation, spec: RegSpec, ensemble: bool = False,
-         post_scaled: bool = False) -> optax.GradientTransformation:
+def wrap(
+    tx: optax.GradientTransformation, spec: RegSpec, ensemble: bool = False, post_scaled: bool = False
+) -> optax.GradientTransformation:
     """``chain(add_regularizer_grads, tx, nap_projection)``, each part only where ``spec`` asks for it."""
     parts = []
     if spec.adds_gradient:

@@ -14,14 +14,14 @@ A reset of neuron i (spec 1.2 / 2.4):
   - the output layer is never reset.
 Everything is a pure function of pytrees with static shapes, so it runs under jit and vmap.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from plasticity_zoo.networks import instrument
-from plasticity_zoo.networks.core import Net
-from plasticity_zoo.networks.core import path_names
+from plasticity_zoo.networks.core import Net, path_names
 from plasticity_zoo.plasticity.metrics import grama_scores, neuron_scores
 
 

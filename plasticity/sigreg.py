@@ -14,6 +14,7 @@ Directions are re-drawn every call from the given key.  ``regularized(loss_fn, n
 ``SIGRegSpec`` (the agent passes the one it was built with, ``state.plasticity.sigreg``, a static
 field of its state, so the setting is part of every jitted program's cache key).
 """
+
 from __future__ import annotations
 
 import functools

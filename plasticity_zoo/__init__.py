@@ -5,6 +5,7 @@ Every part of the zoo is imported through this one name (``plasticity_zoo.agents
 subpackage to its top-level folder of the repository (pyproject.toml's package-dir); run from a checkout that
 was not installed, the same folders are found beside this one.
 """
+
 from pathlib import Path as _Path
 
 _checkout = _Path(__file__).resolve().parent.parent
@@ -13,8 +14,16 @@ if (_checkout / "agents" / "__init__.py").is_file() and not (_Path(__file__).par
 
 # The Python API (plasticity_zoo/api.py; docs/python-api.md), loaded on first use so that importing a
 # subpackage (``plasticity_zoo.agents``) does not pull in the run machinery.
-_API = {"train": "api", "resume": "api", "restore": "api", "config": "api", "flags": "api", "Result": "api",
-        "load_policy": "analysis.export", "export_policy": "analysis.export"}
+_API = {
+    "train": "api",
+    "resume": "api",
+    "restore": "api",
+    "config": "api",
+    "flags": "api",
+    "Result": "api",
+    "load_policy": "analysis.export",
+    "export_policy": "analysis.export",
+}
 _MODULES = {"plot": "analysis.plot", "report": "analysis.report", "stats": "analysis.stats"}
 __all__ = [*_API, *_MODULES]
 

@@ -15,6 +15,7 @@ paper protocols apply, so a run started here is the run the same command line wo
 directory is read by ``evaluate.py``, ``plot.py``, ``report.py`` and ``--resume`` alike.  A user
 error raises ``ValueError``/``SystemExit`` with the message the command line prints as ``error:``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,8 @@ class Result:
     """A finished (or stopped) ``train`` call: its run directory and what the loop returned."""
 
     run_dir: Path
-    step: int                 # env steps (offline agents: updates) done
-    last_eval: float          # the last evaluation's mean return over seeds (NaN if none ran)
+    step: int  # env steps (offline agents: updates) done
+    last_eval: float  # the last evaluation's mean return over seeds (NaN if none ran)
     out: dict = dataclasses.field(repr=False)  # everything the loop returned (the final agent state included)
 
     def restore(self, step: int | None = None):

@@ -26,6 +26,7 @@ process (``matmul_peak``) and printed.  MR.Q's encoder burst runs once every 250
 its timed window must span a multiple of 250 steps, or the rate (and the share of peak, which
 counts the burst amortised) is overstated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,20 +56,39 @@ from plasticity_zoo.training.offpolicy import buffer_fns, init_state, make_step_
 PEAK_N, PEAK_REPEAT = 2048, 20
 
 
-def setup(agent_name: str, env_id: str, seeds: int, width: int | None, buffer_size: int | None,
-          plasticity: PlasticityConfig | None = None):
+def setup(
+    agent_name: str,
+    env_id: str,
+    seeds: int,
+    width: int | None,
+    buffer_size: int | None,
+    plasticity: PlasticityConfig | None = None,
+):
     """The agent, its config (``buffer_size``: None keeps the agent's default), the run config and a vector env."""
     agent = agents.get(agent_name)
     acfg = agent.CONFIG()
     if buffer_size is not None:
         acfg = dataclasses.replace(acfg, buffer_size=buffer_size)
-    cfg = RunConfig(env=env_id, seeds=seeds, agent_name=agent_name, agent=acfg, network=NetworkConfig(width=width),
-                    plasticity=plasticity or PlasticityConfig())
+    cfg = RunConfig(
+        env=env_id,
+        seeds=seeds,
+        agent_name=agent_name,
+        agent=acfg,
+        network=NetworkConfig(width=width),
+        plasticity=plasticity or PlasticityConfig(),
+    )
     return agent, acfg, cfg, make_vector_env(env_id, seeds, cfg.seed * 10_000, cfg.action_repeat)
 
 
-def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | None, warmup: int = 300,
-            buffer_size: int | None = None) -> dict:
+def measure(
+    agent_name: str,
+    env_id: str,
+    seeds: int,
+    steps: int,
+    width: int | None,
+    warmup: int = 300,
+    buffer_size: int | None = None,
+) -> dict:
     """Env steps/s of train.py's loop body (one env per seed), after compilation and ``warmup`` steps."""
     agent, acfg, cfg, env = setup(agent_name, env_id, seeds, width, buffer_size)
     S, E, act_dim = seeds, 1, env.act_dim
@@ -82,8 +102,9 @@ def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | N
         new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
         tr = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs, terminated, truncated)
         key, k = jax.random.split(key)
-        state, buffer, action, _, finite = step_fn(state, buffer, tr, new_obs.reshape(S, E, -1), k,
-                                                   random_actions=not learning, train=learning)
+        state, buffer, action, _, finite = step_fn(
+            state, buffer, tr, new_obs.reshape(S, E, -1), k, random_actions=not learning, train=learning
+        )
         if learning and not bool(finite):
             raise FloatingPointError("non-finite training metrics")
         env.pop_finished()
@@ -104,8 +125,14 @@ def measure(agent_name: str, env_id: str, seeds: int, steps: int, width: int | N
         state, buffer, obs, action, key = one(state, buffer, obs, action, key)
     jax.block_until_ready((state, buffer, action))
     dt = time.perf_counter() - t0
-    return {"seeds": seeds, "buffer_size": acfg.buffer_size, "env_steps_per_s": steps * S * E / dt,
-            "per_seed": steps * E / dt, "ms_per_step": 1e3 * dt / steps, "compile_s": compile_s}
+    return {
+        "seeds": seeds,
+        "buffer_size": acfg.buffer_size,
+        "env_steps_per_s": steps * S * E / dt,
+        "per_seed": steps * E / dt,
+        "ms_per_step": 1e3 * dt / steps,
+        "compile_s": compile_s,
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +155,14 @@ def matmul_peak(n: int = PEAK_N, repeat: int = PEAK_REPEAT) -> float:
 def random_transitions(rng: np.random.Generator, seeds: int, n: int, obs_dim: int, act_dim: int) -> replay.Transition:
     """``n`` random non-terminal transitions per seed: leaves ``(seeds, n, ...)``."""
     f = lambda *s: rng.normal(size=(seeds, n, *s)).astype(np.float32)  # noqa: E731
-    return replay.Transition(f(obs_dim), rng.uniform(-1, 1, (seeds, n, act_dim)).astype(np.float32), f(), f(obs_dim),
-                      np.zeros((seeds, n), bool), np.zeros((seeds, n), bool))
+    return replay.Transition(
+        f(obs_dim),
+        rng.uniform(-1, 1, (seeds, n, act_dim)).astype(np.float32),
+        f(),
+        f(obs_dim),
+        np.zeros((seeds, n), bool),
+        np.zeros((seeds, n), bool),
+    )
 
 
 def fill(agent, buffer, tr: replay.Transition):
@@ -160,14 +193,19 @@ def flops_per_env_step(agent_name: str, env_id: str, width: int | None, buffer_s
     else:
         repeats = 1
     cost = jax.jit(work).lower(state, batch, key).compile().cost_analysis()
-    act = jax.jit(lambda s, o, k: agent.act(s, o, k, explore=True)).lower(
-        state, jnp.zeros((1, env.obs_dim)), key).compile().cost_analysis()
+    act = (
+        jax.jit(lambda s, o, k: agent.act(s, o, k, explore=True))
+        .lower(state, jnp.zeros((1, env.obs_dim)), key)
+        .compile()
+        .cost_analysis()
+    )
     cost, act = (c[0] if isinstance(c, (list, tuple)) else c for c in (cost, act))  # older JAX: a list
     return repeats * float(cost["flops"]) + float(act["flops"])
 
 
-def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None,
-                        rounds: int = 7):
+def plasticity_overhead(
+    agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None, rounds: int = 7
+):
     """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods.
 
     The update time is that of the loop's training block (one seed, the agent's own buffer at the
@@ -195,8 +233,10 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
         return acfg, state, buffer, key
 
     runs = {}
-    for label, pcfg in (("plain", PlasticityConfig(metrics_every=0)),
-                        ("sigreg", PlasticityConfig(metrics_every=0, sigreg_coef=0.2))):
+    for label, pcfg in (
+        ("plain", PlasticityConfig(metrics_every=0)),
+        ("sigreg", PlasticityConfig(metrics_every=0, sigreg_coef=0.2)),
+    ):
         acfg, state, buffer, key = prepare(pcfg)
         block = make_train_block(agent, acfg, updates)
 
@@ -237,12 +277,19 @@ def plasticity_overhead(agent_name: str, env_id: str, width: int | None, buffer_
         rc = dataclasses.replace(pcfg, regrama=method == "regrama", redo=method == "redo")
         fn = jax.jit(jax.vmap(functools.partial(reset_step, agent, rc)))
         resets[method] = timed(fn, state, buffer, keys)
-    print(f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
-          f"update time from {updates}-update training blocks")
+    print(
+        f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
+        f"update time from {updates}-update training blocks"
+    )
     print(f"per update: {t_update * 1e3:.2f} ms (plain), {block_time['sigreg'] * 1e3:.2f} ms (SIGReg)")
-    print(f"SIGReg overhead: {100 * (block_time['sigreg'] / t_update - 1):.1f}% of update time (ratio of medians "
-          f"over {rounds} alternated rounds; per round: {', '.join(f'{100 * r:.1f}%' for r in ratios)})")
-    print(f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% at every 10,000 updates")
+    print(
+        f"SIGReg overhead: {100 * (block_time['sigreg'] / t_update - 1):.1f}% of update time (ratio of medians "
+        f"over {rounds} alternated rounds; per round: {', '.join(f'{100 * r:.1f}%' for r in ratios)})"
+    )
+    print(
+        f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% "
+        "at every 10,000 updates"
+    )
     for method, t in resets.items():
         print(f"{method} event: {t * 1e3:.1f} ms = {100 * t / (1_000 * t_update):.2f}% at every 1,000 updates")
     return {"update_s": t_update, "sigreg_update_s": block_time["sigreg"], "metrics_s": t_metrics, **resets}
@@ -262,17 +309,28 @@ def timed_agents() -> list[str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     timed = timed_agents()
-    p.add_argument("--agent", default="sac", metavar="{" + ",".join(timed) + "}",
-                   help="an off-policy agent (PPO: scripts/benchmark_ppo.py)")
+    p.add_argument(
+        "--agent",
+        default="sac",
+        metavar="{" + ",".join(timed) + "}",
+        help="an off-policy agent (PPO: scripts/benchmark_ppo.py)",
+    )
     p.add_argument("--env", default="HalfCheetah-v5")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 4], help="vmapped seeds, one measurement each")
     p.add_argument("--steps", type=int, default=1000, help="timed env steps per seed")
     p.add_argument("--width", type=int, default=None, help="hidden width (default: the agent's paper value)")
     p.add_argument("--warmup", type=int, default=300, help="untimed training steps after compilation")
-    p.add_argument("--buffer-size", type=int, default=None,
-                   help="replay capacity per seed (default: the agent config's buffer_size, as train.py)")
-    p.add_argument("--plasticity", action="store_true",
-                   help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time")
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=None,
+        help="replay capacity per seed (default: the agent config's buffer_size, as train.py)",
+    )
+    p.add_argument(
+        "--plasticity",
+        action="store_true",
+        help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time",
+    )
     p.add_argument("--rounds", type=int, default=7, help="with --plasticity: alternated plain / SIGReg rounds")
     args = p.parse_args(argv)
     if args.agent not in timed:
@@ -281,25 +339,33 @@ def main(argv=None):
     if args.plasticity:
         return plasticity_overhead(args.agent, args.env, args.width, args.buffer_size, args.rounds)
     buffer_size = args.buffer_size or agents.get(args.agent).CONFIG().buffer_size
-    print(f"agent={args.agent} env={args.env} buffer_size={buffer_size:,} width={args.width or 'paper default'} "
-          f"backend={jax.default_backend()} devices={jax.devices()}")
+    print(
+        f"agent={args.agent} env={args.env} buffer_size={buffer_size:,} width={args.width or 'paper default'} "
+        f"backend={jax.default_backend()} devices={jax.devices()}"
+    )
     flops = flops_per_env_step(args.agent, args.env, args.width, args.buffer_size)
     peak = matmul_peak()
     print(f"model FLOPs per env step (one seed, XLA count): {flops / 1e9:.3f} GFLOP")
-    print(f"peak used for 'of peak': measured float32 matmul throughput of the default device "
-          f"({jax.default_backend()}; jitted {PEAK_N}x{PEAK_N} x @ x, best of 3 x {PEAK_REPEAT}): "
-          f"{peak / 1e9:.1f} GFLOP/s")
-    print(f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'ms/step':>8} {'compile s':>10} "
-          f"{'GFLOP/s':>8} {'of peak':>8}")
+    print(
+        f"peak used for 'of peak': measured float32 matmul throughput of the default device "
+        f"({jax.default_backend()}; jitted {PEAK_N}x{PEAK_N} x @ x, best of 3 x {PEAK_REPEAT}): "
+        f"{peak / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"{'seeds':>5} {'env steps/s (all seeds)':>24} {'per seed':>9} {'ms/step':>8} {'compile s':>10} "
+        f"{'GFLOP/s':>8} {'of peak':>8}"
+    )
     rows = []
     for s in args.seeds:
         r = measure(args.agent, args.env, s, args.steps, args.width, args.warmup, args.buffer_size)
         r["flops_per_step"], r["achieved_flops"] = flops, flops * r["env_steps_per_s"]
         r["peak_flops"], r["fraction_of_peak"] = peak, r["achieved_flops"] / peak
         rows.append(r)
-        print(f"{r['seeds']:>5} {r['env_steps_per_s']:>24.1f} {r['per_seed']:>9.1f} {r['ms_per_step']:>8.2f} "
-              f"{r['compile_s']:>10.2f} {r['achieved_flops'] / 1e9:>8.1f} {100 * r['fraction_of_peak']:>7.1f}%",
-              flush=True)
+        print(
+            f"{r['seeds']:>5} {r['env_steps_per_s']:>24.1f} {r['per_seed']:>9.1f} {r['ms_per_step']:>8.2f} "
+            f"{r['compile_s']:>10.2f} {r['achieved_flops'] / 1e9:>8.1f} {100 * r['fraction_of_peak']:>7.1f}%",
+            flush=True,
+        )
     return rows
 
 

@@ -4,7 +4,7 @@
     python scripts/benchmark_ppo.py --num-envs 1 8 --backend envpool --iterations 3
     python scripts/benchmark_ppo.py --xla-single-thread    # XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
     python scripts/benchmark_ppo.py --env playground:CheetahRun --num-envs 1 64 256 1024 --num-steps 32
-                                                             # the device loop (extra .[mjx]); --loop host: the host loop
+        # the device loop (extra .[mjx]); --loop host: the host loop
 
 ``measure_ppo`` times whole PPO iterations of the real loop body (``training.onpolicy.make_fns``:
 vector-env step on the host + one jitted call per vector step, then the jitted update of
@@ -21,6 +21,7 @@ times the env's own batched step (``jit(step)`` over ``num_envs`` envs, random a
 ``--num-steps`` fixes the rollout length instead of the 2048-step batch (Playground's PPO unrolls 30
 steps of 2048 envs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ import time
 from pathlib import Path
 
 if "--xla-single-thread" in sys.argv:  # must be set before JAX starts its CPU client
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
-                               "intra_op_parallelism_threads=1").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    ).strip()
 
 try:
     from plasticity_zoo import agents
@@ -60,6 +62,7 @@ def measure_device_simulator(env_id: str, num_envs: int, steps: int = 256, env_i
         def one(state, k):
             a = jax.random.uniform(k, (num_envs, env.act_dim), minval=-1.0, maxval=1.0)
             return env.step(state, a)[0], None
+
         return jax.lax.scan(one, state, jax.random.split(key, steps))[0]
 
     state = jax.jit(env.reset)(env_keys(range(num_envs)))  # jitted: its arrays committed, as run's outputs
@@ -71,9 +74,17 @@ def measure_device_simulator(env_id: str, num_envs: int, steps: int = 256, env_i
     return {f"device_env_x{num_envs}": steps * num_envs / (time.perf_counter() - t0), "compile_s": compile_s}
 
 
-def measure_device_ppo(env_id: str, num_envs: int = 1, seeds: int = 1, iterations: int = 2, batch: int = 2048,
-                       num_steps: int | None = None, width: int | None = None, trust_region: str = "clip",
-                       env_impl: str = "jax") -> dict:
+def measure_device_ppo(
+    env_id: str,
+    num_envs: int = 1,
+    seeds: int = 1,
+    iterations: int = 2,
+    batch: int = 2048,
+    num_steps: int | None = None,
+    width: int | None = None,
+    trust_region: str = "clip",
+    env_impl: str = "jax",
+) -> dict:
     """Env steps/s (all seeds) of the device loop: one jitted chunk of ``iterations`` PPO iterations."""
     from plasticity_zoo.training.device import DeviceOnPolicyIteration
 
@@ -82,8 +93,16 @@ def measure_device_ppo(env_id: str, num_envs: int = 1, seeds: int = 1, iteration
         raise ValueError(f"batch {batch} must be divisible by num_envs {num_envs}")
     T = num_steps or batch // num_envs
     acfg = dataclasses.replace(ppo.PPOConfig(), num_steps=T, trust_region=trust_region)
-    cfg = RunConfig(env=env_id, seeds=seeds, num_envs=num_envs, total_steps=T * num_envs * (iterations + 1),
-                    agent_name="ppo", agent=acfg, network=NetworkConfig(width=width), env_impl=env_impl)
+    cfg = RunConfig(
+        env=env_id,
+        seeds=seeds,
+        num_envs=num_envs,
+        total_steps=T * num_envs * (iterations + 1),
+        agent_name="ppo",
+        agent=acfg,
+        network=NetworkConfig(width=width),
+        env_impl=env_impl,
+    )
     it = DeviceOnPolicyIteration(cfg, ppo, iterations + 1)
     it.fresh()
     t0 = time.perf_counter()
@@ -97,12 +116,19 @@ def measure_device_ppo(env_id: str, num_envs: int = 1, seeds: int = 1, iteration
     if not bool(report.finite):
         raise RuntimeError("a loss became non-finite during the benchmark")
     steps = iterations * T * num_envs * seeds
-    return {"num_envs": num_envs, "seeds": seeds, "num_steps": T, "loop": "device", "env_steps_per_s": steps / seconds,
-            "first_iteration_s": compile_s}
+    return {
+        "num_envs": num_envs,
+        "seeds": seeds,
+        "num_steps": T,
+        "loop": "device",
+        "env_steps_per_s": steps / seconds,
+        "first_iteration_s": compile_s,
+    }
 
 
-def measure_simulator(env_id: str = "HalfCheetah-v5", num_envs: int = 1, steps: int = 2000,
-                      backend: str = "sync") -> dict:
+def measure_simulator(
+    env_id: str = "HalfCheetah-v5", num_envs: int = 1, steps: int = 2000, backend: str = "sync"
+) -> dict:
     """Raw env steps/s with random actions (no agent): bare Gymnasium, zoo-wrapped, vector env."""
     import gymnasium as gym
 
@@ -137,9 +163,17 @@ def measure_simulator(env_id: str = "HalfCheetah-v5", num_envs: int = 1, steps: 
     return out
 
 
-def measure_ppo(env_id: str = "HalfCheetah-v5", num_envs: int = 1, seeds: int = 1, iterations: int = 2,
-                backend: str = "sync", batch: int = 2048, width: int | None = None, trust_region: str = "clip",
-                num_steps: int | None = None) -> dict:
+def measure_ppo(
+    env_id: str = "HalfCheetah-v5",
+    num_envs: int = 1,
+    seeds: int = 1,
+    iterations: int = 2,
+    backend: str = "sync",
+    batch: int = 2048,
+    width: int | None = None,
+    trust_region: str = "clip",
+    num_steps: int | None = None,
+) -> dict:
     """Env steps/s (all seeds) of whole PPO iterations of the host loop, and the split between rollout and update."""
     ppo = agents.get("ppo")
     if num_steps is None and batch % num_envs:
@@ -147,8 +181,15 @@ def measure_ppo(env_id: str = "HalfCheetah-v5", num_envs: int = 1, seeds: int = 
     T = num_steps or batch // num_envs
     batch = T * num_envs
     acfg = dataclasses.replace(ppo.PPOConfig(), num_steps=T, backend=backend, trust_region=trust_region)
-    cfg = RunConfig(env=env_id, seeds=seeds, num_envs=num_envs, total_steps=batch * (iterations + 1),
-                    agent_name="ppo", agent=acfg, network=NetworkConfig(width=width))
+    cfg = RunConfig(
+        env=env_id,
+        seeds=seeds,
+        num_envs=num_envs,
+        total_steps=batch * (iterations + 1),
+        agent_name="ppo",
+        agent=acfg,
+        network=NetworkConfig(width=width),
+    )
     S, E = seeds, num_envs
     env = make_vector_env(env_id, S * E, 0, backend=backend)
     state, loop, key = init_state(ppo, cfg, env.obs_dim, env.act_dim)
@@ -163,8 +204,9 @@ def measure_ppo(env_id: str = "HalfCheetah-v5", num_envs: int = 1, seeds: int = 
         ff, fm = step_fn.flatten(state, loop)
         for t in range(T):
             new_obs, r, term, trunc, next_obs = env.step(np.asarray(action).reshape(S * E, -1))
-            fm, action = step_fn(ff, fm, np.int32(t), shaped(r), shaped(term), shaped(trunc),
-                                 shaped(next_obs), shaped(new_obs), k_roll)
+            fm, action = step_fn(
+                ff, fm, np.int32(t), shaped(r), shaped(term), shaped(trunc), shaped(next_obs), shaped(new_obs), k_roll
+            )
             env.pop_finished()
         state, loop = step_fn.unflatten(fm)
         jax.block_until_ready(action)
@@ -184,10 +226,17 @@ def measure_ppo(env_id: str = "HalfCheetah-v5", num_envs: int = 1, seeds: int = 
         update += u_s
     env.close()
     steps = iterations * batch * S
-    return {"num_envs": E, "seeds": S, "num_steps": T, "loop": "host", "backend": backend,
-            "env_steps_per_s": steps / (rollout + update),
-            "rollout_steps_per_s": steps / rollout, "update_s_per_iteration": update / iterations,
-            "first_iteration_s": compile_s}
+    return {
+        "num_envs": E,
+        "seeds": S,
+        "num_steps": T,
+        "loop": "host",
+        "backend": backend,
+        "env_steps_per_s": steps / (rollout + update),
+        "rollout_steps_per_s": steps / rollout,
+        "update_s_per_iteration": update / iterations,
+        "first_iteration_s": compile_s,
+    }
 
 
 def main(argv=None):
@@ -196,45 +245,78 @@ def main(argv=None):
     p.add_argument("--num-envs", type=int, nargs="+", default=[1, 8], help="envs per seed (1 = CleanRL)")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--backend", default="sync", choices=["sync", "async", "envpool"])
-    p.add_argument("--loop", default="auto", choices=["auto", "host", "device"],
-                   help="auto: the device loop for playground: envs, the host loop otherwise")
-    p.add_argument("--num-steps", type=int, default=None,
-                   help="rollout length per env (default: 2048 // num_envs, CleanRL's batch)")
+    p.add_argument(
+        "--loop",
+        default="auto",
+        choices=["auto", "host", "device"],
+        help="auto: the device loop for playground: envs, the host loop otherwise",
+    )
+    p.add_argument(
+        "--num-steps",
+        type=int,
+        default=None,
+        help="rollout length per env (default: 2048 // num_envs, CleanRL's batch)",
+    )
     p.add_argument("--env-impl", default="jax", choices=["jax", "warp"])
     p.add_argument("--iterations", type=int, default=2, help="timed PPO iterations (2048 steps per seed each)")
     p.add_argument("--trust-region", default="clip", choices=["clip", "gtr"])
-    p.add_argument("--xla-single-thread", action="store_true",
-                   help="single-threaded XLA CPU kernels (faster per-step calls at these network sizes)")
+    p.add_argument(
+        "--xla-single-thread",
+        action="store_true",
+        help="single-threaded XLA CPU kernels (faster per-step calls at these network sizes)",
+    )
     args = p.parse_args(argv)
     device = args.loop == "device" or (args.loop == "auto" and is_playground(args.env))
     if device and not is_playground(args.env):
         p.error("--loop device needs a playground: env")
-    print(f"env={args.env} loop={'device' if device else 'host'} backend={args.backend} jax={jax.default_backend()} "
-          f"xla_single_thread={args.xla_single_thread} (a shared machine: numbers are "
-          f"indicative; CleanRL PPO on CPU runs ~650-700 steps/s)")
+    print(
+        f"env={args.env} loop={'device' if device else 'host'} backend={args.backend} jax={jax.default_backend()} "
+        f"xla_single_thread={args.xla_single_thread} (a shared machine: numbers are "
+        f"indicative; CleanRL PPO on CPU runs ~650-700 steps/s)"
+    )
     if is_playground(args.env):
         for e in args.num_envs:
             sim = measure_device_simulator(args.env, e, env_impl=args.env_impl)
-            print(f"  raw simulator (jitted scan, compile {sim.pop('compile_s'):.1f} s) "
-                  + ", ".join(f"{k}: {v:.0f} steps/s" for k, v in sim.items()))
+            print(
+                f"  raw simulator (jitted scan, compile {sim.pop('compile_s'):.1f} s) "
+                + ", ".join(f"{k}: {v:.0f} steps/s" for k, v in sim.items())
+            )
     else:
         sim = measure_simulator(args.env, max(args.num_envs), backend=args.backend)
         for k, v in sim.items():
             print(f"  raw simulator {k:>26}: {v:9.0f} steps/s")
-    print(f"{'envs':>5} {'seeds':>5} {'steps':>5} {'PPO env steps/s':>16} {'rollout steps/s':>16} {'update s/iter':>14} "
-          f"{'1st iter s':>10}")
+    print(
+        f"{'envs':>5} {'seeds':>5} {'steps':>5} {'PPO env steps/s':>16} {'rollout steps/s':>16} {'update s/iter':>14} "
+        f"{'1st iter s':>10}"
+    )
     rows = []
     for e in args.num_envs:
         if device:
-            r = measure_device_ppo(args.env, e, args.seeds, args.iterations, num_steps=args.num_steps,
-                                   trust_region=args.trust_region, env_impl=args.env_impl)
+            r = measure_device_ppo(
+                args.env,
+                e,
+                args.seeds,
+                args.iterations,
+                num_steps=args.num_steps,
+                trust_region=args.trust_region,
+                env_impl=args.env_impl,
+            )
         else:
-            r = measure_ppo(args.env, e, args.seeds, args.iterations, args.backend, trust_region=args.trust_region,
-                            num_steps=args.num_steps)
+            r = measure_ppo(
+                args.env,
+                e,
+                args.seeds,
+                args.iterations,
+                args.backend,
+                trust_region=args.trust_region,
+                num_steps=args.num_steps,
+            )
         rows.append(r)
-        print(f"{e:>5} {args.seeds:>5} {r['num_steps']:>5} {r['env_steps_per_s']:>16.0f} "
-              f"{r.get('rollout_steps_per_s', float('nan')):>16.0f} "
-              f"{r.get('update_s_per_iteration', float('nan')):>14.2f} {r['first_iteration_s']:>10.1f}")
+        print(
+            f"{e:>5} {args.seeds:>5} {r['num_steps']:>5} {r['env_steps_per_s']:>16.0f} "
+            f"{r.get('rollout_steps_per_s', float('nan')):>16.0f} "
+            f"{r.get('update_s_per_iteration', float('nan')):>14.2f} {r['first_iteration_s']:>10.1f}"
+        )
     return {"simulator": sim, "ppo": rows}
 
 

@@ -10,6 +10,7 @@ the critics' Q against the return that followed and the world-model posterior's 
 uncertainty and open-loop replay along them (``analysis/offline_diagnostics.py:
 diagnose_posterior``); writes RUN_DIR/diagnostics.json.
 """
+
 from __future__ import annotations
 
 import sys

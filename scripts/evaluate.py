@@ -35,6 +35,7 @@ A mistake (a directory that is no run, a missing checkpoint or step, an env of o
 value) stops with one ``error:`` line and exit status 2; ``--debug`` (or RLZOO_DEBUG=1) shows the
 traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,15 +63,22 @@ OUT_COLUMNS = ["step", "seed", "env", "return_mean", "return_std", "episode_retu
 MT_OUT_COLUMNS = ["step", "seed", "env", "task", "return_mean", "return_std", "episode_returns", "score"]  # mt: envs
 VIDEO_FORMATS = (".gif", ".mp4")
 GL_BACKENDS = ("egl", "osmesa", "glfw")
-GL_PACKAGES = ("EGL: libegl1 with a GPU driver or Mesa (Debian/Ubuntu: apt-get install libegl1 libgl1-mesa-dri); "
-               "OSMesa (software): libosmesa6; glfw: a display")
+GL_PACKAGES = (
+    "EGL: libegl1 with a GPU driver or Mesa (Debian/Ubuntu: apt-get install libegl1 libgl1-mesa-dri); "
+    "OSMesa (software): libosmesa6; glfw: a display"
+)
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python scripts/evaluate.py", description=__doc__.strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python scripts/evaluate.py",
+        description=__doc__.strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir", help="a run directory (written by scripts/train.py)")
-    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest intact one)")
+    p.add_argument(
+        "--step", type=int, default=None, help="the checkpoint of this step (default: the newest intact one)"
+    )
     p.add_argument("--seed", type=int, default=None, help="evaluate this seed index only (default: every seed)")
     p.add_argument("--episodes", type=int, default=None, help="episodes per seed (default: the run's --eval-episodes)")
     p.add_argument("--env", default=None, help="evaluate on this env id (same observation and action shapes)")
@@ -111,12 +119,17 @@ def check_video(path: Path, size: tuple[int, int]):
     if ext not in VIDEO_FORMATS:
         raise SystemExit(f"--video {path}: write a .gif (Pillow) or an .mp4 (imageio with imageio-ffmpeg)")
     if ext == ".mp4":
-        missing = [m for m, pkg in (("imageio", "imageio"), ("imageio_ffmpeg", "imageio-ffmpeg"))
-                   if importlib.util.find_spec(m) is None]
+        missing = [
+            m
+            for m, pkg in (("imageio", "imageio"), ("imageio_ffmpeg", "imageio-ffmpeg"))
+            if importlib.util.find_spec(m) is None
+        ]
         if missing:
-            raise SystemExit(f"--video {path}: MP4 needs imageio and imageio-ffmpeg ({', '.join(missing)} missing): "
-                             "pip install imageio imageio-ffmpeg (the project's extra: pip install -e '.[video]'), "
-                             "or write a .gif")
+            raise SystemExit(
+                f"--video {path}: MP4 needs imageio and imageio-ffmpeg ({', '.join(missing)} missing): "
+                "pip install imageio imageio-ffmpeg (the project's extra: pip install -e '.[video]'), "
+                "or write a .gif"
+            )
         if size[0] % 2 or size[1] % 2:
             raise SystemExit(f"--video-size {size[0]}x{size[1]}: MP4 (H.264) needs an even width and height")
     elif importlib.util.find_spec("PIL") is None:
@@ -128,13 +141,17 @@ def check_video(path: Path, size: tuple[int, int]):
 # ----------------------------------------------------------------------------------------------
 _PROBE_XML = "<mujoco><worldbody><light pos='0 0 2'/><geom size='0.1'/></worldbody></mujoco>"
 PROBES = {
-    "mujoco": ("import mujoco\n"
-               f"m = mujoco.MjModel.from_xml_string({_PROBE_XML!r})\n"
-               "d = mujoco.MjData(m)\nmujoco.mj_forward(m, d)\n"
-               "r = mujoco.Renderer(m, 16, 16)\nr.update_scene(d)\nr.render()\nr.close()\n"),
-    "dm_control": ("from dm_control import mujoco\n"
-                   f"p = mujoco.Physics.from_xml_string({_PROBE_XML!r})\n"
-                   "p.render(16, 16)\np.free()\n"),
+    "mujoco": (
+        "import mujoco\n"
+        f"m = mujoco.MjModel.from_xml_string({_PROBE_XML!r})\n"
+        "d = mujoco.MjData(m)\nmujoco.mj_forward(m, d)\n"
+        "r = mujoco.Renderer(m, 16, 16)\nr.update_scene(d)\nr.render()\nr.close()\n"
+    ),
+    "dm_control": (
+        "from dm_control import mujoco\n"
+        f"p = mujoco.Physics.from_xml_string({_PROBE_XML!r})\n"
+        "p.render(16, 16)\np.free()\n"
+    ),
 }
 
 
@@ -162,8 +179,9 @@ def probe_gl(backend: str, needs: set[str]) -> str | None:
     env = {**os.environ, "MUJOCO_GL": backend}
     for need in sorted(needs):
         try:
-            done = subprocess.run([sys.executable, "-c", PROBES[need]], env=env, capture_output=True, text=True,
-                                  timeout=120)
+            done = subprocess.run(
+                [sys.executable, "-c", PROBES[need]], env=env, capture_output=True, text=True, timeout=120
+            )
         except subprocess.TimeoutExpired:
             return "timed out"
         if done.returncode != 0:
@@ -191,8 +209,10 @@ def select_gl(needs: set[str]) -> str:
         failures.append(f"{backend} failed ({why})")
     platform = os.environ.get("PYOPENGL_PLATFORM")
     also = f"; PYOPENGL_PLATFORM={platform} is set, it must name the same backend or be unset" if platform else ""
-    raise SystemExit(f"--video: MuJoCo cannot render here: no OpenGL backend works (MUJOCO_GL={'; '.join(failures)}"
-                     f"{also}). Install one: {GL_PACKAGES}; then set MUJOCO_GL to it (or leave it unset to try each)")
+    raise SystemExit(
+        f"--video: MuJoCo cannot render here: no OpenGL backend works (MUJOCO_GL={'; '.join(failures)}"
+        f"{also}). Install one: {GL_PACKAGES}; then set MUJOCO_GL to it (or leave it unset to try each)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,8 +255,10 @@ class Renderer:
         try:
             frame = np.asarray(self._draw[id(base)]())
         except Exception as e:
-            raise SystemExit(f"--video: rendering {self.env_id} failed ({type(e).__name__}: {e}) with "
-                             f"MUJOCO_GL={os.environ.get('MUJOCO_GL', '(unset)')}; {GL_PACKAGES}") from e
+            raise SystemExit(
+                f"--video: rendering {self.env_id} failed ({type(e).__name__}: {e}) with "
+                f"MUJOCO_GL={os.environ.get('MUJOCO_GL', '(unset)')}; {GL_PACKAGES}"
+            ) from e
         if frame.shape != (self.height, self.width, 3):
             from PIL import Image
 
@@ -279,8 +301,9 @@ class Renderer:
             try:
                 return base.render()
             except gym.error.DependencyNotInstalled as e:
-                raise SystemExit(f"--video: {self.env_id} renders with pygame, which is not installed: "
-                                 "pip install pygame") from e
+                raise SystemExit(
+                    f"--video: {self.env_id} renders with pygame, which is not installed: pip install pygame"
+                ) from e
 
         return render
 
@@ -314,8 +337,9 @@ class VideoWriter:
             # ffmpeg runs in a subprocess (fork and exec at once), which JAX's fork warning does not concern
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 
-            self._mp4 = imageio.get_writer(str(path), fps=fps, codec="libx264", macro_block_size=1,
-                                           pixelformat="yuv420p", quality=8)
+            self._mp4 = imageio.get_writer(
+                str(path), fps=fps, codec="libx264", macro_block_size=1, pixelformat="yuv420p", quality=8
+            )
         else:
             self._mp4, self._gif = None, []
 
@@ -340,12 +364,14 @@ class VideoWriter:
         if self._mp4 is not None:
             self._mp4.close()
         else:  # durations in ms (GIF keeps centiseconds); identical consecutive frames merge, keeping the time
-            self._gif[0].save(self.path, save_all=True, append_images=self._gif[1:],
-                              duration=max(10, round(1000 / self.fps)), loop=0)
+            self._gif[0].save(
+                self.path, save_all=True, append_images=self._gif[1:], duration=max(10, round(1000 / self.fps)), loop=0
+            )
 
 
-def record(restored, env_id: str, seed: int, row: int, evaluator, policy, renderer, path: Path,
-           fps: float | None) -> dict:
+def record(
+    restored, env_id: str, seed: int, row: int, evaluator, policy, renderer, path: Path, fps: float | None
+) -> dict:
     """Replay seed ``seed``'s first evaluation episode in one env, rendering each agent step.
 
     The env is built and reset as ``evaluator``'s env of that episode, and ``policy`` (a SeedPolicy
@@ -358,7 +384,11 @@ def record(restored, env_id: str, seed: int, row: int, evaluator, policy, render
     env_seed = evaluator.env_seeds[row * episodes]
     env = make_env(env_id, env_seed, cfg.action_repeat, action_mode=eval_action_mode(cfg, restored.agent))
     try:
-        if env_id == restored.env_id and restored.counter is not None and isinstance(env, nonstationary.NonStationaryEnv):
+        if (
+            env_id == restored.env_id
+            and restored.counter is not None
+            and isinstance(env, nonstationary.NonStationaryEnv)
+        ):
             env.bind_counter(nonstationary.FollowCounter(restored.counter))
         seconds = agent_step_seconds(env)
         fps = fps or (1.0 / seconds if seconds else 30.0)
@@ -384,8 +414,7 @@ def record(restored, env_id: str, seed: int, row: int, evaluator, policy, render
         writer.close()
     finally:
         env.close()
-    return {"path": str(path), "frames": writer.frames, "steps": steps, "return": total, "fps": fps,
-            "seed": seed}
+    return {"path": str(path), "frames": writer.frames, "steps": steps, "return": total, "fps": fps, "seed": seed}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,9 +427,11 @@ def _own_eval(run_dir: Path, step: int) -> dict[int, list[float]]:
     if not path.is_file():
         return {}
     with open(path, newline="") as f:
-        return {int(r["seed"]): [float(x) for x in r["episode_returns"].split()]
-                for r in csv.DictReader(f) if r.get("step") and int(float(r["step"])) == step
-                and r.get("task") in (None, "", "all")}
+        return {
+            int(r["seed"]): [float(x) for x in r["episode_returns"].split()]
+            for r in csv.DictReader(f)
+            if r.get("step") and int(float(r["step"])) == step and r.get("task") in (None, "", "all")
+        }
 
 
 def main(argv=None) -> dict:
@@ -443,8 +474,11 @@ def main(argv=None) -> dict:
 
     if args.env is not None and args.env != run_env:
         _check_compatible(args.env, run_env, cfg)
-    restored = restore_policy(run_dir, args.step,  # a damaged newest checkpoint is skipped, saying so
-                              warn=lambda m: print(m.replace("; resuming from ", "; evaluating "), file=sys.stderr))
+    restored = restore_policy(
+        run_dir,
+        args.step,  # a damaged newest checkpoint is skipped, saying so
+        warn=lambda m: print(m.replace("; resuming from ", "; evaluating "), file=sys.stderr),
+    )
     episodes = args.episodes or cfg.eval_episodes
     seeds = list(range(cfg.seeds)) if args.seed is None else [args.seed]
     evaluator = restored.evaluator(args.env, episodes, args.seed)
@@ -455,27 +489,47 @@ def main(argv=None) -> dict:
         evaluator.env.close()
 
     tasks = evaluator.tasks  # an mt: env's member ids: rows per task, then their mean
-    print(f"{run_dir}: checkpoint {restored.path.name} (step {restored.step}), env {env_id}, "
-          f"{episodes} deterministic episode(s) per {'task and ' if tasks else ''}seed")
+    print(
+        f"{run_dir}: checkpoint {restored.path.name} (step {restored.step}), env {env_id}, "
+        f"{episodes} deterministic episode(s) per {'task and ' if tasks else ''}seed"
+    )
     rows, means = [], []
     for j, r in zip(seeds, returns):
         r = np.asarray(r, float)
         if tasks is None:
             print(f"  seed {j}: mean {r.mean():.2f}  std {r.std():.2f}  episodes: {' '.join(f'{x:.2f}' for x in r)}")
-            rows.append({"step": restored.step, "seed": j, "env": env_id, "return_mean": repr(float(r.mean())),
-                         "return_std": repr(float(r.std())), "episode_returns": " ".join(repr(float(x)) for x in r)})
+            rows.append(
+                {
+                    "step": restored.step,
+                    "seed": j,
+                    "env": env_id,
+                    "return_mean": repr(float(r.mean())),
+                    "return_std": repr(float(r.std())),
+                    "episode_returns": " ".join(repr(float(x)) for x in r),
+                }
+            )
             means.append(float(np.mean(r)))
             continue
         from plasticity_zoo.training.logger import task_results
 
         for res in task_results(r, tasks):
             score = "" if res["score"] is None else f"  score {res['score']:.3f}"
-            print(f"  seed {j} {res['task']}: mean {res['return_mean']:.2f}  std {res['return_std']:.2f}{score}"
-                  f"  episodes: {' '.join(f'{x:.2f}' for x in res['returns'])}")
-            rows.append({"step": restored.step, "seed": j, "env": env_id, "task": res["task"],
-                         "return_mean": repr(res["return_mean"]), "return_std": repr(res["return_std"]),
-                         "episode_returns": " ".join(repr(float(x)) for x in res["returns"]),
-                         "score": "" if res["score"] is None else repr(res["score"])})
+            print(
+                f"  seed {j} {res['task']}: mean {res['return_mean']:.2f}  std {res['return_std']:.2f}{score}"
+                f"  episodes: {' '.join(f'{x:.2f}' for x in res['returns'])}"
+            )
+            rows.append(
+                {
+                    "step": restored.step,
+                    "seed": j,
+                    "env": env_id,
+                    "task": res["task"],
+                    "return_mean": repr(res["return_mean"]),
+                    "return_std": repr(res["return_std"]),
+                    "episode_returns": " ".join(repr(float(x)) for x in res["returns"]),
+                    "score": "" if res["score"] is None else repr(res["score"]),
+                }
+            )
         means.append(res["return_mean"])  # the task=all row
     if len(seeds) > 1:
         print(f"  mean over seeds{' (of the means over tasks)' if tasks else ''}: {float(np.mean(means)):.2f}")
@@ -484,21 +538,37 @@ def main(argv=None) -> dict:
         n = min(episodes, cfg.eval_episodes) * (len(tasks) if tasks else 1)  # episode k ran task k % T
         same = all(own[j][:n] == list(r)[:n] for j, r in zip(seeds, returns))
         common = "" if episodes == cfg.eval_episodes else f" in its first {n} episode(s)"
-        print(f"  the run's own evaluation at step {restored.step} (eval.csv): "
-              + (f"the same returns{common}" if same else f"DIFFERENT returns{common}: "
-                 + "; ".join(f"seed {j}: {' '.join(f'{x:.2f}' for x in own[j][:n])}" for j in seeds)))
+        print(
+            f"  the run's own evaluation at step {restored.step} (eval.csv): "
+            + (
+                f"the same returns{common}"
+                if same
+                else f"DIFFERENT returns{common}: "
+                + "; ".join(f"seed {j}: {' '.join(f'{x:.2f}' for x in own[j][:n])}" for j in seeds)
+            )
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     CSVTable(out, OUT_COLUMNS if tasks is None else MT_OUT_COLUMNS).append(rows)
     print(f"wrote {out}")
-    result = {"step": restored.step, "checkpoint": str(restored.path), "env": env_id, "seeds": seeds,
-              "returns": returns, "out": str(out), "video": None, "gl": gl}
+    result = {
+        "step": restored.step,
+        "checkpoint": str(restored.path),
+        "env": env_id,
+        "seeds": seeds,
+        "returns": returns,
+        "out": str(out),
+        "video": None,
+        "gl": gl,
+    }
     if video is not None:
         seed = seeds[0]
         v = record(restored, env_id, seed, 0, evaluator, policy, Renderer(env_id, size), video, args.fps)
         same = "" if v["return"] == returns[0][0] else f" (evaluation: {returns[0][0]:.2f})"
         backend = f"; MUJOCO_GL={gl}" if gl else ""
-        print(f"wrote {video}: seed {seed}, episode 0, {v['steps']} steps, {v['frames']} frames at "
-              f"{v['fps']:.4g} fps, {size[0]}x{size[1]}, return {v['return']:.2f}{same}{backend}")
+        print(
+            f"wrote {video}: seed {seed}, episode 0, {v['steps']} steps, {v['frames']} frames at "
+            f"{v['fps']:.4g} fps, {size[0]}x{size[1]}, return {v['return']:.2f}{same}{backend}"
+        )
         result["video"] = v
     return result
 
@@ -516,8 +586,10 @@ def _check_compatible(env_id: str, run_env: str, cfg):
         shapes.append((env.observation_space.shape, env.action_space.shape))
         env.close()
     if shapes[0] != shapes[1]:
-        raise SystemExit(f"--env {env_id} does not fit the run: its observations are {shapes[0][0]} and actions "
-                         f"{shapes[0][1]}, the run's env {run_env} has {shapes[1][0]} and {shapes[1][1]}")
+        raise SystemExit(
+            f"--env {env_id} does not fit the run: its observations are {shapes[0][0]} and actions "
+            f"{shapes[0][1]}, the run's env {run_env} has {shapes[1][0]} and {shapes[1][1]}"
+        )
 
 
 def cli(argv=None):

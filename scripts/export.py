@@ -17,6 +17,7 @@ See docs/export.md.  A mistake (no run, no checkpoint or step, a seed out of ran
 that cannot be exported) stops with one ``error:`` line and exit status 2; ``--debug`` (or
 RLZOO_DEBUG=1) shows the traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,16 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python scripts/export.py", description=__doc__.strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python scripts/export.py",
+        description=__doc__.strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir", help="a run directory (written by scripts/train.py)")
     p.add_argument("--out", required=True, help="the policy file to write (.npz)")
-    p.add_argument("--step", type=int, default=None,
-                   help="the checkpoint of this step (default: the newest intact one)")
+    p.add_argument(
+        "--step", type=int, default=None, help="the checkpoint of this step (default: the newest intact one)"
+    )
     p.add_argument("--seed", type=int, default=0, help="the seed index whose policy is exported (default 0)")
     return p.parse_args(argv)
 
@@ -47,11 +52,18 @@ def main(argv=None) -> dict:
     args = parse(argv)
     from plasticity_zoo.analysis.export import export_policy, read_meta
 
-    out = export_policy(args.run_dir, args.out, args.step, args.seed,
-                        warn=lambda m: print(m.replace("; resuming from ", "; exporting "), file=sys.stderr))
+    out = export_policy(
+        args.run_dir,
+        args.out,
+        args.step,
+        args.seed,
+        warn=lambda m: print(m.replace("; resuming from ", "; exporting "), file=sys.stderr),
+    )
     meta = read_meta(out)
-    print(f"wrote {args.out}: {meta['agent']} policy of seed {meta['seed']} at step {meta['step']} "
-          f"({meta['checkpoint']}), env {meta['env']}, {len(meta['arrays'])} arrays, actions in env units")
+    print(
+        f"wrote {args.out}: {meta['agent']} policy of seed {meta['seed']} at step {meta['step']} "
+        f"({meta['checkpoint']}), env {meta['env']}, {len(meta['arrays'])} arrays, actions in env units"
+    )
     return meta
 
 

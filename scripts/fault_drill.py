@@ -18,12 +18,12 @@ columns ``perf/*`` aside) and every array of the final checkpoint must be identi
 = the last step logged before the kill minus the step the resume started from (at most one
 checkpoint interval when checkpoints work).  Exit code 1 if any trial differs.
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
 import json
-import os
 import random
 import signal
 import subprocess
@@ -37,12 +37,51 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
 COMMON = ["--env", "Pendulum-v1", "--no-progress", "--eval-episodes", "5", "--network.width", "32"]
 AGENTS = {
-    "sac": ["sac", "--total-steps", "3000", "--learning-starts", "500", "--eval-every", "500",
-            "--checkpoint-every", "400", "--log-every", "100", "--buffer-size", "100000"],
-    "ppo": ["ppo", "--total-steps", "8192", "--num-steps", "512", "--eval-every", "1024",
-            "--checkpoint-every", "1024", "--log-every", "512"],
-    "mrq": ["mrq", "--total-steps", "1500", "--learning-starts", "300", "--eval-every", "300",
-            "--checkpoint-every", "300", "--log-every", "100", "--buffer-size", "20000", "--batch-size", "32"],
+    "sac": [
+        "sac",
+        "--total-steps",
+        "3000",
+        "--learning-starts",
+        "500",
+        "--eval-every",
+        "500",
+        "--checkpoint-every",
+        "400",
+        "--log-every",
+        "100",
+        "--buffer-size",
+        "100000",
+    ],
+    "ppo": [
+        "ppo",
+        "--total-steps",
+        "8192",
+        "--num-steps",
+        "512",
+        "--eval-every",
+        "1024",
+        "--checkpoint-every",
+        "1024",
+        "--log-every",
+        "512",
+    ],
+    "mrq": [
+        "mrq",
+        "--total-steps",
+        "1500",
+        "--learning-starts",
+        "300",
+        "--eval-every",
+        "300",
+        "--checkpoint-every",
+        "300",
+        "--log-every",
+        "100",
+        "--buffer-size",
+        "20000",
+        "--batch-size",
+        "32",
+    ],
 }
 
 
@@ -134,8 +173,12 @@ def main(argv=None) -> int:
         for stale in (run_dir, log):
             if stale.exists():
                 subprocess.call(["rm", "-rf", str(stale)])
-        proc = subprocess.Popen(TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(run_dir)], cwd=ROOT,
-                                stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(run_dir)],
+            cwd=ROOT,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
         if mode == "ckpt":
             kill_during_checkpoint(proc, run_dir, skip=rng.randrange(3))
         else:
@@ -153,14 +196,20 @@ def main(argv=None) -> int:
         rc = proc.returncode
         while rc != 0 and resumes < 3:
             resumes += 1
-            args = TRAIN + ["--resume", str(run_dir)] if ckpts else TRAIN + AGENTS[agent] + COMMON + [
-                "--run-dir", str(run_dir), "--overwrite"]
+            args = (
+                TRAIN + ["--resume", str(run_dir)]
+                if ckpts
+                else TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(run_dir), "--overwrite"]
+            )
             rc = run(args, log)
         diffs = differences(refs[agent], run_dir) if rc == 0 else [f"resume failed (exit {rc}); see {log}"]
         failures += bool(diffs)
         lost = max(0, killed_at - resumed_from)
-        print(f"| {i} | {agent} | {mode} (exit {proc.returncode}) | {killed_at} | {resumed_from} | {lost} | "
-              f"{resumes} | {'yes' if not diffs else 'NO: ' + '; '.join(diffs)} |", flush=True)
+        print(
+            f"| {i} | {agent} | {mode} (exit {proc.returncode}) | {killed_at} | {resumed_from} | {lost} | "
+            f"{resumes} | {'yes' if not diffs else 'NO: ' + '; '.join(diffs)} |",
+            flush=True,
+        )
     print(f"{a.runs - failures} of {a.runs} trials identical to the uninterrupted run")
     return 1 if failures else 0
 

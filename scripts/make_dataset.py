@@ -38,6 +38,7 @@ Output: --out FILE (one kind) or --out DIR, else the dataset cache (--cache, $RL
 ~/.cache/rlzoo/datasets) with names like hopper-medium-v5.hdf5.  SAC flags pass through as
 --sac.<flag> (e.g. --sac.learning-starts 200 --sac.batch-size 64) and --network.width etc.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -165,8 +166,13 @@ def _version() -> str:
     except Exception:
         v = "unknown"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=5,
+        ).stdout.strip()
     except Exception:
         commit = ""
     return f"{v}+{commit}" if commit else v
@@ -175,11 +181,22 @@ def _version() -> str:
 def run_config(args: Args, run_dir: Path) -> RunConfig:
     """The SAC training's RunConfig (a plain dataclass: nothing is built)."""
     agent_cfg = dataclasses.replace(args.sac, buffer_size=args.train_steps)  # rows [0, T) stay in order
-    return RunConfig(env=args.env, seeds=1, seed=args.seed, total_steps=args.train_steps, num_envs=1,
-                     eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-                     log_every=min(1_000, args.eval_every), checkpoint_every=args.checkpoint_every,
-                     run_dir=str(run_dir), progress=args.progress, network=args.network,
-                     agent_name="sac", agent=agent_cfg)
+    return RunConfig(
+        env=args.env,
+        seeds=1,
+        seed=args.seed,
+        total_steps=args.train_steps,
+        num_envs=1,
+        eval_every=args.eval_every,
+        eval_episodes=args.eval_episodes,
+        log_every=min(1_000, args.eval_every),
+        checkpoint_every=args.checkpoint_every,
+        run_dir=str(run_dir),
+        progress=args.progress,
+        network=args.network,
+        agent_name="sac",
+        agent=agent_cfg,
+    )
 
 
 def finished_run(run_dir: Path, cfg: RunConfig) -> Optional[list[str]]:
@@ -202,8 +219,9 @@ class SacRun:
         self.cfg = run_config(args, run_dir)
         agent_cfg = self.cfg.agent
         # Shapes and the static networks only (no compute): the actor Net and its param structure.
-        self.template = jax.eval_shape(lambda k: sac.init(k, self.obs_dim, self.act_dim, agent_cfg, args.network),
-                                       jax.random.key(0))
+        self.template = jax.eval_shape(
+            lambda k: sac.init(k, self.obs_dim, self.act_dim, agent_cfg, args.network), jax.random.key(0)
+        )
         self.treedef = jax.tree.structure(self.template.actor_params)
         actor = self.template.actor
         self._sample = jax.jit(lambda p, o, k: tanh_gaussian_sample(k, *actor(p, o)))  # = sac.act(explore=True)
@@ -220,9 +238,13 @@ class SacRun:
         final = self.snap_dir / f"step_{step:012d}.npz"
         tmp = self.snap_dir / f".tmp_step_{step:012d}.npz"
         with open(tmp, "wb") as f:
-            np.savez(f, step=np.int64(step), mean_return=np.float64(np.mean(returns[0])),
-                     returns=np.asarray(returns[0], np.float64),
-                     **{f"leaf_{i:05d}": x for i, x in enumerate(leaves)})
+            np.savez(
+                f,
+                step=np.int64(step),
+                mean_return=np.float64(np.mean(returns[0])),
+                returns=np.asarray(returns[0], np.float64),
+                **{f"leaf_{i:05d}": x for i, x in enumerate(leaves)},
+            )
         os.replace(tmp, final)
 
     def ensure_trained(self):
@@ -233,16 +255,20 @@ class SacRun:
         diff = finished_run(self.run_dir, self.cfg)
         if diff is not None:
             if diff:
-                raise SystemExit(f"{self.run_dir} holds a finished SAC run with another config (differs in "
-                                 f"{', '.join(diff)}); pass another --run-dir or delete it")
+                raise SystemExit(
+                    f"{self.run_dir} holds a finished SAC run with another config (differs in "
+                    f"{', '.join(diff)}); pass another --run-dir or delete it"
+                )
             print(f"reusing the finished SAC run in {self.run_dir}")
             return
         last = checkpoint.latest(self.run_dir)
         if last is not None:
             saved = json.loads((self.run_dir / "config.json").read_text())
             if _comparable(saved) != want:
-                raise SystemExit(f"{self.run_dir} holds an unfinished SAC run with another config; "
-                                 "pass another --run-dir or delete it")
+                raise SystemExit(
+                    f"{self.run_dir} holds an unfinished SAC run with another config; "
+                    "pass another --run-dir or delete it"
+                )
             step = json.loads((last / "meta.json").read_text())["step"]
             for p in self.snap_dir.glob("step_*.npz"):  # snapshots past the checkpoint are redone
                 if int(p.stem.split("_")[1]) > step:
@@ -297,15 +323,25 @@ class SacRun:
         template = init_state(sac, self.cfg, self.obs_dim, self.act_dim)
         (_, buffer, _), _, meta = checkpoint.load(path, template)
         if meta["step"] != self.args.train_steps or int(buffer.size[0]) < n:
-            raise SystemExit(f"checkpoint {path} (step {meta['step']}, {int(buffer.size[0])} buffer rows) does not "
-                             f"hold the first {n} transitions")
+            raise SystemExit(
+                f"checkpoint {path} (step {meta['step']}, {int(buffer.size[0])} buffer rows) does not "
+                f"hold the first {n} transitions"
+            )
         d = jax.tree.map(lambda x: np.asarray(x[0, :n]), buffer.data)
         s = D.env_spaces(self.args.env)
-        return D.Dataset(d.obs.astype(np.float32), D.to_env_units(d.action, self.args.env),
-                         d.reward.astype(np.float32), d.terminated.astype(bool), d.truncated.astype(bool),
-                         d.next_obs.astype(np.float32),
-                         metadata={"env_id": self.args.env, "action_low": s.action_low.astype(np.float32),
-                                   "action_high": s.action_high.astype(np.float32)})
+        return D.Dataset(
+            d.obs.astype(np.float32),
+            D.to_env_units(d.action, self.args.env),
+            d.reward.astype(np.float32),
+            d.terminated.astype(bool),
+            d.truncated.astype(bool),
+            d.next_obs.astype(np.float32),
+            metadata={
+                "env_id": self.args.env,
+                "action_low": s.action_low.astype(np.float32),
+                "action_high": s.action_high.astype(np.float32),
+            },
+        )
 
 
 def pick_expert(snaps: list[Snapshot], rule: str) -> Snapshot:
@@ -329,8 +365,9 @@ def random_reference(env_id: str, episodes: int, max_len: int) -> float:
     """ref_min_score: the uniform-random policy's mean return over ``episodes`` episodes reset from D.REF_SEED on."""
     rng = np.random.default_rng(D.REF_SEED)
     act_dim = D.env_spaces(env_id).act_dim
-    rand = D.evaluate_policy(env_id, lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32),
-                             episodes, D.REF_SEED, max_len)
+    rand = D.evaluate_policy(
+        env_id, lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32), episodes, D.REF_SEED, max_len
+    )
     return float(rand.mean())
 
 
@@ -361,32 +398,47 @@ def references_without_training(args: Args, run_dir: Path) -> tuple[dict, Option
         print(f"reusing the finished SAC run in {run_dir} for ref_max_score (nothing is trained)")
         run = SacRun(args, run_dir)
         expert = pick_expert(run.snapshots(), args.expert)
-        refs = dict(references(run, expert, args.ref_episodes, args.max_episode_steps),
-                    ref_min_source="uniform-random", ref_max_source="sac-expert")
+        refs = dict(
+            references(run, expert, args.ref_episodes, args.max_episode_steps),
+            ref_min_source="uniform-random",
+            ref_max_source="sac-expert",
+        )
         refs.pop("key", None)
         return refs, run, expert
-    refs = {"ref_min_score": random_reference(args.env, args.ref_episodes, args.max_episode_steps),
-            "ref_min_source": "uniform-random"}
+    refs = {
+        "ref_min_score": random_reference(args.env, args.ref_episodes, args.max_episode_steps),
+        "ref_min_source": "uniform-random",
+    }
     name = D.d4rl_name(args.env)
     if diff:
-        print(f"note: {run_dir} holds a finished SAC run with other settings (differs in {', '.join(diff)}); "
-              "not used for ref_max_score")
+        print(
+            f"note: {run_dir} holds a finished SAC run with other settings (differs in {', '.join(diff)}); "
+            "not used for ref_max_score"
+        )
     if args.ref_max is not None:
         refs.update(ref_max_score=float(args.ref_max), ref_max_source="--ref-max")
     elif name is not None:
-        refs.update(ref_max_score=float(D.D4RL_REF[name][1]), ref_max_source="d4rl",
-                    ref_max_note=f"D4RL's REF_MAX_SCORE for {name} (d4rl/infos.py), measured on the v2 envs, "
-                                 f"not on {args.env}")
-        print(f"ref_max_score: D4RL's REF_MAX_SCORE for {name} ({refs['ref_max_score']:g}; D4RL's constants are "
-              f"for the v2 envs); pass --ref-max to set another")
+        refs.update(
+            ref_max_score=float(D.D4RL_REF[name][1]),
+            ref_max_source="d4rl",
+            ref_max_note=f"D4RL's REF_MAX_SCORE for {name} (d4rl/infos.py), measured on the v2 envs, not on {args.env}",
+        )
+        print(
+            f"ref_max_score: D4RL's REF_MAX_SCORE for {name} ({refs['ref_max_score']:g}; D4RL's constants are "
+            f"for the v2 envs); pass --ref-max to set another"
+        )
     else:
         refs.update(ref_max_score=float("nan"), ref_max_source="missing")
-        print(f"warning: no ref_max_score for {args.env} (no --ref-max, no finished SAC run with these settings in "
-              f"{run_dir}, no D4RL constants): ref_max_score is NaN and normalised scores against the dataset's "
-              "refs are unavailable")
+        print(
+            f"warning: no ref_max_score for {args.env} (no --ref-max, no finished SAC run with these settings in "
+            f"{run_dir}, no D4RL constants): ref_max_score is NaN and normalised scores against the dataset's "
+            "refs are unavailable"
+        )
     if np.isfinite(refs["ref_max_score"]) and refs["ref_max_score"] <= refs["ref_min_score"]:
-        raise SystemExit(f"ref_max_score {refs['ref_max_score']:g} ({refs['ref_max_source']}) is not above "
-                         f"ref_min_score {refs['ref_min_score']:g} (the uniform-random policy's mean return)")
+        raise SystemExit(
+            f"ref_max_score {refs['ref_max_score']:g} ({refs['ref_max_source']}) is not above "
+            f"ref_min_score {refs['ref_min_score']:g} (the uniform-random policy's mean return)"
+        )
     return refs, None, None
 
 
@@ -400,8 +452,16 @@ def output_paths(args: Args, kinds) -> tuple[dict, Path]:
 
 
 def _check(args: Args, needs_sac: bool = True):
-    for name in ("size", "train_steps", "eval_every", "eval_episodes", "checkpoint_every", "ref_episodes",
-                 "num_envs", "max_episode_steps"):
+    for name in (
+        "size",
+        "train_steps",
+        "eval_every",
+        "eval_episodes",
+        "checkpoint_every",
+        "ref_episodes",
+        "num_envs",
+        "max_episode_steps",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 < args.medium_fraction < 1.0:
@@ -409,11 +469,15 @@ def _check(args: Args, needs_sac: bool = True):
     if args.ref_max is not None and not np.isfinite(args.ref_max):
         raise SystemExit(f"--ref-max must be a finite number, got {args.ref_max}")
     if args.ref_max is not None and needs_sac:
-        raise SystemExit("--ref-max applies to a request of only --kind random; with "
-                         f"{' / '.join(SAC_KINDS)} ref_max_score is the SAC expert's return")
+        raise SystemExit(
+            "--ref-max applies to a request of only --kind random; with "
+            f"{' / '.join(SAC_KINDS)} ref_max_score is the SAC expert's return"
+        )
     if needs_sac and args.sac.learning_starts >= args.train_steps:
-        raise SystemExit(f"--sac.learning-starts ({args.sac.learning_starts}) must be below --train-steps "
-                         f"({args.train_steps}), or SAC never learns")
+        raise SystemExit(
+            f"--sac.learning-starts ({args.sac.learning_starts}) must be below --train-steps "
+            f"({args.train_steps}), or SAC never learns"
+        )
     try:
         D.env_spaces(args.env)
     except ValueError as e:
@@ -436,30 +500,49 @@ def make(args: Args, argv=None) -> dict:
         run.ensure_trained()
         snaps = run.snapshots()
         expert = pick_expert(snaps, args.expert)
-        refs = dict(references(run, expert, args.ref_episodes, args.max_episode_steps),
-                    ref_min_source="uniform-random", ref_max_source="sac-expert")
+        refs = dict(
+            references(run, expert, args.ref_episodes, args.max_episode_steps),
+            ref_min_source="uniform-random",
+            ref_max_source="sac-expert",
+        )
         medium, threshold = pick_medium(snaps, expert, args.medium_fraction, refs["ref_min_score"])
-        print(f"expert: step {expert.step} (eval return {expert.mean_return:.1f}); medium: step {medium.step} "
-              f"(eval return {medium.mean_return:.1f}, threshold {threshold:.1f})")
+        print(
+            f"expert: step {expert.step} (eval return {expert.mean_return:.1f}); medium: step {medium.step} "
+            f"(eval return {medium.mean_return:.1f}, threshold {threshold:.1f})"
+        )
         if medium.step == expert.step:
             print("warning: no earlier snapshot reached the medium threshold; medium uses the expert policy")
     else:  # only random: the uniform policy, no SAC training (a finished one may give ref_max_score)
         refs, run, expert = references_without_training(args, run_dir)
 
-    common = {"env_id": args.env, "seed": args.seed, "requested_size": args.size,
-              "ref_min_score": refs["ref_min_score"], "ref_max_score": refs["ref_max_score"],
-              "ref_min_source": refs["ref_min_source"], "ref_max_source": refs["ref_max_source"],
-              "ref_episodes": args.ref_episodes, "ref_seed": D.REF_SEED,
-              "max_episode_steps": args.max_episode_steps, "zoo_version": _version(),
-              "command": shlex.join(["python", "scripts/make_dataset.py", *(sys.argv[1:] if argv is None else argv)]),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    common = {
+        "env_id": args.env,
+        "seed": args.seed,
+        "requested_size": args.size,
+        "ref_min_score": refs["ref_min_score"],
+        "ref_max_score": refs["ref_max_score"],
+        "ref_min_source": refs["ref_min_source"],
+        "ref_max_source": refs["ref_max_source"],
+        "ref_episodes": args.ref_episodes,
+        "ref_seed": D.REF_SEED,
+        "max_episode_steps": args.max_episode_steps,
+        "zoo_version": _version(),
+        "command": shlex.join(["python", "scripts/make_dataset.py", *(sys.argv[1:] if argv is None else argv)]),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     if "ref_max_note" in refs:
         common["ref_max_note"] = refs["ref_max_note"]
     if run is not None:  # the SAC training behind the policies (or, for random only, behind ref_max_score)
-        common.update({"train_steps": args.train_steps, "algorithm": "SAC (agents/sac.py), tanh-Gaussian actor",
-                       "sac_run_dir": str(run_dir), "sac_config": json.dumps(dataclasses.asdict(run.cfg.agent)),
-                       "network_config": json.dumps(dataclasses.asdict(args.network)),
-                       "ref_policy_step": expert.step})
+        common.update(
+            {
+                "train_steps": args.train_steps,
+                "algorithm": "SAC (agents/sac.py), tanh-Gaussian actor",
+                "sac_run_dir": str(run_dir),
+                "sac_config": json.dumps(dataclasses.asdict(run.cfg.agent)),
+                "network_config": json.dumps(dataclasses.asdict(args.network)),
+                "ref_policy_step": expert.step,
+            }
+        )
     name = D.d4rl_name(args.env)
     if name is not None:
         common["d4rl_name"] = name
@@ -481,20 +564,25 @@ def make(args: Args, argv=None) -> dict:
             ds.metadata.update(behaviour_policy="uniform", behaviour_sampling="uniform")
         elif kind in ("medium", "expert"):
             snap = medium if kind == "medium" else expert
-            ds = D.collect(args.env, run.stochastic(snap.params, seed), args.size, seed, args.num_envs,
-                           args.max_episode_steps)
+            ds = D.collect(
+                args.env, run.stochastic(snap.params, seed), args.size, seed, args.num_envs, args.max_episode_steps
+            )
             ds.metadata.update(behaviour_policy="sac", **policy_meta(snap))
         elif kind == "medium-replay":
             ds = run.replay_rows(medium.step)
-            ds.metadata.update(behaviour_policy="sac replay buffer (uniform until learning_starts)",
-                               replay_rows=medium.step, **policy_meta(medium))
+            ds.metadata.update(
+                behaviour_policy="sac replay buffer (uniform until learning_starts)",
+                replay_rows=medium.step,
+                **policy_meta(medium),
+            )
         else:  # medium-expert
             med, exp = collect("medium"), collect("expert")
             ends = med.episode_ends()
             cut = int(ends[-1]) + 1 if len(ends) else 0
             ds = D.concatenate([med.select(slice(0, cut)), exp], metadata=dict(exp.metadata))
-            ds.metadata.update(behaviour_policy="sac", medium_rows=cut, **policy_meta(expert),
-                               **policy_meta(medium, "medium_policy"))
+            ds.metadata.update(
+                behaviour_policy="sac", medium_rows=cut, **policy_meta(expert), **policy_meta(medium, "medium_policy")
+            )
         memo[kind] = ds
         return ds
 
@@ -503,9 +591,15 @@ def make(args: Args, argv=None) -> dict:
         ds = collect(kind)
         returns = ds.episode_returns()
         behaviour = float(returns.mean()) if len(returns) else float("nan")
-        ds.metadata = {**ds.metadata, **common, "kind": kind, "size": len(ds), "episodes": int(len(returns)),
-                       "behaviour_sampling": ds.metadata.get("behaviour_sampling", "stochastic"),  # random: uniform
-                       "behaviour_return": behaviour}
+        ds.metadata = {
+            **ds.metadata,
+            **common,
+            "kind": kind,
+            "size": len(ds),
+            "episodes": int(len(returns)),
+            "behaviour_sampling": ds.metadata.get("behaviour_sampling", "stochastic"),  # random: uniform
+            "behaviour_return": behaviour,
+        }
         D.validate(ds, args.env, paths[kind])
         D.save(paths[kind], ds)
         made[kind] = paths[kind]
@@ -515,9 +609,11 @@ def make(args: Args, argv=None) -> dict:
             scores = ["dataset refs unavailable (no ref_max_score)"]
         if name is not None:
             scores.insert(0, f"D4RL refs {D.normalized_score(behaviour, args.env):.1f}")
-        print(f"{kind}: {paths[kind]}\n  {len(ds)} rows, {len(returns)} complete episodes, behaviour return "
-              f"{behaviour:.1f}; normalised: {', '.join(scores)} (ref_min {refs['ref_min_score']:.1f}, "
-              f"ref_max {refs['ref_max_score']:.1f})")
+        print(
+            f"{kind}: {paths[kind]}\n  {len(ds)} rows, {len(returns)} complete episodes, behaviour return "
+            f"{behaviour:.1f}; normalised: {', '.join(scores)} (ref_min {refs['ref_min_score']:.1f}, "
+            f"ref_max {refs['ref_max_score']:.1f})"
+        )
     return made
 
 

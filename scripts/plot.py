@@ -28,16 +28,28 @@ def parse_args(argv=None):
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories")
     parser.add_argument("--out", required=True, type=Path, help="output figure (.png, .pdf, ...)")
     parser.add_argument("--y", default="return_mean", help="eval.csv column to plot")
-    parser.add_argument("--metrics", nargs="+", default=[], metavar="NAME",
-                        help="metrics.csv columns or glob patterns, one subplot row each")
-    parser.add_argument("--smooth", type=int, default=1, metavar="K",
-                        help="trailing moving average over K points per seed (plot only)")
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="metrics.csv columns or glob patterns, one subplot row each",
+    )
+    parser.add_argument(
+        "--smooth", type=int, default=1, metavar="K", help="trailing moving average over K points per seed (plot only)"
+    )
     parser.add_argument("--title", help="figure title")
-    parser.add_argument("--per-task", action="store_true",
-                        help="multitask (mt:) runs: a panel per task beside the aggregate (default: the aggregate)")
-    parser.add_argument("--align", action="store_true",
-                        help="pool runs evaluated (or logged) at different steps by interpolating every seed "
-                             "onto their steps within the span they share (default: refuse them)")
+    parser.add_argument(
+        "--per-task",
+        action="store_true",
+        help="multitask (mt:) runs: a panel per task beside the aggregate (default: the aggregate)",
+    )
+    parser.add_argument(
+        "--align",
+        action="store_true",
+        help="pool runs evaluated (or logged) at different steps by interpolating every seed "
+        "onto their steps within the span they share (default: refuse them)",
+    )
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
@@ -49,8 +61,16 @@ def main(argv=None):
     ``SystemExit("error: PATH: ...")``."""
     args = parse_args(argv)
     try:
-        table = plot.save_figure(args.runs, args.out, args.y, metrics=args.metrics, smooth=args.smooth,
-                                 title=args.title, align=args.align, per_task=args.per_task)
+        table = plot.save_figure(
+            args.runs,
+            args.out,
+            args.y,
+            metrics=args.metrics,
+            smooth=args.smooth,
+            title=args.title,
+            align=args.align,
+            per_task=args.per_task,
+        )
     except plot.PlotError as e:
         raise SystemExit(f"error: {e}") from None
     print(table)

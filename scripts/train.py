@@ -13,6 +13,7 @@ line before a run directory is created; `--debug` (or RLZOO_DEBUG=1) shows the f
 instead.  A --run-dir that already holds a run is refused: continue it with --resume, or pass
 --overwrite to move its files into RUN_DIR/.replaced-<time>/ and start a new run there.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,8 +79,9 @@ def cli(argv=None):
     except BaseException as e:
         # a check's message is enough; an error raised while training may be a bug: say how to see where
         late = _stage[0] == "run" and not isinstance(e, SystemExit)
-        report_user_error(e, debug, "(raised after the checks; --debug or RLZOO_DEBUG=1 shows the traceback)"
-                          if late else None)
+        report_user_error(
+            e, debug, "(raised after the checks; --debug or RLZOO_DEBUG=1 shows the traceback)" if late else None
+        )
 
 
 if __name__ == "__main__":

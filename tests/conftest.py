@@ -226,6 +226,7 @@ def pytest_terminal_summary(terminalreporter):
 def assert_same_logs():
     """assert_same_logs(run_a, run_b): eval.csv and metrics.csv hold the same rows, every value equal
     (the timing columns ``perf/*`` aside)."""
+
     def check(a, b):
         for name in ("eval.csv", "metrics.csv"):
             rows_a = list(csv.DictReader(open(a / name)))
@@ -234,6 +235,7 @@ def assert_same_logs():
             for i, (x, y) in enumerate(zip(rows_a, rows_b)):
                 diff = {k for k in set(x) | set(y) if not k.startswith("perf/") and x.get(k) != y.get(k)}
                 assert not diff, f"{name} row {i} (step {x['step']}) differs in {sorted(diff)}"
+
     return check
 
 
@@ -245,8 +247,20 @@ def tiny_sac_config():
     def make(**kw):
         agent_kw = {k: kw.pop(k) for k in list(kw) if k in SACConfig.__dataclass_fields__}
         agent = SACConfig(**{"buffer_size": 5000, "batch_size": 32, "learning_starts": 200, **agent_kw})
-        return RunConfig(**{"env": "Pendulum-v1", "total_steps": 600, "eval_every": 300, "eval_episodes": 2,
-                            "log_every": 100, "checkpoint_every": 300, "progress": False,
-                            "network": NetworkConfig(width=16), "agent_name": "sac", "agent": agent, **kw})
+        return RunConfig(
+            **{
+                "env": "Pendulum-v1",
+                "total_steps": 600,
+                "eval_every": 300,
+                "eval_episodes": 2,
+                "log_every": 100,
+                "checkpoint_every": 300,
+                "progress": False,
+                "network": NetworkConfig(width=16),
+                "agent_name": "sac",
+                "agent": agent,
+                **kw,
+            }
+        )
 
     return make

@@ -10,6 +10,7 @@ Playground physics stays in the wrapper's own tests and in the learning tests.
 
 ``use_toy(monkeypatch)`` makes ``envs.playground`` load the toy for that name (in this process).
 """
+
 from types import SimpleNamespace
 
 import jax
@@ -50,8 +51,9 @@ class PointMass:
     def step(self, state, action):
         vel = 0.9 * state.vel + 0.1 * action[0]
         pos = jnp.clip(state.pos + 0.1 * vel, -2.0, 2.0)
-        return state.replace(pos=pos, vel=vel, obs=jnp.stack([pos, vel]), reward=1.0 - jnp.minimum(pos ** 2, 1.0),
-                             done=jnp.zeros(()))
+        return state.replace(
+            pos=pos, vel=vel, obs=jnp.stack([pos, vel]), reward=1.0 - jnp.minimum(pos**2, 1.0), done=jnp.zeros(())
+        )
 
 
 def use_toy(monkeypatch):

@@ -5,6 +5,7 @@ DDPG (Lillicrap et al. 2016, Algorithm 1): a deterministic actor mu(s), a critic
 r + gamma (1 - terminated) Q'(s', mu'(s')), the actor on -Q(s, mu(s)), Polyak-averaged targets, and
 Gaussian exploration noise on the action.  Uniform replay comes from ``buffers.replay``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,20 +61,38 @@ def buffer_init(capacity, obs_dim, act_dim, cfg=None):
 
 
 def _optimizers(cfg: ExampleConfig, plasticity: StaticPlasticity):
-    return (optim_lib.optimizer(cfg.lr, "actor", spec=plasticity.optim),
-            optim_lib.optimizer(cfg.lr, "critic", spec=plasticity.optim))
+    return (
+        optim_lib.optimizer(cfg.lr, "actor", spec=plasticity.optim),
+        optim_lib.optimizer(cfg.lr, "critic", spec=plasticity.optim),
+    )
 
 
-def init(key, obs_dim: int, act_dim: int, cfg: ExampleConfig, network: NetworkConfig = NetworkConfig(),
-         plasticity: StaticPlasticity = StaticPlasticity()):
+def init(
+    key,
+    obs_dim: int,
+    act_dim: int,
+    cfg: ExampleConfig,
+    network: NetworkConfig = NetworkConfig(),
+    plasticity: StaticPlasticity = StaticPlasticity(),
+):
     spec = network.trunk(TrunkSpec(256, 2))
     k_actor, k_critic = jax.random.split(key)
     actor, actor_params = build("actor", lambda r: DeterministicPolicyHead(obs_dim, act_dim, spec, rngs=r), k_actor)
     critic, critic_params = build("critic", lambda r: MLPHead(obs_dim + act_dim, 1, spec, rngs=r), k_critic)
     tx = _optimizers(cfg, plasticity)
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
-    return ExampleState(actor_params, critic_params, copy(actor_params), copy(critic_params),
-                        tx[0].init(actor_params), tx[1].init(critic_params), cfg, actor, critic, plasticity)
+    return ExampleState(
+        actor_params,
+        critic_params,
+        copy(actor_params),
+        copy(critic_params),
+        tx[0].init(actor_params),
+        tx[1].init(critic_params),
+        cfg,
+        actor,
+        critic,
+        plasticity,
+    )
 
 
 def act(state: ExampleState, obs, key, explore: bool):
@@ -106,8 +125,10 @@ def update(state: ExampleState, batch: replay.Transition, key):
     a_updates, actor_opt = tx_actor.update(a_grads, state.actor_opt, state.actor_params)
     state = state.replace(actor_params=optax.apply_updates(state.actor_params, a_updates), actor_opt=actor_opt)
     polyak = lambda t, o: jax.tree.map(lambda x, y: (1 - cfg.tau) * x + cfg.tau * y, t, o)  # noqa: E731
-    state = state.replace(target_actor_params=polyak(state.target_actor_params, state.actor_params),
-                          target_critic_params=polyak(state.target_critic_params, state.critic_params))
+    state = state.replace(
+        target_actor_params=polyak(state.target_actor_params, state.actor_params),
+        target_critic_params=polyak(state.target_critic_params, state.critic_params),
+    )
     return state, {"losses/critic": c_loss, "losses/actor": a_loss}
 
 

@@ -1,5 +1,6 @@
 """What the fidelity tests (``tests/test_fidelity_*.py``, docs/fidelity.md) share: reference weights from a
 fixture mapped into the zoo's parameter trees."""
+
 from __future__ import annotations
 
 import jax

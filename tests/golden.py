@@ -11,6 +11,7 @@ and says so in its commit.  Values are compared with a small relative tolerance 
 (other vector instructions, other summation order in XLA) does not fail the check, while any change
 of behaviour (another rng split, another update order, a different initialiser) moves them by far more.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,18 +29,33 @@ RECORD = HERE / "golden_fingerprints.json"
 def _run_config(agent_name: str, agent_cfg, network=None, plasticity=None, **run):
     from plasticity_zoo.training.config import NetworkConfig, PlasticityConfig, RunConfig
 
-    base = {"env": "Pendulum-v1", "total_steps": 400, "eval_every": 200, "eval_episodes": 2, "log_every": 100,
-            "checkpoint_every": 400, "progress": False}
-    return RunConfig(**{**base, **run}, network=network or NetworkConfig(width=16),
-                     plasticity=plasticity or PlasticityConfig(metrics_every=0), agent_name=agent_name,
-                     agent=agent_cfg)
+    base = {
+        "env": "Pendulum-v1",
+        "total_steps": 400,
+        "eval_every": 200,
+        "eval_episodes": 2,
+        "log_every": 100,
+        "checkpoint_every": 400,
+        "progress": False,
+    }
+    return RunConfig(
+        **{**base, **run},
+        network=network or NetworkConfig(width=16),
+        plasticity=plasticity or PlasticityConfig(metrics_every=0),
+        agent_name=agent_name,
+        agent=agent_cfg,
+    )
 
 
 def _sac(plasticity=None, network=None, **agent):
     from plasticity_zoo.agents.sac import SACConfig
 
-    return _run_config("sac", SACConfig(**{"buffer_size": 2000, "batch_size": 32, "learning_starts": 200, **agent}),
-                       plasticity=plasticity, network=network)
+    return _run_config(
+        "sac",
+        SACConfig(**{"buffer_size": 2000, "batch_size": 32, "learning_starts": 200, **agent}),
+        plasticity=plasticity,
+        network=network,
+    )
 
 
 def _net(**kw):
@@ -59,8 +75,9 @@ def _mrq(plasticity=None):
     from plasticity_zoo.training.config import NetworkConfig
 
     agent = MRQConfig(batch_size=32, buffer_size=2000, learning_starts=100, target_update_freq=50)
-    return _run_config("mrq", agent, network=NetworkConfig(width=64), total_steps=300, eval_every=150,
-                       plasticity=plasticity)
+    return _run_config(
+        "mrq", agent, network=NetworkConfig(width=64), total_steps=300, eval_every=150, plasticity=plasticity
+    )
 
 
 def _ppo(trust_region: str, action_mode: str = "rescale"):
@@ -68,8 +85,9 @@ def _ppo(trust_region: str, action_mode: str = "rescale"):
 
     # recorded with actions rescaled from [-1, 1] (PPO's default before the clip mode); Pendulum's
     # bounds are +-2, so the clip mode (the ppo_clip_actions case) takes another path
-    agent = PPOConfig(num_steps=64, num_minibatches=4, update_epochs=2, trust_region=trust_region,
-                      action_mode=action_mode)
+    agent = PPOConfig(
+        num_steps=64, num_minibatches=4, update_epochs=2, trust_region=trust_region, action_mode=action_mode
+    )
     return _run_config("ppo", agent, total_steps=512, eval_every=256, log_every=64, checkpoint_every=512)
 
 
@@ -84,15 +102,33 @@ def _ravl(workdir: Path):
         import tests.conftest  # noqa: F401  (registers ToyReach-v0 and its termination function)
 
         rng = np.random.default_rng(0)
-        ds = datasets.collect("ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 1000, 0, num_envs=4,
-                              record_state=False)
+        ds = datasets.collect(
+            "ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 1000, 0, num_envs=4, record_state=False
+        )
         ds.metadata.update({"env_id": "ToyReach-v0", "kind": "random", "ref_min_score": 0.0, "ref_max_score": 30.0})
         datasets.save(path, ds)
     dyn = DynamicsConfig(members=3, elites=2, width=16, depth=2, min_epochs=5, max_epochs=5, batch_size=128)
-    agent = RAVLConfig(dataset=str(path), critics=3, eta=1.0, rollout_batch=100, horizon=3, updates_per_epoch=100,
-                       batch_size=32, dataset_ratio=0.25, dynamics=dyn)
-    return _run_config("ravl", agent, network=NetworkConfig(width=16), total_steps=300, eval_every=200,
-                       log_every=100, checkpoint_every=300, env=None)  # the dataset's env
+    agent = RAVLConfig(
+        dataset=str(path),
+        critics=3,
+        eta=1.0,
+        rollout_batch=100,
+        horizon=3,
+        updates_per_epoch=100,
+        batch_size=32,
+        dataset_ratio=0.25,
+        dynamics=dyn,
+    )
+    return _run_config(
+        "ravl",
+        agent,
+        network=NetworkConfig(width=16),
+        total_steps=300,
+        eval_every=200,
+        log_every=100,
+        checkpoint_every=300,
+        env=None,
+    )  # the dataset's env
 
 
 CASES = {
@@ -110,19 +146,40 @@ CASES = {
     # recorded with NE's first defaults, now options (the reference's defaults: the sac_ne_reference case);
     # both re-recorded after the fixes the NE fixture found (docs/fidelity.md, Neuroplastic Expansion: ER
     # initial counts n - int(S n), the DST clock from the first DST event, regrown weights kept)
-    "sac_ne": lambda d: _sac(_plasticity(ne=True, ne_every=50, reset_batch=32, ne_schedule="cosine",
-                                         ne_init_space="full", ne_prune="redo", ne_review=True, ne_auto_batch="off")),
+    "sac_ne": lambda d: _sac(
+        _plasticity(
+            ne=True,
+            ne_every=50,
+            reset_batch=32,
+            ne_schedule="cosine",
+            ne_init_space="full",
+            ne_prune="redo",
+            ne_review=True,
+            ne_auto_batch="off",
+        )
+    ),
     "sac_ne_reference": lambda d: _sac(_plasticity(ne=True, ne_every=20, reset_batch=32)),
     # recorded after the redesign: resets now re-draw MR.Q's weights from its own Xavier-uniform x sqrt(2)
     "mrq_w64_regrama": lambda d: _mrq(_plasticity(regrama=True, reset_every=50, reset_batch=32)),
     # the plasticity baselines (plasticity/perturb.py, plasticity/regularizers.py, networks/blocks.py)
-    "sac_shrink_perturb_layer_reset": lambda d: _sac(_plasticity(shrink_perturb=True, sp_every=10, sp_shrink=0.9,
-                                                                 sp_perturb=0.1, layer_reset=True,
-                                                                 layer_reset_every=150, layer_reset_layers=1)),
-    "sac_crelu_redo": lambda d: _sac(_plasticity(redo=True, reset_every=50, reset_batch=32), network=_net(activation="crelu")),
+    "sac_shrink_perturb_layer_reset": lambda d: _sac(
+        _plasticity(
+            shrink_perturb=True,
+            sp_every=10,
+            sp_shrink=0.9,
+            sp_perturb=0.1,
+            layer_reset=True,
+            layer_reset_every=150,
+            layer_reset_layers=1,
+        )
+    ),
+    "sac_crelu_redo": lambda d: _sac(
+        _plasticity(redo=True, reset_every=50, reset_batch=32), network=_net(activation="crelu")
+    ),
     "sac_fourier_multiskip": lambda d: _sac(network=_net(activation="fourier", block="multiskip")),
-    "sac_l2init_parseval_nap": lambda d: _sac(_plasticity(l2_init=0.01, parseval=1e-4, nap=True),
-                                              network=_net(layer_norm=True)),
+    "sac_l2init_parseval_nap": lambda d: _sac(
+        _plasticity(l2_init=0.01, parseval=1e-4, nap=True), network=_net(layer_norm=True)
+    ),
 }
 
 
@@ -137,11 +194,13 @@ def fingerprint(name: str, workdir: Path) -> dict:
     cfg = CASES[name](workdir)
     cfg = dataclasses.replace(cfg, run_dir=str(workdir / name))
     out = run(cfg)
-    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(out["state"])
-              if hasattr(x, "dtype") and np.issubdtype(np.asarray(x).dtype, np.floating)]
+    leaves = [
+        np.asarray(x, np.float64)
+        for x in jax.tree.leaves(out["state"])
+        if hasattr(x, "dtype") and np.issubdtype(np.asarray(x).dtype, np.floating)
+    ]
     evals = [float(r["return_mean"]) for r in csv.DictReader(open(workdir / name / "eval.csv"))]
-    return {"leaves": [float(x.sum()) for x in leaves], "abs": [float(np.abs(x).sum()) for x in leaves],
-            "eval": evals}
+    return {"leaves": [float(x.sum()) for x in leaves], "abs": [float(np.abs(x).sum()) for x in leaves], "eval": evals}
 
 
 def load() -> dict:

@@ -22,13 +22,14 @@
 - **Where the time went.**  The summary lists the costliest files (setup, call and teardown of
   every test in the file, summed).
 """
+
 from __future__ import annotations
 
 import os
 import random
 import resource
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,9 @@ HEAVY = (  # each 2-8 minutes of one worker in a suite run (the summary's costli
 )
 GDB_TIMEOUT_S = 120
 HUNG_AFTER_S = 480.0  # when faulthandler_timeout (pyproject.toml) is unset
-KILL_AFTER_HUNG_S = 80.0  # the controller ends a hung worker this long after faulthandler's dump (before pytest-timeout)
+KILL_AFTER_HUNG_S = (
+    80.0  # the controller ends a hung worker this long after faulthandler's dump (before pytest-timeout)
+)
 WATCHDOG_POLL_S = 5.0
 _CONFIG: list = []  # this process's pytest config (hooks without a config argument need it)
 # what the controller saw (each xdist worker is its own process, with its own copy)
@@ -61,9 +64,13 @@ _STATE = {"start": time.time(), "collected": set(), "reported": set(), "file_s":
 
 
 def pytest_addoption(parser):
-    parser.addoption("--file-order", default="random", metavar="SEED|random|collected",
-                     help="order of the test files: heavy files first, each group shuffled by SEED "
-                          "(random: a fresh seed, printed in the header), or 'collected' (pytest's order)")
+    parser.addoption(
+        "--file-order",
+        default="random",
+        metavar="SEED|random|collected",
+        help="order of the test files: heavy files first, each group shuffled by SEED "
+        "(random: a fresh seed, printed in the header), or 'collected' (pytest's order)",
+    )
 
 
 def _seed(config) -> int | None:
@@ -169,11 +176,24 @@ def native_stack(core: Path) -> str:
     gdb = shutil.which("gdb")
     if gdb is None:
         return f"(gdb is not installed: the core file {core} is kept for inspection)"
-    cmd = [gdb, "-q", "-batch", "-nx", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
-           "-ex", "thread apply all bt 20", sys.executable, str(core)]
+    cmd = [
+        gdb,
+        "-q",
+        "-batch",
+        "-nx",
+        "-iex",
+        "set auto-load off",
+        "-iex",
+        "set debuginfod enabled off",
+        "-ex",
+        "thread apply all bt 20",
+        sys.executable,
+        str(core),
+    ]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S,
-                             env={**os.environ, "DEBUGINFOD_URLS": ""}).stdout
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S, env={**os.environ, "DEBUGINFOD_URLS": ""}
+        ).stdout
     except subprocess.TimeoutExpired:
         return f"(gdb did not finish in {GDB_TIMEOUT_S} s: the core file {core} is kept for inspection)"
     core.unlink(missing_ok=True)
@@ -185,12 +205,16 @@ def describe_exit(code: int | None) -> str:
         return "its exit status is unknown"
     if code < 0:
         sig = signal.Signals(-code)
-        why = {signal.SIGKILL: " (nothing inside a process can print a stack on SIGKILL: the kernel's OOM killer "
-                               "sends it, and the suite's watchdog when SIGABRT did not end a hung worker)",
-               signal.SIGABRT: " (the suite's watchdog ends a hung worker this way: see its lines above)"}.get(sig, "")
+        why = {
+            signal.SIGKILL: " (nothing inside a process can print a stack on SIGKILL: the kernel's OOM killer "
+            "sends it, and the suite's watchdog when SIGABRT did not end a hung worker)",
+            signal.SIGABRT: " (the suite's watchdog ends a hung worker this way: see its lines above)",
+        }.get(sig, "")
         return f"it was killed by {sig.name}{why}"
-    return (f"it exited with status {code} (pytest-timeout ends a hung test's process this way: its Python "
-            f"stacks are printed above, at faulthandler_timeout)")
+    return (
+        f"it exited with status {code} (pytest-timeout ends a hung test's process this way: its Python "
+        f"stacks are printed above, at faulthandler_timeout)"
+    )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -206,8 +230,10 @@ def pytest_testnodedown(node, error):
     if core is not None:
         lines += [f"native stack from {core.name}:", native_stack(core)]
     elif code is not None and code < 0 and code != -signal.SIGKILL:
-        lines.append("no core file was written (core dumps off, or the kernel pipes them elsewhere); "
-                     "the Python stacks faulthandler printed are above")
+        lines.append(
+            "no core file was written (core dumps off, or the kernel pipes them elsewhere); "
+            "the Python stacks faulthandler printed are above"
+        )
     state["crashes"].append(lines[0])
     reporter = node.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -224,8 +250,20 @@ def native_stacks_of(pid: int) -> str:
     gdb = shutil.which("gdb")
     if gdb is None:
         return "(gdb is not installed: no native stacks)"
-    cmd = [gdb, "-q", "-batch", "-nx", "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
-           "-p", str(pid), "-ex", "thread apply all bt 25"]
+    cmd = [
+        gdb,
+        "-q",
+        "-batch",
+        "-nx",
+        "-iex",
+        "set auto-load off",
+        "-iex",
+        "set debuginfod enabled off",
+        "-p",
+        str(pid),
+        "-ex",
+        "thread apply all bt 25",
+    ]
     env = {**os.environ, "DEBUGINFOD_URLS": ""}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=GDB_TIMEOUT_S, env=env)
@@ -237,8 +275,11 @@ def native_stacks_of(pid: int) -> str:
             os.kill(pid, signal.SIGCONT)
         except OSError:
             pass
-    return "\n".join(line for line in text.splitlines()
-                     if not line.startswith(("[New LWP", "warning:", "[Thread debugging", "Using host")))
+    return "\n".join(
+        line
+        for line in text.splitlines()
+        if not line.startswith(("[New LWP", "warning:", "[Thread debugging", "Using host"))
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,12 +355,16 @@ class Watchdog(threading.Thread):
             if age >= self.hung_after and key not in self.acted:
                 self.acted[key] = 0.0
                 text = native_stacks_of(pid) if self.live_gdb else "(its native stacks: from its core file, below)"
-                self.write(f"\n+++ worker {worker} (pid {pid}) has run {nodeid} for {age:.0f} s; it has probably "
-                           f"hung (its Python stacks: from faulthandler, above) +++\n{text}\n+++\n")
+                self.write(
+                    f"\n+++ worker {worker} (pid {pid}) has run {nodeid} for {age:.0f} s; it has probably "
+                    f"hung (its Python stacks: from faulthandler, above) +++\n{text}\n+++\n"
+                )
             if age >= self.kill_after and not self.acted.get(key):
                 self.acted[key] = now
-                self.write(f"+++ {nodeid} still running after {age:.0f} s: ending worker {worker} "
-                           f"(pid {pid}) with SIGABRT +++\n")
+                self.write(
+                    f"+++ {nodeid} still running after {age:.0f} s: ending worker {worker} "
+                    f"(pid {pid}) with SIGABRT +++\n"
+                )
                 _signal(pid, signal.SIGCONT)
                 _signal(pid, signal.SIGABRT)
             elif self.acted.get(key) and now - self.acted[key] > 30:
@@ -400,7 +445,9 @@ def pytest_terminal_summary(terminalreporter, config):
     missing = state["collected"] - state["reported"]
     if missing:
         files = sorted({m.split("::")[0] for m in missing})
-        terminalreporter.write_sep("!", f"{len(missing)} of {len(state['collected'])} collected tests never ran", red=True)
+        terminalreporter.write_sep(
+            "!", f"{len(missing)} of {len(state['collected'])} collected tests never ran", red=True
+        )
         terminalreporter.write_line(f"their files: {', '.join(files)}", red=True)
         for crash in state["crashes"]:
             terminalreporter.write_line(crash, red=True)

@@ -2,6 +2,7 @@
 
 A layer of width W has W/2 Linear units; unit i's two features sit at [..., 0, i] and [..., 1, i] of its
 tap and at i and i + W/2 of the concatenated output the next layer reads."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,14 +225,19 @@ def test_redo_reset_on_a_crelu_network_zeroes_both_outgoing_rows_of_a_unit():
     net, p = build("critic", lambda r: MLPHead(3, 1, spec, rngs=r), jax.random.key(0))
     p = jax.tree.map(lambda a: a, p)
     for layer, unit in ((0, 1), (1, 3)):
-        _set(p, ("trunk", "layers", layer, "kernel"), _leaf(p, "trunk", "layers", layer, "kernel").copy() * (
-            np.arange(4) != unit))
+        _set(
+            p,
+            ("trunk", "layers", layer, "kernel"),
+            _leaf(p, "trunk", "layers", layer, "kernel").copy() * (np.arange(4) != unit),
+        )
         _set(p, ("trunk", "layers", layer, "bias"), _leaf(p, "trunk", "layers", layer, "bias") * (np.arange(4) != unit))
     x = jax.random.normal(jax.random.key(1), (64, 3))
     loss = lambda: jnp.mean(net(p, x) ** 2)  # noqa: E731
     for method in ("redo", "regrama"):
-        flagged = {tap: np.flatnonzero(np.asarray(resets.select(s, 0.0)))
-                   for tap, s in resets.scores(method, loss, "critic").items()}
+        flagged = {
+            tap: np.flatnonzero(np.asarray(resets.select(s, 0.0)))
+            for tap, s in resets.scores(method, loss, "critic").items()
+        }
         assert {tap: f.tolist() for tap, f in flagged.items()} == {"layer0": [1], "layer1": [3]}, method
     acts = instrument.activations(loss, ["critic"])["critic"]
     dormant = expansion.dormant_units(net, p, acts, 0.0)  # NE's dormant-first pruning reads the same units
@@ -257,9 +263,13 @@ def test_redo_reset_on_a_crelu_network_zeroes_both_outgoing_rows_of_a_unit():
     assert np.all(head_new[[3, 7]] == 0.0) and np.any(head[[3, 7]] != 0.0)
     np.testing.assert_array_equal(np.delete(head_new, [3, 7], 0), np.delete(head, [3, 7], 0))
     # Adam moments zeroed exactly at the touched weights: by hand, 0 where reset, 1 elsewhere
-    touched = {("trunk", "layers", 0, "kernel"): (slice(None), 1), ("trunk", "layers", 0, "bias"): 1,
-               ("trunk", "layers", 1, "kernel"): ([1, 5], slice(None)), ("trunk", "layers", 1, "bias"): 3,
-               ("out", "kernel"): ([3, 7], slice(None))}
+    touched = {
+        ("trunk", "layers", 0, "kernel"): (slice(None), 1),
+        ("trunk", "layers", 0, "bias"): 1,
+        ("trunk", "layers", 1, "kernel"): ([1, 5], slice(None)),
+        ("trunk", "layers", 1, "bias"): 3,
+        ("out", "kernel"): ([3, 7], slice(None)),
+    }
     for moments in (new_opt[0].mu, new_opt[0].nu):
         for path, leaf in jax.tree_util.tree_flatten_with_path(moments)[0]:
             keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path if not hasattr(k, "name"))
@@ -281,16 +291,25 @@ def test_a_sac_update_and_its_plasticity_metrics_run_with_each(act):
     assert _leaf(state.actor_params, "trunk", "layers", 0, "kernel").shape == (3, 8)
     rng = np.random.default_rng(0)
     f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
-    batch = Transition(f(32, 3), jnp.asarray(rng.uniform(-1, 1, (32, 2)), jnp.float32), f(32), f(32, 3),
-                       jnp.zeros(32, bool), jnp.zeros(32, bool))
+    batch = Transition(
+        f(32, 3),
+        jnp.asarray(rng.uniform(-1, 1, (32, 2)), jnp.float32),
+        f(32),
+        f(32, 3),
+        jnp.zeros(32, bool),
+        jnp.zeros(32, bool),
+    )
     new, m = jax.jit(sac.update)(state, batch, jax.random.key(1))
     for field in ("actor_params", "critic_params"):
         before, after = jax.tree.leaves(getattr(state, field)), jax.tree.leaves(getattr(new, field))
         assert all(np.all(np.isfinite(a)) for a in after)
         assert any(not np.allclose(a, b) for a, b in zip(before, after)), field
     assert all(np.isfinite(float(m[k])) for k in ("losses/critic", "losses/actor", "values/q_mean"))
-    out = jax.jit(lambda s: metrics.compute(sac.plastic_losses(s, batch, jax.random.key(2)),
-                                            {"critic": s.critic_params, "actor": s.actor_params}))(new)
+    out = jax.jit(
+        lambda s: metrics.compute(
+            sac.plastic_losses(s, batch, jax.random.key(2)), {"critic": s.critic_params, "actor": s.actor_params}
+        )
+    )(new)
     assert out and all(np.all(np.isfinite(np.asarray(v))) for v in out.values())
     assert "plasticity/critic/layer1/dormant_0.0" in out
 
@@ -303,7 +322,8 @@ def test_mrq_encoders_output_zs_dim_features_from_half_as_many_units(activation)
 
     def build(act):
         return jax.jit(lambda k: mrq.init(k, 3, 2, mrq.MRQConfig(), NetworkConfig(width=16, activation=act)))(
-            jax.random.key(0))
+            jax.random.key(0)
+        )
 
     zs_dim = build("relu").encoder_params["out"]["kernel"].shape[-1]
     state = build(activation)

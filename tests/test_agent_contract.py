@@ -2,6 +2,7 @@
 signatures, one init / act / update on a tiny problem, and its plastic-network declarations.
 An agent written only for this test (tests/example_agent.py) shows that adding an agent of an
 existing kind is one file plus one registry line."""
+
 import inspect
 
 import jax
@@ -33,8 +34,13 @@ def _positional(fn):
 
 
 def _protocol_methods(proto):
-    return {name: fn for klass in proto.__mro__ if klass.__module__ == api.__name__
-            for name, fn in vars(klass).items() if inspect.isfunction(fn) and not name.startswith("_")}
+    return {
+        name: fn
+        for klass in proto.__mro__
+        if klass.__module__ == api.__name__
+        for name, fn in vars(klass).items()
+        if inspect.isfunction(fn) and not name.startswith("_")
+    }
 
 
 def _transitions(n, seed=0):
@@ -93,8 +99,10 @@ def test_plastic_declarations_name_the_same_networks_and_give_scalar_losses(name
         assert nets[net_name].name  # a networks.Net: resets and NE re-initialise through it
 
 
-@pytest.mark.parametrize("name", ["sac", pytest.param("mrq", marks=pytest.mark.slow),
-                                  pytest.param("mrq-mt", marks=pytest.mark.slow), "example"])
+@pytest.mark.parametrize(
+    "name",
+    ["sac", pytest.param("mrq", marks=pytest.mark.slow), pytest.param("mrq-mt", marks=pytest.mark.slow), "example"],
+)
 def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry):
     agent = agents.get(name)
     cfg = _config(agent, batch_size=8)
@@ -110,15 +118,21 @@ def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry)
     batch = jax.jit(lambda s, b, k: agent.sample_batch(s, b, k, 8))(state, buffer, jax.random.key(2))
     new, metrics = jax.jit(agent.update)(state, batch, jax.random.key(3))
     assert _finite(metrics) and jax.tree.structure(new) == jax.tree.structure(state)
-    new, buffer, metrics = jax.jit(lambda s, b, k: agent.train_block(s, b, k, 2, None))(state, buffer,
-                                                                                       jax.random.key(4))
+    new, buffer, metrics = jax.jit(lambda s, b, k: agent.train_block(s, b, k, 2, None))(
+        state, buffer, jax.random.key(4)
+    )
     assert _finite(metrics)
-    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(agent.plastic_params(new)),
-                                                   jax.tree.leaves(agent.plastic_params(state)))]
+    moved = [
+        not np.allclose(a, b)
+        for a, b in zip(jax.tree.leaves(agent.plastic_params(new)), jax.tree.leaves(agent.plastic_params(state)))
+    ]
     assert any(moved)
-    shapes = jax.eval_shape(lambda s, b, k: {n: loss(agent.plastic_params(s)[n])
-                                             for n, loss in agent.plastic_losses(s, b, k).items()},
-                            state, batch, jax.random.key(5))
+    shapes = jax.eval_shape(
+        lambda s, b, k: {n: loss(agent.plastic_params(s)[n]) for n, loss in agent.plastic_losses(s, b, k).items()},
+        state,
+        batch,
+        jax.random.key(5),
+    )
     assert shapes and set(shapes) <= set(agent.PLASTIC) and all(x.shape == () for x in shapes.values())
 
 
@@ -133,8 +147,10 @@ def test_on_policy_agent_runs_a_rollout_update():
     assert action.shape == (2, ACT) and logp.shape == value.shape == (2,)
     loop = empty_loop(agent, 8, 2, OBS, ACT)
     rng = np.random.default_rng(0)
-    rollout = loop.buffer._replace(obs=jnp.asarray(rng.normal(size=loop.buffer.obs.shape), jnp.float32),
-                                   rewards=jnp.asarray(rng.normal(size=loop.buffer.rewards.shape), jnp.float32))
+    rollout = loop.buffer._replace(
+        obs=jnp.asarray(rng.normal(size=loop.buffer.obs.shape), jnp.float32),
+        rewards=jnp.asarray(rng.normal(size=loop.buffer.rewards.shape), jnp.float32),
+    )
     new, metrics = jax.jit(agent.update)(state, rollout, jax.random.key(2))
     assert _finite({k: v for k, v in metrics.items() if k.startswith("losses/")})  # what the loop checks
     mb = jax.jit(lambda s, r, k: agent.sample_batch(s, r, k, 4))(state, rollout, jax.random.key(3))
@@ -178,8 +194,9 @@ def test_recurrent_agent_acts_step_by_step_with_its_memory():
     state = jax.jit(lambda k: agent.init(k, OBS, ACT, cfg))(jax.random.key(0))
     obs = jnp.ones((4, OBS))
     step = jax.jit(lambda s, m, o, a, r, st: agent.act_step(s, m, o, a, r, st, None, False))
-    action, memory = step(state, agent.initial_memory(state, 4), obs, jnp.ones((4, ACT)), jnp.ones(4),
-                          jnp.ones(4, bool))
+    action, memory = step(
+        state, agent.initial_memory(state, 4), obs, jnp.ones((4, ACT)), jnp.ones(4), jnp.ones(4, bool)
+    )
     assert action.shape == (4, ACT) and bool(jnp.all(jnp.abs(action) <= 1.0))
     act = jax.jit(lambda s, o: agent.act(s, o, None, False))(state, obs)
     np.testing.assert_allclose(np.asarray(action), np.asarray(act), rtol=1e-6)
@@ -196,10 +213,20 @@ def test_an_agent_of_an_existing_kind_trains_through_the_registry(registry, tmp_
     from plasticity_zoo.training.run import run
 
     agent = agents.get("example")
-    cfg = RunConfig(env="Pendulum-v1", total_steps=300, eval_every=300, eval_episodes=1, log_every=100,
-                    checkpoint_every=300, progress=False, network=TINY, run_dir=str(tmp_path / "run"),
-                    plasticity=PlasticityConfig(metrics_every=50, metrics_batch=16), agent_name="example",
-                    agent=agent.CONFIG(buffer_size=500, batch_size=16, learning_starts=100))
+    cfg = RunConfig(
+        env="Pendulum-v1",
+        total_steps=300,
+        eval_every=300,
+        eval_episodes=1,
+        log_every=100,
+        checkpoint_every=300,
+        progress=False,
+        network=TINY,
+        run_dir=str(tmp_path / "run"),
+        plasticity=PlasticityConfig(metrics_every=50, metrics_batch=16),
+        agent_name="example",
+        agent=agent.CONFIG(buffer_size=500, batch_size=16, learning_starts=100),
+    )
     out = run(cfg)
     assert out["step"] == 300 and np.isfinite(out["last_eval"])
     header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
@@ -227,8 +254,10 @@ def test_plasticity_is_built_into_the_agent_state_not_read_from_a_context(name, 
         assert optim.find_masked(getattr(plain, o_field)) is None
 
 
-@pytest.mark.parametrize("name, block", [(n, b) for n in ("sac", "mrq", "mrq-mt", "ppo", "ravl") for b in ("mlp", "simba")]
-                         + [("neubay", None)])  # neubay takes no --network.* flags (its own sizes)
+@pytest.mark.parametrize(
+    "name, block",
+    [(n, b) for n in ("sac", "mrq", "mrq-mt", "ppo", "ravl") for b in ("mlp", "simba")] + [("neubay", None)],
+)  # neubay takes no --network.* flags (its own sizes)
 def test_no_agent_inits_its_seeds_with_a_batched_lapack_call(name, block):
     """jaxlib 0.10's batched CPU LAPACK kernels can deadlock (networks/runtime.py: one_call_per_matrix);
     every agent's init over 2 seeds, as the loops vmap it, lowers to unbatched LAPACK calls only."""

@@ -1,5 +1,6 @@
 """The layers point down (docs/architecture.md): a test that parses every import, function-level
 imports included, and fails on an upward arrow or an import cycle in any package."""
+
 import ast
 from pathlib import Path
 
@@ -40,8 +41,11 @@ def imports(path: Path) -> set[str]:
 
 
 def project_modules() -> set[str]:
-    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")}
+    return {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).glob("*.py")
+    }
 
 
 def test_imports_point_down():
@@ -57,9 +61,13 @@ def test_imports_point_down():
 
 def test_every_import_of_the_project_goes_through_its_namespace():
     """A bare ``import envs`` would find a user's own ``envs`` package first (or fail once installed)."""
-    bare = [f"{path.relative_to(ROOT)} imports {name}"
-            for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))
-            for name in raw_imports(path) if name.split(".")[0] in PACKAGES and name.split(".")[0] != "scripts"]
+    bare = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for pkg in PACKAGES
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+        for name in raw_imports(path)
+        if name.split(".")[0] in PACKAGES and name.split(".")[0] != "scripts"
+    ]
     assert not bare, "imports outside the plasticity_zoo namespace:\n" + "\n".join(sorted(set(bare)))
 
 
@@ -92,7 +100,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(node, stack):
         if node in stack:
-            return stack[stack.index(node):] + [node]
+            return stack[stack.index(node) :] + [node]
         if node in done:
             return None
         for nxt in sorted(graph[node]):
@@ -121,8 +129,9 @@ def test_the_cycle_finder_finds_a_cycle_through_function_level_imports():
 
 def test_the_checker_sees_function_level_imports(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from plasticity_zoo.training.replay import Transition\n"
-                   "    import plasticity_zoo.agents.sac\n")
+    src.write_text(
+        "def f():\n    from plasticity_zoo.training.replay import Transition\n    import plasticity_zoo.agents.sac\n"
+    )
     assert {"training.replay", "training.replay.Transition", "agents.sac"} <= imports(src)
 
 
@@ -147,9 +156,11 @@ def test_the_suites_watchdog_ends_a_worker_stuck_on_one_test_and_leaves_the_othe
     # no core file on SIGABRT; no preexec_fn (it would fork with JAX's threads running)
     stuck, idle, busy = (subprocess.Popen(["sh", "-c", "ulimit -c 0; exec sleep 60"]) for _ in range(3))
     now = time.time()
-    for worker, proc, started, nodeid in (("gw0", stuck, now - 100, "tests/test_x.py::test_hangs"),
-                                          ("gw1", idle, now - 100, ""),  # between tests
-                                          ("gw2", busy, now - 10, "tests/test_y.py::test_runs")):
+    for worker, proc, started, nodeid in (
+        ("gw0", stuck, now - 100, "tests/test_x.py::test_hangs"),
+        ("gw1", idle, now - 100, ""),  # between tests
+        ("gw2", busy, now - 10, "tests/test_y.py::test_runs"),
+    ):
         (tmp_path / worker).write_text(f"{proc.pid}\t{started}\t{nodeid}")
     lines = []
     watchdog = Watchdog(tmp_path, hung_after=50, kill_after=90, write=lines.append, live_gdb=False)

@@ -1,9 +1,10 @@
 """Checkpoints: verified before they are read, falling back past damaged ones, storing only the filled
 rows of large buffers, never unpickling unverified bytes, arrays named by their path in the tree, and
 checkpoints of the previous format (arrays named by leaf index) still read (training/checkpoint.py)."""
+
 import json
-import re
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from plasticity_zoo.training.offpolicy import init_state, train
 
 
 def _bits(tree):
-    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x).tobytes()
-            for x in jax.tree.leaves(tree)]
+    return [
+        np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x).tobytes()
+        for x in jax.tree.leaves(tree)
+    ]
 
 
 def _tree(seeds=2, capacity=200_000, filled=300):
@@ -55,8 +58,10 @@ def as_format2(path: Path) -> Path:
     trimmed = {f"leaf_{i:05d}": meta["trimmed"][name] for i, name in enumerate(names) if name in meta["trimmed"]}
     np.savez(path / "arrays.npz", **arrays)
     (path / "meta.json").write_text(json.dumps({**meta, "format": 2, "trimmed": trimmed}, indent=2))
-    files = {n: {"bytes": (path / n).stat().st_size, "sha256": hashlib.sha256((path / n).read_bytes()).hexdigest()}
-             for n in checkpoint.FILES}
+    files = {
+        n: {"bytes": (path / n).stat().st_size, "sha256": hashlib.sha256((path / n).read_bytes()).hexdigest()}
+        for n in checkpoint.FILES
+    }
     (path / "manifest.json").write_text(json.dumps({"format": 2, "step": meta["step"], "files": files}, indent=2))
     return path
 
@@ -70,8 +75,9 @@ def _flip(file: Path, offset=None):
 # ------------------------------------------------------------------------------------------- format
 def test_trim_stores_the_filled_rows_and_refills_the_rest_bit_for_bit():
     tree = _tree()
-    for x in jax.tree.leaves(jax.tree.map(lambda a: jax.random.key_data(a) if jnp.issubdtype(
-            a.dtype, jax.dtypes.prng_key) else a, tree)):
+    for x in jax.tree.leaves(
+        jax.tree.map(lambda a: jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree)
+    ):
         x = np.asarray(x)
         stored, info = checkpoint.trim(x)
         back = checkpoint.untrim(stored, info)
@@ -124,16 +130,21 @@ def test_keep_checkpoints_flag_is_checked_and_may_change_on_resume(tiny_sac_conf
 
 
 # ------------------------------------------------------------------------------------------- verification
-@pytest.mark.parametrize("damage, reason", [
-    (lambda p: (p / "arrays.npz").write_bytes((p / "arrays.npz").read_bytes()[:100]),
-     r"arrays.npz is 100 bytes, manifest.json says \d+ \(truncated or damaged\)"),
-    (lambda p: _flip(p / "arrays.npz"), r"arrays.npz sha256 mismatch \(damaged\)"),
-    (lambda p: _flip(p / "host.pkl"), r"host.pkl sha256 mismatch \(damaged\)"),
-    (lambda p: _flip(p / "meta.json", 3), r"meta.json sha256 mismatch \(damaged\)"),
-    (lambda p: (p / "manifest.json").unlink(), r"manifest.json missing \(an incomplete or damaged checkpoint\)"),
-    (lambda p: (p / "manifest.json").write_text('{"format": 2, "fi'), r"manifest.json is unreadable"),
-    (lambda p: (p / "host.pkl").unlink(), r"host.pkl missing"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (
+            lambda p: (p / "arrays.npz").write_bytes((p / "arrays.npz").read_bytes()[:100]),
+            r"arrays.npz is 100 bytes, manifest.json says \d+ \(truncated or damaged\)",
+        ),
+        (lambda p: _flip(p / "arrays.npz"), r"arrays.npz sha256 mismatch \(damaged\)"),
+        (lambda p: _flip(p / "host.pkl"), r"host.pkl sha256 mismatch \(damaged\)"),
+        (lambda p: _flip(p / "meta.json", 3), r"meta.json sha256 mismatch \(damaged\)"),
+        (lambda p: (p / "manifest.json").unlink(), r"manifest.json missing \(an incomplete or damaged checkpoint\)"),
+        (lambda p: (p / "manifest.json").write_text('{"format": 2, "fi'), r"manifest.json is unreadable"),
+        (lambda p: (p / "host.pkl").unlink(), r"host.pkl missing"),
+    ],
+)
 def test_damaged_latest_checkpoint_is_skipped_with_a_message_naming_the_file(tmp_path, damage, reason):
     old, new = _tree(filled=100), _tree(filled=200)
     checkpoint.save(tmp_path, 100, old, {"step": 100})
@@ -148,17 +159,23 @@ def test_damaged_latest_checkpoint_is_skipped_with_a_message_naming_the_file(tmp
     assert warnings[0].endswith(f"; resuming from {used}")
     # with every checkpoint damaged, the error lists each and why
     _flip(used / "arrays.npz")
-    with pytest.raises(checkpoint.CheckpointError, match=r"no usable checkpoint in .*ckpt: step_000000000200: .*; "
-                                                         r"step_000000000100: arrays.npz sha256 mismatch"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"no usable checkpoint in .*ckpt: step_000000000200: .*; "
+        r"step_000000000100: arrays.npz sha256 mismatch",
+    ):
         checkpoint.load_latest(tmp_path, _template())
 
 
 def test_a_checkpoint_of_another_config_stops_the_walk(tmp_path):
     checkpoint.save(tmp_path, 1, _tree(), {})
     checkpoint.save(tmp_path, 2, _tree(), {})
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_000000000002 array buffer/data/obs is "
-                                                         r"float32\(2, 200000, 3\), expected float32\(2, 100000, 3\): "
-                                                         r"config mismatch"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"step_000000000002 array buffer/data/obs is "
+        r"float32\(2, 200000, 3\), expected float32\(2, 100000, 3\): "
+        r"config mismatch",
+    ):
         checkpoint.load_latest(tmp_path, _template(capacity=100_000))
 
 
@@ -174,15 +191,26 @@ def test_arrays_are_named_by_their_path_in_the_tree(tmp_path):
     def fill(x):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             return jax.random.key(7)
-        return jnp.asarray(rng.normal(size=x.shape).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                           else np.zeros(x.shape, x.dtype))
+        return jnp.asarray(
+            rng.normal(size=x.shape).astype(x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else np.zeros(x.shape, x.dtype)
+        )
 
     tree = jax.tree.map(fill, jax.eval_shape(lambda: init_state(sac, cfg, 3, 1)))
     names = checkpoint.array_names(tree)
     assert len(names) == len(set(names)) == len(jax.tree.leaves(tree))
-    for name in ("agent/actor_params/trunk/layers/0/kernel/value", "agent/critic_params/out/bias/value",
-                 "agent/actor_opt/0/mu/trunk/layers/1/kernel/value", "agent/log_alpha", "agent/updates", "data/data/obs",
-                 "data/data/terminated", "data/size", "key"):
+    for name in (
+        "agent/actor_params/trunk/layers/0/kernel/value",
+        "agent/critic_params/out/bias/value",
+        "agent/actor_opt/0/mu/trunk/layers/1/kernel/value",
+        "agent/log_alpha",
+        "agent/updates",
+        "data/data/obs",
+        "data/data/terminated",
+        "data/size",
+        "key",
+    ):
         assert name in names
     # the leaf each name stands for: the kernel of the actor's first layer is (seeds, obs_dim, width)
     leaves = dict(zip(names, jax.tree.leaves(tree)))
@@ -193,12 +221,19 @@ def test_arrays_are_named_by_their_path_in_the_tree(tmp_path):
     assert meta["format"] == checkpoint.FORMAT == 3 and meta["arrays"] == names
     with np.load(path / "arrays.npz") as z:
         assert sorted(z.files) == sorted(names)
-        np.testing.assert_array_equal(z["agent/actor_params/trunk/layers/0/kernel/value"],
-                                      tree[0].actor_params["trunk"]["layers"][0]["kernel"][...])
+        np.testing.assert_array_equal(
+            z["agent/actor_params/trunk/layers/0/kernel/value"],
+            tree[0].actor_params["trunk"]["layers"][0]["kernel"][...],
+        )
     assert _bits(checkpoint.load(path, tree)[0]) == _bits(tree)
 
-    odd = {"a/b": jnp.ones(2), "": jnp.zeros(1), "..": jnp.ones(1), "x y%": [jnp.ones(1), (jnp.zeros(3),)],
-           "file": jnp.full(2, 7.0)}  # `file`: np.savez's own argument name
+    odd = {
+        "a/b": jnp.ones(2),
+        "": jnp.zeros(1),
+        "..": jnp.ones(1),
+        "x y%": [jnp.ones(1), (jnp.zeros(3),)],
+        "file": jnp.full(2, 7.0),
+    }  # `file`: np.savez's own argument name
     assert checkpoint.array_names(odd) == ["%", "%2E%2E", "a%2Fb", "file", "x%20y%25/0", "x%20y%25/1/0"]
     path = checkpoint.save(tmp_path / "odd", 1, odd, {})
     back = checkpoint.load(path, jax.tree.map(jnp.zeros_like, odd))[0]
@@ -214,8 +249,10 @@ class _Twice:
 
 
 jax.tree_util.register_pytree_with_keys(
-    _Twice, lambda t: (((jax.tree_util.GetAttrKey("w"), t.a), (jax.tree_util.GetAttrKey("w"), t.b)), None),
-    lambda _, children: _Twice(*children))
+    _Twice,
+    lambda t: (((jax.tree_util.GetAttrKey("w"), t.a), (jax.tree_util.GetAttrKey("w"), t.b)), None),
+    lambda _, children: _Twice(*children),
+)
 
 
 class _Pair:
@@ -234,8 +271,10 @@ class _PairReversed(_Pair):
 
 for _cls in (_Pair, _PairReversed):
     jax.tree_util.register_pytree_with_keys(
-        _cls, lambda t: (tuple((jax.tree_util.GetAttrKey(n), getattr(t, n)) for n in t.ORDER), None),
-        lambda _, children, cls=_cls: cls(*children))
+        _cls,
+        lambda t: (tuple((jax.tree_util.GetAttrKey(n), getattr(t, n)) for n in t.ORDER), None),
+        lambda _, children, cls=_cls: cls(*children),
+    )
 
 
 def test_names_that_would_coincide_are_made_unique_in_leaf_order(tmp_path):
@@ -250,8 +289,11 @@ def test_a_template_of_another_structure_is_refused_naming_the_first_differing_p
     path = checkpoint.save(tmp_path, 1, _tree(1, 1000, 10), {})
     other = {**_template(1, 1000), "v": jnp.ones(3)}
     del other["w"]
-    with pytest.raises(checkpoint.CheckpointError, match=r"does not fit this config: it has no array v; its array w "
-                                                         r"is not in this config: was it written with another agent"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"does not fit this config: it has no array v; its array w "
+        r"is not in this config: was it written with another agent",
+    ):
         checkpoint.load(path, other)
     bigger = {**_template(1, 1000), "extra": [jnp.ones(1), jnp.ones(1)]}
     with pytest.raises(checkpoint.CheckpointError, match=r"it has no array extra/0 \(nor 1 more\): "):
@@ -275,11 +317,17 @@ def test_a_checkpoint_of_the_previous_format_loads_by_leaf_index(tmp_path):
     assert _bits(tree) == _bits(new) and host == {"step": 200} and meta["format"] == 2
     assert jnp.issubdtype(tree["key"].dtype, jax.dtypes.prng_key)
     assert checkpoint.load_latest(tmp_path, _template())[3] == path
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_000000000200 array 0 \(buffer/data/obs in this "
-                                                         r"config\) is float32\(2, 200000, 3\), expected"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"step_000000000200 array 0 \(buffer/data/obs in this "
+        r"config\) is float32\(2, 200000, 3\), expected",
+    ):
         checkpoint.load(path, _template(capacity=100_000))
-    with pytest.raises(checkpoint.CheckpointError, match=r"\(format 2: arrays by leaf index\) holds 11 arrays but "
-                                                         r"this config expects 12"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"\(format 2: arrays by leaf index\) holds 11 arrays but "
+        r"this config expects 12",
+    ):
         checkpoint.load(path, {**_template(), "x": jnp.ones(1)})
     _flip(path / "arrays.npz")  # still verified against its manifest: damaged, skipped
     warnings = []
@@ -315,8 +363,11 @@ def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, 
     (path / "manifest.json").unlink()  # what format 1 wrote: leaf_ names, no manifest, meta without format
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("format", "trimmed")}))
-    with pytest.raises(checkpoint.CheckpointError, match=r"written before checkpoints carried a manifest.json.*"
-                                                         r"python -m plasticity_zoo.training.checkpoint trust "):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"written before checkpoints carried a manifest.json.*"
+        r"python -m plasticity_zoo.training.checkpoint trust ",
+    ):
         checkpoint.load_latest(tmp_path, _template(1, 1000))
     checkpoint.main(["trust", str(tmp_path)])
     assert "added manifest.json to 1 checkpoint(s)" in capsys.readouterr().out
@@ -331,8 +382,9 @@ def test_old_checkpoints_without_a_manifest_are_refused_until_trusted(tmp_path, 
 
 # ------------------------------------------------------------------------------------------- a real run
 @pytest.mark.slow
-def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identical(tiny_sac_config, tmp_path, capfd,
-                                                                                  assert_same_logs):
+def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identical(
+    tiny_sac_config, tmp_path, capfd, assert_same_logs
+):
     """1M-row replay buffer, 400 steps: checkpoints are small; a truncated arrays.npz or a bit-flipped
     host.pkl at step 400 makes resume say so and continue from 200, ending as the uninterrupted run; the
     step-400 checkpoint rewritten in the previous format (arrays by leaf index) resumes to the same end."""
@@ -346,8 +398,10 @@ def test_resume_falls_back_past_a_damaged_latest_checkpoint_and_ends_bit_identic
     saved, _, _ = checkpoint.load(part / "step_000000000400", init_state(sac, cfg, 3, 1))
     assert int(np.asarray(saved[1].size)[0]) == 400 and saved[1].data.obs.shape == (1, 1_000_000, 3)
     assert not np.asarray(saved[1].data.obs)[:, 400:].any() and np.asarray(saved[1].data.obs)[:, 399].any()
-    for name, damage in (("truncated", lambda p: (p / "arrays.npz").write_bytes((p / "arrays.npz").read_bytes()[:-50])),
-                         ("flipped", lambda p: _flip(p / "host.pkl"))):
+    for name, damage in (
+        ("truncated", lambda p: (p / "arrays.npz").write_bytes((p / "arrays.npz").read_bytes()[:-50])),
+        ("flipped", lambda p: _flip(p / "host.pkl")),
+    ):
         run_dir = tmp_path / name
         shutil.copytree(tmp_path / "part", run_dir)
         damage(checkpoint.path_for(run_dir, 400))

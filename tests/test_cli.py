@@ -22,8 +22,25 @@ def test_bad_flag_is_reported_by_name(capsys):
 
 
 def test_flags_reach_the_config():
-    cfg = train_script.parse(["sac", "--env", "HalfCheetah-v5", "--seeds", "3", "--critics", "10", "--eta", "1.0",
-                              "--network.width", "64", "--network.block", "simba", "--total-steps", "7"])
+    cfg = train_script.parse(
+        [
+            "sac",
+            "--env",
+            "HalfCheetah-v5",
+            "--seeds",
+            "3",
+            "--critics",
+            "10",
+            "--eta",
+            "1.0",
+            "--network.width",
+            "64",
+            "--network.block",
+            "simba",
+            "--total-steps",
+            "7",
+        ]
+    )
     assert (cfg.env, cfg.seeds, cfg.total_steps) == ("HalfCheetah-v5", 3, 7)
     assert (cfg.agent.critics, cfg.agent.eta) == (10, 1.0)
     assert (cfg.network.width, cfg.network.block) == (64, "simba")
@@ -31,8 +48,20 @@ def test_flags_reach_the_config():
 
 @pytest.mark.slow
 def test_unknown_env_id_fails_clearly_from_the_command_line(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "sac", "--env", "Nope-v3",
-                          "--run-dir", str(tmp_path / "r")], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "sac",
+            "--env",
+            "Nope-v3",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode != 0
     assert "unknown env id 'Nope-v3'" in out.stderr and "dmc:<domain>-<task>" in out.stderr
 
@@ -70,8 +99,16 @@ def _help_text(capsys, argv) -> str:
 def test_agent_help_mentions_presets_and_every_env_id_form(capsys):
     """Issue #47 item 8: `train.py sac --help` never mentioned --preset, and --env's help omitted ns: and mt:."""
     text = _help_text(capsys, ["sac", "--help"])
-    for part in ("--preset NAME", "--preset list", "dmc:<domain>-<task>", "playground:<Name>", "mt:<suite>",
-                 "mt:<id>,<id>,...", "ns:<mode>:<env id>", "<module>:<id>"):
+    for part in (
+        "--preset NAME",
+        "--preset list",
+        "dmc:<domain>-<task>",
+        "playground:<Name>",
+        "mt:<suite>",
+        "mt:<id>,<id>,...",
+        "ns:<mode>:<env id>",
+        "<module>:<id>",
+    ):
         assert part in text, part
 
 
@@ -94,5 +131,11 @@ def test_benchmark_offers_only_the_agents_it_times_and_points_ppo_to_its_own(cap
         bench.main(["--agent", "ppo"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].endswith(": error: argument --agent: 'ppo' is not timed here (PPO's benchmark "
-                                                 f"is scripts/benchmark_ppo.py); choose from {', '.join(timed)}")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .endswith(
+            ": error: argument --agent: 'ppo' is not timed here (PPO's benchmark "
+            f"is scripts/benchmark_ppo.py); choose from {', '.join(timed)}"
+        )
+    )

@@ -1,5 +1,6 @@
 """Fast second runs: the persistent compilation cache the entry points switch on, and the notices of what a
 run waits on while XLA compiles (networks/runtime.py: use_persistent_cache; training/loop.py: CompileNotices)."""
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,28 @@ import pytest
 from plasticity_zoo.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("import json, jax; from plasticity_zoo.networks.runtime import use_persistent_cache; d = use_persistent_cache(); "
-         "c = jax.config; print(json.dumps([d, c.jax_compilation_cache_dir, "
-         "c.jax_persistent_cache_min_compile_time_secs]))")
+PROBE = (
+    "import json, jax; from plasticity_zoo.networks.runtime import use_persistent_cache; d = use_persistent_cache(); "
+    "c = jax.config; print(json.dumps([d, c.jax_compilation_cache_dir, "
+    "c.jax_persistent_cache_min_compile_time_secs]))"
+)
 
 
 def _probe(tmp_path, **env):
-    base = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "RLZOO_COMPILATION_CACHE",
-                                                             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env={**base, "HOME": str(tmp_path / "home"),
-                                                                       "XDG_CACHE_HOME": "", **env},
-                         capture_output=True, text=True, check=True)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("JAX_COMPILATION_CACHE_DIR", "RLZOO_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env={**base, "HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": "", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -39,7 +51,10 @@ def test_the_cache_is_on_by_default_per_user_and_a_variable_moves_or_disables_it
     # a cache the user gave JAX is kept with its own settings
     mine = str(tmp_path / "mine")
     assert _probe(tmp_path, JAX_COMPILATION_CACHE_DIR=mine, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="3") == [
-        mine, mine, 3.0]
+        mine,
+        mine,
+        3.0,
+    ]
 
 
 class _Bar:
@@ -60,6 +75,7 @@ def test_a_compile_shows_on_the_bar_while_it_runs_and_is_reported_then_loaded_fr
     before = getattr(jax.config, key)
     jax.config.update(key, 0.0)
     try:
+
         def program(x):
             return jnp.tanh(x @ x.T + 0.123456)  # a program no other test compiles
 
@@ -87,10 +103,33 @@ def test_a_second_run_of_a_command_loads_its_programs_and_reproduces_the_first(t
     env = {**os.environ, "RLZOO_COMPILATION_CACHE": str(tmp_path / "cache")}
     evals = []
     for name in ("first", "second"):
-        out = subprocess.run([sys.executable, "scripts/train.py", "sac", "--env", "Pendulum-v1", "--total-steps", "300",
-                              "--learning-starts", "100", "--eval-every", "300", "--eval-episodes", "1",
-                              "--network.width", "16", "--no-progress", "--run-dir", str(tmp_path / name)],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "scripts/train.py",
+                "sac",
+                "--env",
+                "Pendulum-v1",
+                "--total-steps",
+                "300",
+                "--learning-starts",
+                "100",
+                "--eval-every",
+                "300",
+                "--eval-episodes",
+                "1",
+                "--network.width",
+                "16",
+                "--no-progress",
+                "--run-dir",
+                str(tmp_path / name),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         evals.append((tmp_path / name / "eval.csv").read_text())
     assert any(p.name.startswith("jit_learn_and_act") for p in (tmp_path / "cache").iterdir())

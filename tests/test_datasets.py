@@ -1,4 +1,5 @@
 """D4RL-format datasets (envs/datasets.py) and their generator (scripts/make_dataset.py); spec offline.md §1-2."""
+
 import json
 import sys
 from pathlib import Path
@@ -44,14 +45,28 @@ def _write_raw(path, arrays: dict):
 def test_round_trip_keeps_every_key_dtype_and_metadata_type(tmp_path):
     ds = _episodes([(4, "terminal"), (5, "timeout"), (3, None)])
     n = len(ds)
-    ds.infos = {"qpos": np.random.default_rng(1).normal(size=(n, 6)),
-                "action_log_probs": np.linspace(-3, 1, n, dtype=np.float32)}
+    ds.infos = {
+        "qpos": np.random.default_rng(1).normal(size=(n, 6)),
+        "action_log_probs": np.linspace(-3, 1, n, dtype=np.float32),
+    }
     weight = np.random.default_rng(2).normal(size=(4, 3)).astype(np.float32)
-    ds.metadata = {"env_id": "Hopper-v5", "seed": 3, "big": 2**40, "ratio": 0.5, "float_int": 3.0, "flag": True,
-                   "off": False, "name": "medium", "empty": "", "none": None, "lst": [1, 2.5, "a"],
-                   "arr": np.arange(3, dtype=np.int16), "f32": np.float32(1.5), "strs": np.array(["a", "bc"]),
-                   "policy": {"fc0": {"weight": weight, "bias": np.zeros(3, np.float32)}, "nonlinearity": "relu",
-                              "depth": 2}}
+    ds.metadata = {
+        "env_id": "Hopper-v5",
+        "seed": 3,
+        "big": 2**40,
+        "ratio": 0.5,
+        "float_int": 3.0,
+        "flag": True,
+        "off": False,
+        "name": "medium",
+        "empty": "",
+        "none": None,
+        "lst": [1, 2.5, "a"],
+        "arr": np.arange(3, dtype=np.int16),
+        "f32": np.float32(1.5),
+        "strs": np.array(["a", "bc"]),
+        "policy": {"fc0": {"weight": weight, "bias": np.zeros(3, np.float32)}, "nonlinearity": "relu", "depth": 2},
+    }
     path = D.save(tmp_path / "sub" / "d.hdf5", ds)  # parent dirs are created
     assert not list(path.parent.glob(".*tmp*"))  # the temporary file was renamed away
     with h5py.File(path) as f:  # the flat D4RL layout
@@ -135,13 +150,19 @@ def test_terminal_and_timeout_on_one_row_is_rejected(tmp_path):
         D.load(path)
 
 
-@pytest.mark.parametrize("breakage, message", [
-    (lambda a: a.update(observations=a["observations"].astype(np.int32)), "observations has dtype int32"),
-    (lambda a: a.update(terminals=a["terminals"] * 2.0), "terminals has dtype float64 with values other than 0/1"),
-    (lambda a: a.update(rewards=a["rewards"][:-1]), "arrays disagree on the number of rows N: .*rewards=5"),
-    (lambda a: a["actions"].__setitem__((2, 1), np.nan), "actions has 1 non-finite value.*row 2"),
-    (lambda a: a["actions"].__setitem__((4, 0), 1.5), "1 action value\\(s\\) outside Hopper-v5's action bounds \\[-1, 1\\].*row 4, dim 0"),
-])
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda a: a.update(observations=a["observations"].astype(np.int32)), "observations has dtype int32"),
+        (lambda a: a.update(terminals=a["terminals"] * 2.0), "terminals has dtype float64 with values other than 0/1"),
+        (lambda a: a.update(rewards=a["rewards"][:-1]), "arrays disagree on the number of rows N: .*rewards=5"),
+        (lambda a: a["actions"].__setitem__((2, 1), np.nan), "actions has 1 non-finite value.*row 2"),
+        (
+            lambda a: a["actions"].__setitem__((4, 0), 1.5),
+            "1 action value\\(s\\) outside Hopper-v5's action bounds \\[-1, 1\\].*row 4, dim 0",
+        ),
+    ],
+)
 def test_bad_arrays_are_rejected_with_the_problem(tmp_path, breakage, message):
     ds = _episodes([(6, "terminal")])
     arrays = {k: getattr(ds, k).copy() for k in D.KEYS}
@@ -155,7 +176,9 @@ def test_bad_arrays_are_rejected_with_the_problem(tmp_path, breakage, message):
 def test_float64_and_01_flags_of_other_writers_are_converted(tmp_path):
     ds = _episodes([(6, "terminal")])
     arrays = {k: getattr(ds, k) for k in D.KEYS}
-    arrays.update(observations=arrays["observations"].astype(np.float64), terminals=arrays["terminals"].astype(np.float32))
+    arrays.update(
+        observations=arrays["observations"].astype(np.float64), terminals=arrays["terminals"].astype(np.float32)
+    )
     _write_raw(tmp_path / "d.hdf5", arrays)
     with h5py.File(tmp_path / "d.hdf5", "a") as f:  # D4RL-style metadata: byte strings, no type tags
         f["metadata/algorithm"] = np.bytes_(b"SAC")
@@ -229,10 +252,12 @@ def test_normalized_score_hand_computed():
     assert D.normalized_score(3234.3, "Hopper-v5") == pytest.approx(100.0)
     assert D.normalized_score(-20.272305, "hopper-medium-v2") == pytest.approx(0.0, abs=1e-9)
     assert D.normalized_score(1000.0, "hopper") == pytest.approx(100 * 1020.272305 / 3254.572305)
-    np.testing.assert_allclose(D.normalized_score([12135.0, -280.178953], metadata={"env_id": "HalfCheetah-v5"}),
-                               [100.0, 0.0])
-    assert D.normalized_score(60.0, metadata={"ref_min_score": 10.0, "ref_max_score": 110.0},
-                              reference="dataset") == pytest.approx(50.0)
+    np.testing.assert_allclose(
+        D.normalized_score([12135.0, -280.178953], metadata={"env_id": "HalfCheetah-v5"}), [100.0, 0.0]
+    )
+    assert D.normalized_score(
+        60.0, metadata={"ref_min_score": 10.0, "ref_max_score": 110.0}, reference="dataset"
+    ) == pytest.approx(50.0)
     with pytest.raises(ValueError, match="no D4RL reference scores for env 'Pendulum-v1'"):
         D.normalized_score(1.0, "Pendulum-v1")
     with pytest.raises(ValueError, match="needs metadata ref_min_score and ref_max_score"):
@@ -240,9 +265,17 @@ def test_normalized_score_hand_computed():
 
 
 def test_d4rl_names():
-    assert [D.d4rl_name(x) for x in ("Hopper-v5", "hopper", "hopper-medium-v2", "HalfCheetah-v5",
-                                     "walker2d_medium_replay-v2", "mujoco/walker2d/expert-v0")] == \
-        ["hopper", "hopper", "hopper", "halfcheetah", "walker2d", "walker2d"]
+    assert [
+        D.d4rl_name(x)
+        for x in (
+            "Hopper-v5",
+            "hopper",
+            "hopper-medium-v2",
+            "HalfCheetah-v5",
+            "walker2d_medium_replay-v2",
+            "mujoco/walker2d/expert-v0",
+        )
+    ] == ["hopper", "hopper", "hopper", "halfcheetah", "walker2d", "walker2d"]
     assert [D.d4rl_name(x) for x in ("Pendulum-v1", "dmc:hopper-hop", "Ant-v5", None)] == [None] * 4
 
 
@@ -255,8 +288,11 @@ def test_cache_paths_and_find_says_how_to_make_a_missing_dataset(tmp_path, monke
     assert D.cache_dir() == Path.home() / ".cache" / "rlzoo" / "datasets"
     D.save(tmp_path / "hopper-random-v5.hdf5", _episodes([(3, "terminal")]))
     assert D.find("Hopper-v5", "random", tmp_path) == tmp_path / "hopper-random-v5.hdf5"
-    with pytest.raises(D.DatasetError, match=r"holds: hopper-random-v5.hdf5\. Make it with: python "
-                                             r"scripts/make_dataset.py --env Hopper-v5 --kind expert --cache"):
+    with pytest.raises(
+        D.DatasetError,
+        match=r"holds: hopper-random-v5.hdf5\. Make it with: python "
+        r"scripts/make_dataset.py --env Hopper-v5 --kind expert --cache",
+    ):
         D.find("Hopper-v5", "expert", tmp_path)
     with pytest.raises(ValueError, match="unknown dataset kind 'mixed'"):
         D.cached_path("Hopper-v5", "mixed")
@@ -269,18 +305,32 @@ def _minari(root, lengths, data_format="hdf5", version=0):
     data = root / "mujoco" / "hopper" / f"medium-v{version}" / "data"
     data.mkdir(parents=True)
     spec = json.dumps({"id": "Hopper-v5", "entry_point": "gymnasium.envs.mujoco.hopper_v5:HopperEnv"})
-    (data / "metadata.json").write_text(json.dumps({
-        "data_format": data_format, "env_spec": spec, "ref_min_score": -19.5, "ref_max_score": 3400.0,
-        "total_episodes": len(lengths), "author": None, "requirements": ["mujoco>=3"]}))
+    (data / "metadata.json").write_text(
+        json.dumps(
+            {
+                "data_format": data_format,
+                "env_spec": spec,
+                "ref_min_score": -19.5,
+                "ref_max_score": 3400.0,
+                "total_episodes": len(lengths),
+                "author": None,
+                "requirements": ["mujoco>=3"],
+            }
+        )
+    )
     rng = np.random.default_rng(0)
     eps = []
     if data_format == "hdf5":
         with h5py.File(data / "main_data.hdf5", "w") as f:
             for i, t in enumerate(lengths):
                 g = f.create_group(f"episode_{i}")
-                ep = {"observations": rng.normal(size=(t + 1, 11)), "actions": rng.uniform(-1, 1, (t, 3)).astype(np.float32),
-                      "rewards": rng.normal(size=t), "terminations": np.arange(t) == t - 1 if i == 0 else np.zeros(t, bool),
-                      "truncations": np.zeros(t, bool) if i == 0 else np.arange(t) == t - 1}
+                ep = {
+                    "observations": rng.normal(size=(t + 1, 11)),
+                    "actions": rng.uniform(-1, 1, (t, 3)).astype(np.float32),
+                    "rewards": rng.normal(size=t),
+                    "terminations": np.arange(t) == t - 1 if i == 0 else np.zeros(t, bool),
+                    "truncations": np.zeros(t, bool) if i == 0 else np.arange(t) == t - 1,
+                }
                 for k, v in ep.items():
                     g.create_dataset(k, data=v)
                 g.create_dataset("infos/qpos", data=rng.normal(size=(t + 1, 6)))
@@ -313,16 +363,40 @@ def test_minari_arrow_or_missing_files_say_what_was_looked_for(tmp_path):
     _minari(tmp_path, [3], data_format="arrow")
     with pytest.raises(D.DatasetError, match="main_data.hdf5 .*data_format is 'arrow'.*holds: metadata.json"):
         D.load_minari("mujoco/hopper/medium-v0", root=tmp_path)
-    with pytest.raises(D.DatasetError, match=r"looked for .*mujoco/walker2d/expert-v0/data/main_data.hdf5 \(no such file\)"):
+    with pytest.raises(
+        D.DatasetError, match=r"looked for .*mujoco/walker2d/expert-v0/data/main_data.hdf5 \(no such file\)"
+    ):
         D.load_minari("mujoco/walker2d/expert-v0", root=tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
 # the generator, end to end on a tiny budget
 # --------------------------------------------------------------------------------------------
-TINY = ["--env", "Hopper-v5", "--size", "400", "--train-steps", "600", "--eval-every", "300", "--eval-episodes", "2",
-        "--ref-episodes", "2", "--num-envs", "4", "--max-episode-steps", "25", "--network.width", "16",
-        "--sac.learning-starts", "200", "--sac.batch-size", "32", "--no-progress"]
+TINY = [
+    "--env",
+    "Hopper-v5",
+    "--size",
+    "400",
+    "--train-steps",
+    "600",
+    "--eval-every",
+    "300",
+    "--eval-episodes",
+    "2",
+    "--ref-episodes",
+    "2",
+    "--num-envs",
+    "4",
+    "--max-episode-steps",
+    "25",
+    "--network.width",
+    "16",
+    "--sac.learning-starts",
+    "200",
+    "--sac.batch-size",
+    "32",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -373,8 +447,9 @@ def test_medium_replay_is_the_start_of_the_sac_buffer(made):
     n = rep.metadata["policy_step"]
     assert len(rep) == n == med.metadata["policy_step"] and rep.metadata["kind"] == "medium-replay"
     run_dir = Path(rep.metadata["sac_run_dir"])
-    assert sorted(p.name for p in (run_dir / "snapshots").glob("*.npz")) == \
-        [f"step_{s:012d}.npz" for s in (0, 300, 600)]  # the on_eval hook's snapshots
+    assert sorted(p.name for p in (run_dir / "snapshots").glob("*.npz")) == [
+        f"step_{s:012d}.npz" for s in (0, 300, 600)
+    ]  # the on_eval hook's snapshots
     cfg = load_config(run_dir)
     template = init_state(sac, cfg, 11, 3)
     (_, buffer, _), _, _ = checkpoint.load(checkpoint.latest(run_dir), template)

@@ -1,4 +1,5 @@
 """playground: envs (envs/playground.py) and the device loop (training/device.py)."""
+
 import importlib.util
 import subprocess
 import sys
@@ -12,12 +13,13 @@ import pytest
 
 from plasticity_zoo.agents import ppo
 from plasticity_zoo.plasticity.config import PlasticityConfig
-from tests import device_toy
 from plasticity_zoo.training.config import NetworkConfig, RunConfig
+from tests import device_toy
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_playground = pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is None,
-                                      reason="MuJoCo Playground (extra .[mjx]) is not installed")
+needs_playground = pytest.mark.skipif(
+    importlib.util.find_spec("mujoco_playground") is None, reason="MuJoCo Playground (extra .[mjx]) is not installed"
+)
 ENV = "playground:CartpoleBalance"  # the cheapest task to compile on CPU
 TOY = device_toy.ENV  # the loop's mechanics, on Playground's wrapper around two-line physics (tests/device_toy.py)
 
@@ -30,9 +32,23 @@ def toy(monkeypatch):
 def tiny(**kw):
     agent_kw = {k: kw.pop(k) for k in list(kw) if k in ppo.PPOConfig.__dataclass_fields__}
     agent = ppo.PPOConfig(**{"num_steps": 8, "num_minibatches": 2, "update_epochs": 2, **agent_kw})
-    return RunConfig(**{"env": ENV, "seeds": 2, "num_envs": 2, "total_steps": 64, "eval_every": 32,
-                        "eval_episodes": 1, "log_every": 16, "checkpoint_every": 32, "progress": False,
-                        "network": NetworkConfig(width=16), "agent_name": "ppo", "agent": agent, **kw})
+    return RunConfig(
+        **{
+            "env": ENV,
+            "seeds": 2,
+            "num_envs": 2,
+            "total_steps": 64,
+            "eval_every": 32,
+            "eval_episodes": 1,
+            "log_every": 16,
+            "checkpoint_every": 32,
+            "progress": False,
+            "network": NetworkConfig(width=16),
+            "agent_name": "ppo",
+            "agent": agent,
+            **kw,
+        }
+    )
 
 
 def short_episodes(limit: int, name: str = "CartpoleBalance"):
@@ -140,16 +156,35 @@ def test_unknown_tasks_and_loops_that_cannot_run_are_refused_before_anything_is_
     with pytest.raises(ValueError, match="unknown Playground task playground:Nope.*playground:CheetahRun"):
         run.preflight(tiny(env="playground:Nope"))
     with pytest.raises(ValueError, match="loop device runs on-policy .* and off-policy"):
-        run.preflight(RunConfig(env=ENV, loop="device", agent_name="ravl", agent=importlib.import_module("plasticity_zoo.agents.ravl").RAVLConfig()))
+        run.preflight(
+            RunConfig(
+                env=ENV,
+                loop="device",
+                agent_name="ravl",
+                agent=importlib.import_module("plasticity_zoo.agents.ravl").RAVLConfig(),
+            )
+        )
     with pytest.raises(ValueError, match="least cuts episodes from the host"):
-        run.preflight(RunConfig(env=ENV, loop="device", agent_name="sac", agent=importlib.import_module("plasticity_zoo.agents.sac").SACConfig(),
-                                plasticity=PlasticityConfig(least=True)))
+        run.preflight(
+            RunConfig(
+                env=ENV,
+                loop="device",
+                agent_name="sac",
+                agent=importlib.import_module("plasticity_zoo.agents.sac").SACConfig(),
+                plasticity=PlasticityConfig(least=True),
+            )
+        )
     with pytest.raises(ValueError, match="needs an env that steps on the device"):
         run.preflight(tiny(env="Pendulum-v1", loop="device"))
     with pytest.raises(ValueError, match="backend"):
         run.preflight(tiny(backend="async"))
-    out = subprocess.run([sys.executable, "scripts/train.py", "ppo", "--env", "playground:Nope", "--run-dir",
-                          str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "scripts/train.py", "ppo", "--env", "playground:Nope", "--run-dir", str(tmp_path / "r")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and "unknown Playground task" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "r").exists()
 
@@ -212,7 +247,9 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     for name in ("obs", "actions", "logp", "values", "rewards", "final_values"):
         np.testing.assert_allclose(getattr(hb, name), getattr(db, name), rtol=1e-4, atol=1e-5, err_msg=name)
     for field in ("actor_params", "critic_params", "obs_rms", "ret_rms"):
-        for x, y in zip(jax.tree.leaves(getattr(host.state, field)), jax.tree.leaves(getattr(device.carry.state, field))):
+        for x, y in zip(
+            jax.tree.leaves(getattr(host.state, field)), jax.tree.leaves(getattr(device.carry.state, field))
+        ):
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5, err_msg=field)
     for k in ("losses/policy", "losses/value", "charts/approx_kl"):
         np.testing.assert_allclose(host.metrics[k], report.metrics[k], rtol=1e-3, atol=1e-6, err_msg=k)
@@ -224,7 +261,9 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
 
 @pytest.mark.slow
 @needs_playground
-def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(tmp_path, assert_same_logs, toy):
+def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(
+    tmp_path, assert_same_logs, toy
+):
     from plasticity_zoo.training import device
 
     cfg = tiny(env=TOY)
@@ -239,9 +278,8 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
             np.testing.assert_array_equal(x, y)
     assert_same_logs(tmp_path / "full", tmp_path / "part")
     assert_same_logs(tmp_path / "full", tmp_path / "one")
-    from plasticity_zoo.envs.playground import make
-
     from plasticity_zoo.analysis.restore import restore_policy
+    from plasticity_zoo.envs.playground import make
 
     restored = restore_policy(tmp_path / "full")  # what scripts/evaluate.py loads: the device carry's agent
     assert restored.step == 64
@@ -270,8 +308,12 @@ def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path, toy):
 
     from plasticity_zoo.training import device
 
-    cfg = tiny(env=TOY, plasticity=PlasticityConfig(metrics_every=8, redo=True, reset_every=8), eval_every=1000,
-               checkpoint_every=1000)
+    cfg = tiny(
+        env=TOY,
+        plasticity=PlasticityConfig(metrics_every=8, redo=True, reset_every=8),
+        eval_every=1000,
+        checkpoint_every=1000,
+    )
     device.train(cfg, ppo, tmp_path / "run")
     rows = [r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r["seed"] == "0"]
     assert [int(r["step"]) for r in rows] == [16, 32, 48, 64]
@@ -291,8 +333,9 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
     from plasticity_zoo.training.device import DeviceOffPolicyIteration, make_offpolicy_chunk
     from plasticity_zoo.training.offpolicy import OffPolicyIteration
 
-    cfg = tiny_sac_config(env=TOY, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64,
-                          total_steps=40)
+    cfg = tiny_sac_config(
+        env=TOY, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64, total_steps=40
+    )
     env = short_episodes(5, device_toy.NAME)
     host = OffPolicyIteration(cfg, importlib.import_module("plasticity_zoo.agents.sac"))
     host.env = PlaygroundVectorEnv(TOY, 4, cfg.seed * 10_000)
@@ -310,11 +353,13 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
     hb, db = host.buffer, device.carry.buffer
     assert int(hb.size[0]) == int(db.size[0]) == 20 and bool(jnp.any(hb.data.truncated))
     for name in hb.data._fields:
-        np.testing.assert_allclose(getattr(hb.data, name), getattr(db.data, name), rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
-    for x, y in zip(jax.tree.leaves((host.state.actor_params, host.state.critic_params, host.state.log_alpha)),
-                    jax.tree.leaves((device.carry.state.actor_params, device.carry.state.critic_params,
-                                     device.carry.state.log_alpha))):
+        np.testing.assert_allclose(getattr(hb.data, name), getattr(db.data, name), rtol=1e-4, atol=1e-5, err_msg=name)
+    for x, y in zip(
+        jax.tree.leaves((host.state.actor_params, host.state.critic_params, host.state.log_alpha)),
+        jax.tree.leaves(
+            (device.carry.state.actor_params, device.carry.state.critic_params, device.carry.state.log_alpha)
+        ),
+    ):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
@@ -322,19 +367,40 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
 @needs_playground
 @pytest.mark.parametrize("agent_name", ["sac", "mrq"])
 def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupted_run(
-        agent_name, tmp_path, tiny_sac_config, assert_same_logs, toy):
+    agent_name, tmp_path, tiny_sac_config, assert_same_logs, toy
+):
     from plasticity_zoo import agents
     from plasticity_zoo.training import device
 
     if agent_name == "sac":
-        cfg = tiny_sac_config(env=TOY, seeds=2, num_envs=2, total_steps=48, learning_starts=16, eval_every=24,
-                              eval_episodes=1, log_every=8, checkpoint_every=24)
+        cfg = tiny_sac_config(
+            env=TOY,
+            seeds=2,
+            num_envs=2,
+            total_steps=48,
+            learning_starts=16,
+            eval_every=24,
+            eval_episodes=1,
+            log_every=8,
+            checkpoint_every=24,
+        )
     else:
         from plasticity_zoo.agents.mrq import MRQConfig
 
-        cfg = RunConfig(env=TOY, seeds=2, num_envs=2, total_steps=48, eval_every=24, eval_episodes=1, log_every=8,
-                        checkpoint_every=24, progress=False, network=NetworkConfig(width=16), agent_name="mrq",
-                        agent=MRQConfig(buffer_size=256, batch_size=8, learning_starts=16, target_update_freq=4))
+        cfg = RunConfig(
+            env=TOY,
+            seeds=2,
+            num_envs=2,
+            total_steps=48,
+            eval_every=24,
+            eval_episodes=1,
+            log_every=8,
+            checkpoint_every=24,
+            progress=False,
+            network=NetworkConfig(width=16),
+            agent_name="mrq",
+            agent=MRQConfig(buffer_size=256, batch_size=8, learning_starts=16, target_update_freq=4),
+        )
     agent = agents.get(agent_name)
     full = device.train(cfg, agent, tmp_path / "full")
     part = device.train(cfg, agent, tmp_path / "part", stop_at=20)
@@ -365,8 +431,9 @@ def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_c
 
     temps = []
     for capacity in (4_096, 65_536):
-        cfg = tiny_sac_config(env=TOY, seeds=1, num_envs=2, buffer_size=capacity, batch_size=32,
-                              network=NetworkConfig(width=16, depth=1))
+        cfg = tiny_sac_config(
+            env=TOY, seeds=1, num_envs=2, buffer_size=capacity, batch_size=32, network=NetworkConfig(width=16, depth=1)
+        )
         it = DeviceOffPolicyIteration(cfg, agents.get("sac"))
         it.fresh()
         compiled = it.chunk_fn.lower(it.carry, jnp.int32(1), jnp.int32(0), None).compile()
@@ -387,10 +454,21 @@ def test_ppo_on_the_device_learns_to_balance_the_cartpole(tmp_path):
 
     from plasticity_zoo.training import device
 
-    cfg = RunConfig(env=ENV, seeds=2, num_envs=64, total_steps=1_000_000, eval_every=1_000_000, eval_episodes=2,
-                    log_every=200_000, checkpoint_every=1_000_000, progress=False, agent_name="ppo",
-                    agent=ppo.PPOConfig(num_steps=32, num_minibatches=4, update_epochs=4, learning_rate=1e-3,
-                                        gamma=0.995, ent_coef=0.01))
+    cfg = RunConfig(
+        env=ENV,
+        seeds=2,
+        num_envs=64,
+        total_steps=1_000_000,
+        eval_every=1_000_000,
+        eval_episodes=2,
+        log_every=200_000,
+        checkpoint_every=1_000_000,
+        progress=False,
+        agent_name="ppo",
+        agent=ppo.PPOConfig(
+            num_steps=32, num_minibatches=4, update_epochs=4, learning_rate=1e-3, gamma=0.995, ent_coef=0.01
+        ),
+    )
     out = device.train(cfg, ppo, tmp_path / "run")
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))
     first = [float(r["return_mean"]) for r in rows if int(r["step"]) == 0]
@@ -416,9 +494,20 @@ def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
     from plasticity_zoo.agents.sac import SACConfig
     from plasticity_zoo.training import device
 
-    cfg = RunConfig(env=ENV, seeds=2, num_envs=16, total_steps=20_000, eval_every=10_000, eval_episodes=2,
-                    log_every=2_000, checkpoint_every=20_000, progress=False, network=NetworkConfig(width=64),
-                    agent_name="sac", agent=SACConfig(buffer_size=20_000, learning_starts=2_000))
+    cfg = RunConfig(
+        env=ENV,
+        seeds=2,
+        num_envs=16,
+        total_steps=20_000,
+        eval_every=10_000,
+        eval_episodes=2,
+        log_every=2_000,
+        checkpoint_every=20_000,
+        progress=False,
+        network=NetworkConfig(width=64),
+        agent_name="sac",
+        agent=SACConfig(buffer_size=20_000, learning_starts=2_000),
+    )
     device.train(cfg, agents.get("sac"), tmp_path / "run")
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))
     for seed in ("0", "1"):

@@ -2,8 +2,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from plasticity_zoo.networks.distributions import (gaussian_log_prob, tanh_gaussian_log_prob, tanh_gaussian_mode,
-                                    tanh_gaussian_sample)
+from plasticity_zoo.networks.distributions import (
+    gaussian_log_prob,
+    tanh_gaussian_log_prob,
+    tanh_gaussian_mode,
+    tanh_gaussian_sample,
+)
 
 
 def numeric_tanh_gaussian_density(a, mean, std, h=1e-6):
@@ -24,8 +28,9 @@ def test_tanh_gaussian_log_prob_matches_numerical_density():
 
 def test_tanh_gaussian_density_integrates_to_one():
     a = np.linspace(-1 + 1e-7, 1 - 1e-7, 400001)
-    lp = tanh_gaussian_log_prob(jnp.asarray(a)[:, None], jnp.full((a.size, 1), -1.2), jnp.full((a.size, 1), 0.4),
-                                eps=1e-9)
+    lp = tanh_gaussian_log_prob(
+        jnp.asarray(a)[:, None], jnp.full((a.size, 1), -1.2), jnp.full((a.size, 1), 0.4), eps=1e-9
+    )
     p = np.exp(np.asarray(lp, np.float64))
     assert abs(np.trapezoid(p, a) - 1.0) < 2e-3
 
@@ -39,7 +44,7 @@ def test_sample_log_prob_is_consistent_and_multidimensional():
     assert np.all(np.abs(np.asarray(a)) < 1)
     np.testing.assert_allclose(lp, tanh_gaussian_log_prob(a, mean, log_std), rtol=1e-4)
     # independent dimensions: the joint log-prob is the sum of 1-D log-probs
-    per_dim = sum(tanh_gaussian_log_prob(a[:, i:i + 1], mean[:, i:i + 1], log_std[:, i:i + 1]) for i in range(3))
+    per_dim = sum(tanh_gaussian_log_prob(a[:, i : i + 1], mean[:, i : i + 1], log_std[:, i : i + 1]) for i in range(3))
     np.testing.assert_allclose(lp, per_dim, rtol=1e-4)
     np.testing.assert_allclose(tanh_gaussian_mode(mean), np.tanh(mean))
 
@@ -47,5 +52,6 @@ def test_sample_log_prob_is_consistent_and_multidimensional():
 def test_gaussian_log_prob_against_numpy():
     x, m, s = np.array([[0.5, -1.0]]), np.array([[0.0, 1.0]]), np.array([[0.5, 2.0]])
     ref = np.sum(-0.5 * ((x - m) / s) ** 2 - np.log(s) - 0.5 * np.log(2 * np.pi), axis=-1)
-    np.testing.assert_allclose(gaussian_log_prob(jnp.asarray(x), jnp.asarray(m), jnp.log(jnp.asarray(s))), ref,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        gaussian_log_prob(jnp.asarray(x), jnp.asarray(m), jnp.log(jnp.asarray(s))), ref, rtol=1e-6
+    )

@@ -1,4 +1,5 @@
 """Probabilistic dynamics ensemble (agents/dynamics.py; RAVL's / MBPO's ensemble, Sims et al. 2024)."""
+
 from dataclasses import replace
 
 import gymnasium as gym
@@ -8,13 +9,21 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import dynamics as dyn
-from plasticity_zoo.networks.core import path_names
 from plasticity_zoo.envs import termination
+from plasticity_zoo.networks.core import path_names
 
 OBS, ACT = 3, 2
 # Small but real: 4 members, 2 x 32 SiLU, per-layer weight decay, bootstrap, early-stopping rule active.
-CFG = dyn.DynamicsConfig(members=4, elites=2, width=32, depth=2, weight_decay=(2.5e-5, 5e-5, 1e-4),
-                         batch_size=64, min_epochs=5, max_epochs=40)  # 40: the fit's reward error 0.03-0.055 over
+CFG = dyn.DynamicsConfig(
+    members=4,
+    elites=2,
+    width=32,
+    depth=2,
+    weight_decay=(2.5e-5, 5e-5, 1e-4),
+    batch_size=64,
+    min_epochs=5,
+    max_epochs=40,
+)  # 40: the fit's reward error 0.03-0.055 over
 # seeds 0-3 (25 epochs left it at 0.07-0.16, around test_fits_linear_system's 0.1)
 
 
@@ -64,8 +73,7 @@ def test_fits_linear_system(data, trained):
     mean, logvar = dyn.predict(model, jnp.asarray(s[:7]), jnp.asarray(a[:7]))
     assert mean.shape == logvar.shape == (CFG.members, 7, OBS + 1)
     elite_mean = np.asarray(mean)[np.asarray(model.elites)]  # (E, 7, D): Δs, r of the elites
-    np.testing.assert_allclose(elite_mean[..., :OBS] + s[:7], np.broadcast_to(s2[:7], (CFG.elites, 7, OBS)),
-                               atol=0.1)
+    np.testing.assert_allclose(elite_mean[..., :OBS] + s[:7], np.broadcast_to(s2[:7], (CFG.elites, 7, OBS)), atol=0.1)
     np.testing.assert_allclose(elite_mean[..., OBS], np.broadcast_to(r[:7], (CFG.elites, 7)), atol=0.1)
     next_obs, reward = dyn.step(model, jnp.asarray(s[:200]), jnp.asarray(a[:200]), jax.random.key(1))
     assert next_obs.shape == (200, OBS) and reward.shape == (200,)
@@ -78,7 +86,7 @@ def test_fits_linear_system(data, trained):
 def test_elites_are_lowest_val_mse_and_val_mse_is_of_kept_params(data, trained):
     model, info = trained
     s, a, r, s2 = data
-    np.testing.assert_array_equal(info["elites"], np.argsort(info["val_mse"])[:CFG.elites])
+    np.testing.assert_array_equal(info["elites"], np.argsort(info["val_mse"])[: CFG.elites])
     np.testing.assert_array_equal(np.asarray(model.elites), info["elites"])
     h = info["holdout_idx"]
     recomputed = dyn.validation_mse(model, s[h], a[h], r[h], s2[h])
@@ -96,7 +104,7 @@ def test_corrupted_members_are_not_elites(data, trained):
     val = dyn.validation_mse(model.replace(params=bumped), s[h], a[h], r[h], s2[h])
     new = dyn.with_elites(model.replace(params=bumped), val)
     assert not set(np.asarray(new.elites)) & set(bad)
-    np.testing.assert_array_equal(np.asarray(new.elites), np.argsort(val)[:CFG.elites])
+    np.testing.assert_array_equal(np.asarray(new.elites), np.argsort(val)[: CFG.elites])
 
 
 def test_same_key_same_model_different_key_different(data, trained):
@@ -127,8 +135,13 @@ def test_bad_inputs_are_refused(data):
     # configs round-trip through JSON (lists for tuples), and the Unifloral preset (spec 3.2)
     assert dyn.DynamicsConfig(weight_decay=[2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4]) == dyn.DynamicsConfig()
     u = dyn.unifloral_config()
-    assert (u.activation, u.normalize_inputs, u.min_epochs, u.max_epochs, u.elite_sampling) == \
-        ("relu", False, 400, 400, "step") and u.adamw_weight_decay == 2.5e-5
+    assert (u.activation, u.normalize_inputs, u.min_epochs, u.max_epochs, u.elite_sampling) == (
+        "relu",
+        False,
+        400,
+        400,
+        "step",
+    ) and u.adamw_weight_decay == 2.5e-5
 
 
 # ----------------------------------------------------------------------------- loss and bounds
@@ -161,8 +174,12 @@ def test_ensemble_loss_matches_numpy():
     cfg = replace(CFG, weight_decay=(0.1, 0.2, 0.3), logvar_range_coef=0.05)
     model = dyn.init_model(jax.random.key(3), OBS, ACT, cfg)
     rng = np.random.default_rng(0)
-    params = edit(model.params, lambda n, x: x + jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
-                  if n.endswith("logvar") or n.endswith("bias") else x)
+    params = edit(
+        model.params,
+        lambda n, x: (
+            x + jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype) if n.endswith("logvar") or n.endswith("bias") else x
+        ),
+    )
     x = rng.normal(size=(CFG.members, 4, OBS + ACT)).astype(np.float32)
     y = rng.normal(size=(CFG.members, 4, OBS + 1)).astype(np.float32)
     loss = jax.jit(dyn.ensemble_loss, static_argnames=("net", "cfg"))
@@ -182,9 +199,15 @@ def test_ensemble_loss_matches_numpy():
         lv = lo + sp((hi - sp(hi - raw)) - lo)
         n = np.mean(lv + (y[m] - mu) ** 2 * np.exp(-lv))
         ref_nll.append(n)
-        wd = sum(0.5 * c * (p[k][m] ** 2).sum() for c, k in
-                 [(0.1, "trunk/layers/0/kernel"), (0.2, "trunk/layers/1/kernel"), (0.3, "mean/kernel"),
-                  (0.3, "logvar/kernel")])
+        wd = sum(
+            0.5 * c * (p[k][m] ** 2).sum()
+            for c, k in [
+                (0.1, "trunk/layers/0/kernel"),
+                (0.2, "trunk/layers/1/kernel"),
+                (0.3, "mean/kernel"),
+                (0.3, "logvar/kernel"),
+            ]
+        )
         ref_total += n + 0.05 * (hi.sum() - lo.sum()) + wd
     np.testing.assert_allclose(np.asarray(nll), ref_nll, rtol=1e-5)
     np.testing.assert_allclose(float(total), ref_total, rtol=1e-5)
@@ -210,20 +233,22 @@ def test_bootstrap_resamples_are_dealt_to_the_members_anew_each_epoch(data, monk
     assert all(sorted(map(tuple, d)) == first for d in dealt)  # the same resamples every epoch
     assert any(not np.array_equal(d, dealt[0]) for d in dealt[1:4])  # dealt in another order
     nobs = dyn.train(jax.random.key(0), *data, replace(cfg, bootstrap=False))[1]["epochs"]
-    assert all(np.array_equal(d, np.tile(np.arange(d.shape[1]), (5, 1))) for d in dealt[4:4 + nobs])
+    assert all(np.array_equal(d, np.tile(np.arange(d.shape[1]), (5, 1))) for d in dealt[4 : 4 + nobs])
 
 
 def test_early_stopping_rule():
     cfg = dyn.DynamicsConfig(patience=2, min_epochs=6, max_epochs=20, improvement=0.01, lr_cut=0.3)
     stop = dyn.EarlyStopping(cfg, 2)
-    seq = [([1.0, 1.0], "continue"),    # epoch 0: sets the bests
-           ([0.9, 1.0], "continue"),    # 1: member 0 improves 10%
-           ([0.895, 1.0], "continue"),  # 2: 0.6% is no progress (stall 1)
-           ([0.895, 0.995], "cut_lr"),  # 3: stall 2 before min_epochs -> cut the lr once
-           ([0.9, 1.0], "continue"),    # 4: stall 1
-           ([0.9, 1.0], "continue"),    # 5: stall 2, lr already cut -> go on
-           ([0.9, 1.0], "continue"),    # 6: stall 3, but a stop needs epoch > min_epochs (the reference's 0-based
-           ([0.9, 1.0], "stop")]        # 7:   i >= min_epochs) -> stop
+    seq = [
+        ([1.0, 1.0], "continue"),  # epoch 0: sets the bests
+        ([0.9, 1.0], "continue"),  # 1: member 0 improves 10%
+        ([0.895, 1.0], "continue"),  # 2: 0.6% is no progress (stall 1)
+        ([0.895, 0.995], "cut_lr"),  # 3: stall 2 before min_epochs -> cut the lr once
+        ([0.9, 1.0], "continue"),  # 4: stall 1
+        ([0.9, 1.0], "continue"),  # 5: stall 2, lr already cut -> go on
+        ([0.9, 1.0], "continue"),  # 6: stall 3, but a stop needs epoch > min_epochs (the reference's 0-based
+        ([0.9, 1.0], "stop"),
+    ]  # 7:   i >= min_epochs) -> stop
     for epoch, (val, want) in enumerate(seq):
         _, action = stop.update(epoch, val)
         assert action == want, (epoch, action)
@@ -240,14 +265,27 @@ def test_early_stopping_rule():
 
 def test_epoch_progress_reports_first_periodic_slow_and_final_epochs():
     lines, now = [], [0.0]
-    progress = dyn.epoch_progress(lines.append, max_epochs=dyn.NO_EPOCH_CAP, every=5, interval_s=60.0,
-                                  clock=lambda: now[0])
-    row = lambda action="continue": {"train_loss": -1.5, "best_val_mse": np.array([0.3, 0.2]),  # noqa: E731
-                                     "action": action}
+    progress = dyn.epoch_progress(
+        lines.append, max_epochs=dyn.NO_EPOCH_CAP, every=5, interval_s=60.0, clock=lambda: now[0]
+    )
+    row = lambda action="continue": {  # noqa: E731
+        "train_loss": -1.5,
+        "best_val_mse": np.array([0.3, 0.2]),
+        "action": action,
+    }
     reported = []
-    for epoch, (seconds, action) in enumerate([(10, "continue"), (10, "continue"), (70, "continue"),
-                                               (10, "continue"), (10, "continue"), (10, "continue"),
-                                               (10, "stop")], start=1):
+    for epoch, (seconds, action) in enumerate(
+        [
+            (10, "continue"),
+            (10, "continue"),
+            (70, "continue"),
+            (10, "continue"),
+            (10, "continue"),
+            (10, "continue"),
+            (10, "stop"),
+        ],
+        start=1,
+    ):
         now[0] += seconds
         before = len(lines)
         progress(epoch, row(action))
@@ -268,8 +306,7 @@ def test_epoch_progress_reports_first_periodic_slow_and_final_epochs():
 
 def constant_model(sampling, elites=(1, 3)):
     """Near-deterministic 4-member model: member m maps s -> s + [1, m, 0], r = 10 + m (std e^-15)."""
-    cfg = dyn.DynamicsConfig(members=4, elites=len(elites), width=8, depth=1, weight_decay=0.0,
-                             elite_sampling=sampling)
+    cfg = dyn.DynamicsConfig(members=4, elites=len(elites), width=8, depth=1, weight_decay=0.0, elite_sampling=sampling)
     model = dyn.init_model(jax.random.key(0), 3, 1, cfg)
     members = jnp.arange(4.0)
     bias = jnp.stack([jnp.ones(4), members, jnp.zeros(4), 10 + members], 1)
@@ -310,19 +347,23 @@ def test_rollout_stops_at_first_termination():
     assert batch.obs.shape == (6, 16, 3) and batch.action.shape == (6, 16, 1) and batch.reward.shape == (6, 16)
     assert valid[:, 4:].all()  # padding rows never terminate
     batch, valid = jax.tree.map(lambda a: a[:, :4], batch), valid[:, :4]
-    want = np.array([[1, 1, 1, 1, 0, 0],   # 0.5, 1.5, 2.5, 3.5 > 3: terminates at step 3
-                     [1, 0, 0, 0, 0, 0],   # 3.5 > 3 at step 0
-                     [1, 0, 0, 0, 0, 0],   # already past: terminates at step 0
-                     [1, 1, 1, 1, 1, 1]], bool).T  # never
+    want = np.array(
+        [
+            [1, 1, 1, 1, 0, 0],  # 0.5, 1.5, 2.5, 3.5 > 3: terminates at step 3
+            [1, 0, 0, 0, 0, 0],  # 3.5 > 3 at step 0
+            [1, 0, 0, 0, 0, 0],  # already past: terminates at step 0
+            [1, 1, 1, 1, 1, 1],
+        ],
+        bool,
+    ).T  # never
     np.testing.assert_array_equal(valid, want)
     term = batch.terminated & valid
-    np.testing.assert_array_equal(term.T, [[0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0],
-                                           [0] * 6])
+    np.testing.assert_array_equal(term.T, [[0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [0] * 6])
     assert not batch.truncated.any()
     for row in range(4):  # no valid transition after a terminated one
         t_end = np.flatnonzero(term[:, row])
         if len(t_end):
-            assert not valid[t_end[0] + 1:, row].any()
+            assert not valid[t_end[0] + 1 :, row].any()
     # valid steps chain: obs_t = next_obs_{t-1}; s' = s + [1, m, 0], r = 10 + m for an elite m
     np.testing.assert_allclose(batch.obs[1:][valid[1:]], batch.next_obs[:-1][valid[1:]], atol=1e-5)
     delta = batch.next_obs - batch.obs
@@ -387,7 +428,11 @@ def test_termination_matches_gymnasium_v5(env_id, episodes):
 
 
 def test_termination_fn_names_and_edge_cases():
-    assert termination.termination_fn("hopper") is termination.termination_fn("Hopper-v5") is termination.termination_fn("hopper-medium-v2")
+    assert (
+        termination.termination_fn("hopper")
+        is termination.termination_fn("Hopper-v5")
+        is termination.termination_fn("hopper-medium-v2")
+    )
     assert termination.termination_fn("walker2d-medium-replay-v2") is termination.walker2d_done
     assert termination.termination_fn("HalfCheetah-v5") is termination.halfcheetah_done
     for bad in ("Ant-v5", "dmc:walker-walk", "walker"):
@@ -397,10 +442,13 @@ def test_termination_fn_names_and_edge_cases():
     assert termination.termination_fn("MyEnv-v1") is termination.never_done
     del termination.TERMINATION_FNS["myenv"]
     healthy = np.array([1.2, 0.0] + [0.0] * 9, np.float32)
-    cases = {"healthy": (healthy, False), "low": (np.r_[0.7, healthy[1:]], True),
-             "tilted": (np.r_[healthy[:1], 0.2, healthy[2:]], True),
-             "huge": (np.r_[healthy[:5], 100.0, healthy[6:]], True),
-             "nan": (np.r_[healthy[:5], np.nan, healthy[6:]], True)}
+    cases = {
+        "healthy": (healthy, False),
+        "low": (np.r_[0.7, healthy[1:]], True),
+        "tilted": (np.r_[healthy[:1], 0.2, healthy[2:]], True),
+        "huge": (np.r_[healthy[:5], 100.0, healthy[6:]], True),
+        "nan": (np.r_[healthy[:5], np.nan, healthy[6:]], True),
+    }
     for name, (o, want) in cases.items():
         assert bool(termination.hopper_done(jnp.asarray(o[None]))[0]) == want, name
     w = jnp.array([[1.0, 0.5], [2.0, 0.0], [0.8, 0.0], [1.0, -1.0], [np.nan, 0.0]])
@@ -422,8 +470,9 @@ def test_save_load_round_trip(tmp_path, data, trained):
     for x, y in zip(dyn.predict(model, s[:50], a[:50]), dyn.predict(back, s[:50], a[:50])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     k = jax.random.key(5)
-    np.testing.assert_array_equal(np.asarray(dyn.step(model, s[:9], a[:9], k)[0]),
-                                  np.asarray(dyn.step(back, s[:9], a[:9], k)[0]))
+    np.testing.assert_array_equal(
+        np.asarray(dyn.step(model, s[:9], a[:9], k)[0]), np.asarray(dyn.step(back, s[:9], a[:9], k)[0])
+    )
 
     stored = dict(np.load(path))
     stored["params/mean/kernel"] = stored["params/mean/kernel"][:, :-1]
@@ -445,7 +494,13 @@ def test_neubay_config_is_the_papers_posterior():
     cfg = dyn.neubay_config()
     assert (cfg.members, cfg.elites, cfg.width, cfg.depth) == (128, 100, 200, 4)
     assert cfg.activation == "leaky_relu" and cfg.layer_norm and not cfg.bootstrap
-    assert (cfg.adamw_weight_decay, cfg.lr, cfg.batch_size, cfg.max_holdout, cfg.holdout) == (5e-5, 1e-3, 256, 1000, 0.2)
+    assert (cfg.adamw_weight_decay, cfg.lr, cfg.batch_size, cfg.max_holdout, cfg.holdout) == (
+        5e-5,
+        1e-3,
+        256,
+        1000,
+        0.2,
+    )
     assert (cfg.patience, cfg.improvement, cfg.min_epochs, cfg.lr_cut) == (5, 0.01, 0, 1.0)
     assert cfg.target_scaling == "zscore" and not cfg.learn_logvar_bounds and cfg.elite_sampling == "trajectory"
     assert (cfg.min_logvar_init / 2, cfg.max_logvar_init / 2) == (-5.0, 0.25)  # log sigma in [-5, 0.25]
@@ -465,12 +520,14 @@ def test_zscored_targets_are_the_residual_on_the_zscored_state(data):
     raw_mean, raw_logvar = model.net(model.params, jnp.asarray(x))
     mean, logvar = dyn.predict(model, s[:20], a[:20])
     std = np.asarray(model.target_std)
-    np.testing.assert_allclose(np.asarray(mean), np.asarray(raw_mean) * std + np.asarray(model.target_mean),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(mean), np.asarray(raw_mean) * std + np.asarray(model.target_mean), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(np.asarray(logvar), np.asarray(raw_logvar) + 2 * np.log(std), rtol=1e-5, atol=1e-5)
     # holdout MSE is in the training (z-scored) units, and the fit is real there
-    val = dyn.validation_mse(model, s[info["holdout_idx"]], a[info["holdout_idx"]], r[info["holdout_idx"]],
-                             s2[info["holdout_idx"]])
+    val = dyn.validation_mse(
+        model, s[info["holdout_idx"]], a[info["holdout_idx"]], r[info["holdout_idx"]], s2[info["holdout_idx"]]
+    )
     np.testing.assert_allclose(val, info["val_mse"], rtol=1e-4)
     scaled = (np.c_[s2 - s, r] - np.asarray(model.target_mean)) / std
     assert info["val_mse"].min() < 0.1 * scaled.var(0).mean(), (info["val_mse"], scaled.var(0).mean())
@@ -509,8 +566,9 @@ def test_without_bootstrap_each_member_shuffles_its_own_way(data):
     after, _, _ = dyn._train_epoch(same, opt, jax.random.key(1), x, y, boot, model.net, dyn._epoch_cfg(cfg))
     kernel = np.asarray(named(after)["trunk/layers/0/kernel"])
     assert not np.allclose(kernel[0], kernel[1])
-    shared, _, _ = dyn._train_epoch(same, opt, jax.random.key(1), x, y, boot, model.net,
-                                    dyn._epoch_cfg(replace(cfg, bootstrap=True)))
+    shared, _, _ = dyn._train_epoch(
+        same, opt, jax.random.key(1), x, y, boot, model.net, dyn._epoch_cfg(replace(cfg, bootstrap=True))
+    )
     kernel = np.asarray(named(shared)["trunk/layers/0/kernel"])  # one shared order, identity "bootstrap"
     np.testing.assert_allclose(kernel[0], kernel[1], rtol=1e-5, atol=1e-6)
 
@@ -530,12 +588,14 @@ def test_elites_are_the_best_100_of_128(data):
 
 def _constant_members(model, means):
     """Every member predicts the constant (M, D) ``means`` (training units): mean head = bias only."""
+
     def put(name, x):
         if name == "mean/kernel":
             return jnp.zeros_like(x)
         if name == "mean/bias":
             return jnp.asarray(means, x.dtype)
         return x
+
     return model.replace(params=edit(model.params, put))
 
 
@@ -554,6 +614,7 @@ def test_epistemic_uncertainty_and_threshold_hand_case(data):
     # a member whose mean grows with the action: uncertainty varies over rows; threshold = its max
     def put(name, x):
         return x.at[0].set(0.0).at[0, 0, 0].set(1.0) if name == "mean/kernel" else x
+
     varying = model.replace(params=edit(model.params, put), elites=jnp.asarray([0, 1], jnp.int32))
     rows = np.asarray(dyn.epistemic_uncertainty(varying, s, a))
     assert rows.std() > 0

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import sac
-from plasticity_zoo.envs import make_env, make_vector_env
 from plasticity_zoo.buffers import replay
+from plasticity_zoo.envs import make_env, make_vector_env
 
 
 def test_truncation_and_termination_reach_the_buffer_and_the_target():
@@ -36,8 +36,14 @@ def test_truncation_and_termination_reach_the_buffer_and_the_target():
     # the returned observation to act on after truncation is the reset one
     np.testing.assert_allclose(obs[1], [0.0, 0.0])
     # TD targets: the truncated transition bootstraps, the terminated one does not
-    y = sac.td_target(jnp.array([1.0, 1.0]), d.terminated[jnp.array([rows[(2, 0)], rows[(4, 1)]])],
-                      jnp.array([10.0, 10.0]), jnp.zeros(2), 0.0, 0.9)
+    y = sac.td_target(
+        jnp.array([1.0, 1.0]),
+        d.terminated[jnp.array([rows[(2, 0)], rows[(4, 1)]])],
+        jnp.array([10.0, 10.0]),
+        jnp.zeros(2),
+        0.0,
+        0.9,
+    )
     np.testing.assert_allclose(y, [1.0, 10.0])
     assert [ret for _, ret, _ in env.pop_finished()] == [3.0, 5.0]
 
@@ -49,16 +55,27 @@ def test_replay_wraps_around_and_samples_only_stored_rows():
         buf = replay.add(buf, replay.Transition(x, x, jnp.full(2, float(k)), x, jnp.zeros(2, bool), jnp.zeros(2, bool)))
     assert int(buf.size) == 5 and int(buf.ptr) == 1
     np.testing.assert_allclose(buf.data.reward, [2, 0, 1, 1, 2])  # 6 rows into 5 slots: row 5 overwrote row 0
-    small = replay.add(replay.init(100, 1, 1), replay.Transition(
-        jnp.ones((3, 1)), jnp.ones((3, 1)), jnp.array([7.0, 8.0, 9.0]), jnp.ones((3, 1)), jnp.zeros(3, bool),
-        jnp.zeros(3, bool)))
+    small = replay.add(
+        replay.init(100, 1, 1),
+        replay.Transition(
+            jnp.ones((3, 1)),
+            jnp.ones((3, 1)),
+            jnp.array([7.0, 8.0, 9.0]),
+            jnp.ones((3, 1)),
+            jnp.zeros(3, bool),
+            jnp.zeros(3, bool),
+        ),
+    )
     import jax
+
     s = replay.sample(small, jax.random.key(0), 1000)
     assert set(np.asarray(s.reward).tolist()) == {7.0, 8.0, 9.0}
 
 
-@pytest.mark.parametrize("env_id,obs_dim,act_dim,horizon", [
-    ("Pendulum-v1", 3, 1, 200), ("HalfCheetah-v5", 17, 6, 1000), ("dmc:cartpole-balance", 5, 1, 500)])
+@pytest.mark.parametrize(
+    "env_id,obs_dim,act_dim,horizon",
+    [("Pendulum-v1", 3, 1, 200), ("HalfCheetah-v5", 17, 6, 1000), ("dmc:cartpole-balance", 5, 1, 500)],
+)
 def test_env_ids_shapes_action_range_and_time_limits(env_id, obs_dim, act_dim, horizon):
     env = make_env(env_id, seed=0)
     obs, _ = env.reset(seed=0)

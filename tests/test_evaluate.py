@@ -6,6 +6,7 @@ non-stationary dmc: run that follows its schedule); ``--step`` and ``--seed`` se
 frame at the reset and one per agent step; mistakes give one ``error:`` line and exit status 2; the
 run's own files are never written.  Runs are tiny (Pendulum / ToyReach / cartpole, width 16).
 """
+
 import csv
 import dataclasses
 import hashlib
@@ -33,8 +34,18 @@ def _sac_config(run_dir, **kw):
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     agent = SACConfig(buffer_size=5000, batch_size=32, learning_starts=kw.pop("learning_starts", 200))
-    base = dict(env="Pendulum-v1", total_steps=600, eval_every=300, eval_episodes=2, log_every=100,
-                checkpoint_every=300, progress=False, network=NetworkConfig(width=16), agent_name="sac", agent=agent)
+    base = dict(
+        env="Pendulum-v1",
+        total_steps=600,
+        eval_every=300,
+        eval_episodes=2,
+        log_every=100,
+        checkpoint_every=300,
+        progress=False,
+        network=NetworkConfig(width=16),
+        agent_name="sac",
+        agent=agent,
+    )
     return RunConfig(**{**base, **kw}, run_dir=str(run_dir))
 
 
@@ -49,8 +60,13 @@ def _digest(run_dir) -> dict:
     """sha256 and modification time of the run's own files and of everything in its checkpoints."""
     d = Path(run_dir)
     files = [d / n for n in ("config.json", "eval.csv", "metrics.csv")] + sorted((d / "ckpt").rglob("*"))
-    return {str(p.relative_to(d)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None,
-                                    p.stat().st_mtime_ns) for p in files}
+    return {
+        str(p.relative_to(d)): (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None,
+            p.stat().st_mtime_ns,
+        )
+        for p in files
+    }
 
 
 def _gif(path):
@@ -93,11 +109,15 @@ def test_returns_are_the_runs_own_final_evaluation_and_the_run_is_not_written(sa
     assert out["returns"] == [own[0], own[1]]  # exact: the same program on the same inputs
     assert "the run's own evaluation at step 600 (eval.csv): the same returns" in capsys.readouterr().out
     rows = list(csv.DictReader(open(tmp_path / "e.csv")))
-    assert [(r["step"], r["seed"], r["env"]) for r in rows] == [("600", "0", "Pendulum-v1"), ("600", "1", "Pendulum-v1")]
+    assert [(r["step"], r["seed"], r["env"]) for r in rows] == [
+        ("600", "0", "Pendulum-v1"),
+        ("600", "1", "Pendulum-v1"),
+    ]
     eval_rows = [r for r in csv.DictReader(open(sac_run / "eval.csv")) if r["step"] == "600"]
     for mine, theirs in zip(rows, eval_rows):  # the same columns as eval.csv, written the same way
-        assert [mine[k] for k in ("return_mean", "return_std", "episode_returns")] == \
-               [theirs[k] for k in ("return_mean", "return_std", "episode_returns")]
+        assert [mine[k] for k in ("return_mean", "return_std", "episode_returns")] == [
+            theirs[k] for k in ("return_mean", "return_std", "episode_returns")
+        ]
     # the default output is RUN_DIR/evaluate.csv, appended to; nothing else in the run changes
     evaluate.main([str(sac_run), "--seed", "1"])
     evaluate.main([str(sac_run), "--seed", "1", "--episodes", "1"])
@@ -133,8 +153,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(sac_run, tmp_path
 
 @pytest.mark.slow
 def test_ppo_evaluates_with_its_observation_normaliser_and_clipped_actions(tmp_path):
-    from tests import golden
     from plasticity_zoo.training.run import run
+    from tests import golden
 
     cfg = dataclasses.replace(golden.CASES["ppo_clip_actions"](tmp_path), run_dir=str(tmp_path / "ppo"))
     run(cfg)
@@ -144,8 +164,8 @@ def test_ppo_evaluates_with_its_observation_normaliser_and_clipped_actions(tmp_p
 
 @pytest.mark.slow
 def test_offline_ravl_evaluates_on_the_datasets_env(tmp_path):
-    from tests import golden
     from plasticity_zoo.training.run import run
+    from tests import golden
 
     cfg = dataclasses.replace(golden.CASES["ravl_toy"](tmp_path), run_dir=str(tmp_path / "ravl"))
     run(cfg)
@@ -160,8 +180,9 @@ def test_offline_ravl_evaluates_on_the_datasets_env(tmp_path):
 def test_video_of_a_pendulum_episode_has_a_frame_per_step(sac_run, tmp_path):
     before = _digest(sac_run)
     gif = tmp_path / "v" / "pendulum.gif"
-    out = evaluate.main([str(sac_run), "--seed", "1", "--out", str(tmp_path / "e.csv"), "--video", str(gif),
-                         "--video-size", "64x48"])
+    out = evaluate.main(
+        [str(sac_run), "--seed", "1", "--out", str(tmp_path / "e.csv"), "--video", str(gif), "--video-size", "64x48"]
+    )
     v = out["video"]
     assert (v["steps"], v["frames"], v["seed"]) == (200, 201, 1)  # the reset and each of the 200 steps
     assert v["return"] == out["returns"][0][0] == _own_eval(sac_run)[1][0]  # the evaluation's own episode
@@ -175,12 +196,25 @@ def test_mp4_needs_imageio_ffmpeg_or_says_what_to_install(sac_run, tmp_path, mon
     if importlib.util.find_spec("imageio_ffmpeg") is not None:
         import imageio_ffmpeg
 
-        out = evaluate.main([str(sac_run), "--out", str(tmp_path / "e.csv"), "--video", str(mp4), "--video-size", "64x48",
-                             "--fps", "50"])
+        out = evaluate.main(
+            [
+                str(sac_run),
+                "--out",
+                str(tmp_path / "e.csv"),
+                "--video",
+                str(mp4),
+                "--video-size",
+                "64x48",
+                "--fps",
+                "50",
+            ]
+        )
         assert out["video"]["frames"] == 201
         assert imageio_ffmpeg.count_frames_and_secs(str(mp4))[0] == 201
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a)
+    )
     with pytest.raises(SystemExit) as e:
         evaluate.cli([str(sac_run), "--out", str(tmp_path / "e.csv"), "--video", str(tmp_path / "q.mp4")])
     assert e.value.code == 2
@@ -190,8 +224,9 @@ def test_mp4_needs_imageio_ffmpeg_or_says_what_to_install(sac_run, tmp_path, mon
 
 
 def _cli(args, tmp_path):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=tmp_path,
-                          env=ENV, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600
+    )
 
 
 def _rendered(done) -> bool:
@@ -209,8 +244,16 @@ def test_video_of_a_nonstationary_dmc_run_follows_its_schedule(tmp_path):
     from plasticity_zoo.training.run import run
 
     d = tmp_path / "dmc"
-    run(_sac_config(d, env="ns:reward_flip:dmc:cartpole-balance:term=all,every=100", action_repeat=8,
-                    total_steps=300, learning_starts=100, eval_episodes=1))
+    run(
+        _sac_config(
+            d,
+            env="ns:reward_flip:dmc:cartpole-balance:term=all,every=100",
+            action_repeat=8,
+            total_steps=300,
+            learning_starts=100,
+            eval_episodes=1,
+        )
+    )
     own = _own_eval(d)[0]
     assert own[0] < 0  # flipped
     before = _digest(d)
@@ -230,8 +273,17 @@ def test_video_of_a_gymnasium_mujoco_env(tmp_path):
     from plasticity_zoo.training.run import run
 
     d = tmp_path / "ip"
-    run(_sac_config(d, env="InvertedPendulum-v5", total_steps=200, learning_starts=100, eval_every=200,
-                    eval_episodes=1, checkpoint_every=200))
+    run(
+        _sac_config(
+            d,
+            env="InvertedPendulum-v5",
+            total_steps=200,
+            learning_starts=100,
+            eval_every=200,
+            eval_episodes=1,
+            checkpoint_every=200,
+        )
+    )
     done = _cli([str(d), "--video", str(tmp_path / "ip.gif"), "--video-size", "64x48", "--fps", "10"], tmp_path)
     if not _rendered(done):
         pytest.skip(done.stderr)
@@ -255,14 +307,19 @@ CASES = {
     "not-a-run": (lambda t, r: [str(t)], "not a run directory (no config.json)"),
     "no-checkpoint": (lambda t, r: [str(_config_only(t, r))], "no checkpoint in"),
     "missing-step": (lambda t, r: [str(r), "--step", "123"], "no checkpoint at step 123; checkpoints: 300, 600"),
-    "other-shapes": (lambda t, r: [str(r), "--env", "MountainCarContinuous-v0"],
-                     "--env MountainCarContinuous-v0 does not fit the run: its observations are (2,)"),
+    "other-shapes": (
+        lambda t, r: [str(r), "--env", "MountainCarContinuous-v0"],
+        "--env MountainCarContinuous-v0 does not fit the run: its observations are (2,)",
+    ),
     "unknown-env": (lambda t, r: [str(r), "--env", "Nope-v3"], "unknown env id 'Nope-v3'"),
     "seed-out-of-range": (lambda t, r: [str(r), "--seed", "2"], "--seed 2: the run has 2 seed(s)"),
     "no-episodes": (lambda t, r: [str(r), "--episodes", "0"], "--episodes must be >= 1"),
     "out-is-eval-csv": (lambda t, r: [str(r), "--out", str(r / "eval.csv")], "is the run's own eval.csv"),
     "out-not-a-file": (lambda t, r: [str(r), "--out", str(t)], "is not a regular file"),
-    "video-in-ckpt": (lambda t, r: [str(r), "--video", str(r / "ckpt" / "v.gif")], "inside the run's checkpoint folder"),
+    "video-in-ckpt": (
+        lambda t, r: [str(r), "--video", str(r / "ckpt" / "v.gif")],
+        "inside the run's checkpoint folder",
+    ),
     "video-format": (lambda t, r: [str(r), "--video", str(t / "v.avi")], "write a .gif"),
     "video-size": (lambda t, r: [str(r), "--video", str(t / "v.gif"), "--video-size", "big"], "expected WIDTHxHEIGHT"),
 }

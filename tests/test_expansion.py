@@ -1,7 +1,8 @@
 """Neuroplastic Expansion (plasticity/expansion.py, plasticity/optim.py masks) and the Kron option."""
+
 import csv
-import json
 import importlib.util
+import json
 import types
 
 import jax
@@ -10,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 
+from plasticity_zoo.buffers import replay
 from plasticity_zoo.plasticity import expansion, optim
 from plasticity_zoo.plasticity.hooks import check_applicable, check_optimizers
-from plasticity_zoo.buffers import replay
 from plasticity_zoo.training.config import NetworkConfig, PlasticityConfig
 
 HAS_KRON = importlib.util.find_spec("psgdax") is not None  # the kron extra (make test installs it)
@@ -21,13 +22,20 @@ HAS_KRON = importlib.util.find_spec("psgdax") is not None  # the kron extra (mak
 def _params(key=0, shapes=((3, 8), (8, 8), (8, 2))):
     """A plain MLP-shaped param tree: layers/<i>/{kernel, bias}."""
     keys = jax.random.split(jax.random.key(key), len(shapes))
-    return {"layers": {i: {"kernel": jax.random.normal(k, s), "bias": jnp.zeros(s[1])}
-                       for i, (k, s) in enumerate(zip(keys, shapes))}}
+    return {
+        "layers": {
+            i: {"kernel": jax.random.normal(k, s), "bias": jnp.zeros(s[1])}
+            for i, (k, s) in enumerate(zip(keys, shapes))
+        }
+    }
 
 
 def _kron(state):
-    return next(n for n in jax.tree.leaves(state, is_leaf=lambda n: type(n).__name__ == "KronState")
-                if type(n).__name__ == "KronState")
+    return next(
+        n
+        for n in jax.tree.leaves(state, is_leaf=lambda n: type(n).__name__ == "KronState")
+        if type(n).__name__ == "KronState"
+    )
 
 
 def _kernel_masks(state):
@@ -70,8 +78,11 @@ def test_masked_weights_stay_exactly_zero_under_many_steps():
 
         for i in range(30):
             params, state = step(params, state, jax.random.key(i))
-        for w, m, w0 in zip([l["kernel"] for _, l in sorted(params["layers"].items())], _kernel_masks(state),
-                            [l["kernel"] for _, l in sorted(p["layers"].items())]):
+        for w, m, w0 in zip(
+            [layer["kernel"] for _, layer in sorted(params["layers"].items())],
+            _kernel_masks(state),
+            [layer["kernel"] for _, layer in sorted(p["layers"].items())],
+        ):
             assert np.all(np.asarray(w)[~np.asarray(m)] == 0.0)
             assert np.all(np.asarray(w)[np.asarray(m)] != np.asarray(w0)[np.asarray(m)])  # the active ones learn
 
@@ -90,8 +101,9 @@ def test_growth_picks_the_top_gradient_inactive_connections():
     params, state = _adam_stepped(_params())
     grads = jax.tree.map(lambda x: jax.random.uniform(jax.random.key(3), x.shape), params)
     grow = np.array([5, 7, 2], np.int32)
-    new_p, new_state, stats = jax.jit(expansion.update_topology)(params, state, grads, grow, np.zeros(3, np.int32),
-                                                        np.bool_(True))
+    new_p, new_state, stats = jax.jit(expansion.update_topology)(
+        params, state, grads, grow, np.zeros(3, np.int32), np.bool_(True)
+    )
     for i, (old, new) in enumerate(zip(_kernel_masks(state), _kernel_masks(new_state))):
         old, new = np.asarray(old), np.asarray(new)
         g = np.asarray(grads["layers"][i]["kernel"])
@@ -113,8 +125,9 @@ def test_pruning_removes_dormant_or_smallest_and_zeroes_their_moments(mode):
     prune = np.array([3, 4, 2], np.int32)
     # layer 1 (leaf index 3: layers/1/{bias, kernel}) has output units 0 and 5 dormant
     dormant = {3: jnp.zeros(8, bool).at[jnp.array([0, 5])].set(True)}
-    new_p, new_state, _ = jax.jit(expansion.update_topology)(params, state, grads, np.zeros(3, np.int32), prune,
-                                                    np.bool_(mode == "magnitude"), dormant)
+    new_p, new_state, _ = jax.jit(expansion.update_topology)(
+        params, state, grads, np.zeros(3, np.int32), prune, np.bool_(mode == "magnitude"), dormant
+    )
     inner_old, inner_new = optim.find_masked(state).inner[0], optim.find_masked(new_state).inner[0]
     for i, (old, new) in enumerate(zip(_kernel_masks(state), _kernel_masks(new_state))):
         old, new = np.asarray(old), np.asarray(new)
@@ -141,8 +154,7 @@ def test_cosine_schedule_grows_to_the_target_then_keeps_it():
     p = _params(shapes=((2, 16, 64), (2, 64, 64), (2, 64, 1)))
     plan = expansion.plan(p, 0.8, "full")
     assert plan.dense == [False, False, True]  # ER density of the 64x1 head exceeds 1
-    sched = expansion.Schedule({"critic": plan}, total_updates=1000, target_sparsity=0.25, kind="cosine",
-                               prune="redo")
+    sched = expansion.Schedule({"critic": plan}, total_updates=1000, target_sparsity=0.25, kind="cosine", prune="redo")
     seen = []
     for t in range(100, 1000, 100):
         grow, prune, magnitude = sched.step(t)["critic"]
@@ -151,7 +163,7 @@ def test_cosine_schedule_grows_to_the_target_then_keeps_it():
     assert seen[0][0] < 0.8 and seen[0][1] and not seen[0][2]  # grows, prunes by ReDo
     reached = next(i for i, (_, growing, _) in enumerate(seen) if not growing)  # the last growth event
     assert reached < 4 and all(abs(s - 0.25) < 1e-3 for s, _, _ in seen[reached:])
-    assert all(m for _, _, m in seen[reached + 1:])  # then magnitude-based dynamic sparse training
+    assert all(m for _, _, m in seen[reached + 1 :])  # then magnitude-based dynamic sparse training
     uniform = expansion.Schedule({"critic": expansion.plan(p, 0.8, "full")}, 1000, 0.25, kind="uniform")
     g, q, _ = uniform.step(100)["critic"]
     assert list(g[:2]) == [int(0.008 * s) for s in plan.init_space[:2]] and list(q) == [int(0.4 * x) for x in g]
@@ -162,7 +174,13 @@ def test_default_schedule_is_the_reference_runs_uniform_growth_from_its_initial_
     n_grow = int(0.008 n_init_space), n_prune = int(0.4 n_grow), magnitude pruning, every event."""
     cfg = PlasticityConfig(ne=True)
     assert (cfg.ne_every, cfg.ne_schedule, cfg.ne_init_space, cfg.ne_prune, cfg.ne_review, cfg.ne_auto_batch) == (
-        100, "uniform", "reference", "magnitude", False, "auto")
+        100,
+        "uniform",
+        "reference",
+        "magnitude",
+        False,
+        "auto",
+    )
     shapes = ((2, 23, 256), (2, 256, 256), (2, 256, 1))  # a SAC critic ensemble on HalfCheetah (17 + 6 inputs)
     p = _params(shapes=shapes)
     plan = expansion.plan(p, cfg.ne_initial_sparsity, cfg.ne_init_space)
@@ -170,8 +188,13 @@ def test_default_schedule_is_the_reference_runs_uniform_growth_from_its_initial_
     ones = optim.initial_counts(p, 0.8)
     assert plan.init_space == [max(0.0, 0.8 * t - o) for t, o in zip(n_total, ones)]
     assert plan.init_space[2] == 0.0 and plan.dense[2]  # the 256x1 head: ER keeps it dense
-    sched = expansion.Schedule({"critic": plan}, total_updates=1_000_000, target_sparsity=cfg.ne_target_sparsity,
-                               kind=cfg.ne_schedule, prune=cfg.ne_prune)
+    sched = expansion.Schedule(
+        {"critic": plan},
+        total_updates=1_000_000,
+        target_sparsity=cfg.ne_target_sparsity,
+        kind=cfg.ne_schedule,
+        prune=cfg.ne_prune,
+    )
     grow = [int(0.008 * s) for s in plan.init_space]
     prune = [int(0.4 * g) for g in grow]
     per_event = sum(2 * (g - q) for g, q in zip(grow, prune))
@@ -191,16 +214,24 @@ def test_default_schedule_is_the_reference_runs_uniform_growth_from_its_initial_
 
 
 def test_auto_batch_halves_the_batch_while_the_critics_fau_is_below_036():
-    batch = replay.Transition(*(jnp.arange(8.0).reshape(8, *s) for s in ((1,), (1,), (), (1,))),
-                              jnp.zeros(8, bool), jnp.zeros(8, bool))
+    batch = replay.Transition(
+        *(jnp.arange(8.0).reshape(8, *s) for s in ((1,), (1,), (), (1,))), jnp.zeros(8, bool), jnp.zeros(8, bool)
+    )
     halved = replay.half_batch(batch, jnp.bool_(True))
     np.testing.assert_array_equal(halved.reward, [0, 1, 2, 3, 0, 1, 2, 3])
     assert float(halved.reward.mean()) == float(batch.reward[:4].mean())  # a row mean = the 4-row batch's
     np.testing.assert_array_equal(replay.half_batch(batch, jnp.bool_(False)).reward, batch.reward)
     # scan_updates applies it to every sampled batch (an update that returns its batch's rewards)
     buf = replay.add(replay.init(64, 1, 1), jax.tree.map(lambda x: jnp.concatenate([x] * 8), batch))
-    last, _, _ = replay.scan_updates(lambda s, b, k: (b.reward, {}), jnp.zeros(8), buf, jax.random.key(0), 3, 8,
-                                     expansion.ReplayControl(half=jnp.bool_(True)))
+    last, _, _ = replay.scan_updates(
+        lambda s, b, k: (b.reward, {}),
+        jnp.zeros(8),
+        buf,
+        jax.random.key(0),
+        3,
+        8,
+        expansion.ReplayControl(half=jnp.bool_(True)),
+    )
     np.testing.assert_array_equal(last[:4], last[4:])
     assert expansion.AUTO_BATCH_FAU == pytest.approx(0.36)
 
@@ -220,8 +251,9 @@ def test_an_ne_event_sets_the_half_batch_flag_from_the_critics_fau(monkeypatch, 
     counts = sched.step(100)
     _, out, control = hooks.ne_step(sac, p_cfg, *one, jax.random.key(0), counts)
     assert control.review is None and bool(control.half) is half and float(out["plasticity/half_batch"]) == half
-    _, _, control = hooks.ne_step(sac, PlasticityConfig(ne=True, ne_auto_batch="off", ne_review=True), *one,
-                                  jax.random.key(0), counts)
+    _, _, control = hooks.ne_step(
+        sac, PlasticityConfig(ne=True, ne_auto_batch="off", ne_review=True), *one, jax.random.key(0), counts
+    )
     assert control.half is None and control.review is not None
 
 
@@ -229,8 +261,9 @@ def test_review_samples_only_the_oldest_30_percent():
     buf = replay.init(100, 1, 1)
     for start in range(0, 130, 10):  # 130 transitions into 100 slots: the oldest stored one is #30
         n = np.arange(start, start + 10, dtype=np.float32)
-        buf = replay.add(buf, replay.Transition(n[:, None], n[:, None], n, n[:, None], np.zeros(10, bool),
-                                                np.zeros(10, bool)))
+        buf = replay.add(
+            buf, replay.Transition(n[:, None], n[:, None], n, n[:, None], np.zeros(10, bool), np.zeros(10, bool))
+        )
     sample = jax.jit(lambda k, p: replay.sample_with_review(buf, k, 4096, p))
     old = np.asarray(sample(jax.random.key(0), 1.0).reward)
     assert old.min() == 30 and old.max() == 59  # transitions 30..59: the oldest 30 of 100
@@ -290,8 +323,9 @@ def counted_train(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(tiny_sac_config, tmp_path,
-                                                                               counted_train, compile_counts):
+def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
+    tiny_sac_config, tmp_path, counted_train, compile_counts
+):
     """One SAC run with --plasticity.ne --plasticity.kron (one run: Kron's XLA compile is the slow part).
 
     Without psgdax installed (the kron extra) it runs NE with Adam.
@@ -300,12 +334,27 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     from plasticity_zoo.training import checkpoint
 
     offpolicy, seen = counted_train
-    cfg = tiny_sac_config(total_steps=400, learning_starts=100, eval_every=400, eval_episodes=1, log_every=40,
-                          checkpoint_every=400, network=NetworkConfig(width=16, depth=1),
-                          # the cosine options (fast growth: the target within the short run), review and auto batch on
-                          plasticity=PlasticityConfig(metrics_every=0, ne=True, ne_every=40, kron=HAS_KRON,
-                                                      ne_schedule="cosine", ne_init_space="full", ne_prune="redo",
-                                                      ne_review=True, ne_auto_batch="on"))
+    cfg = tiny_sac_config(
+        total_steps=400,
+        learning_starts=100,
+        eval_every=400,
+        eval_episodes=1,
+        log_every=40,
+        checkpoint_every=400,
+        network=NetworkConfig(width=16, depth=1),
+        # the cosine options (fast growth: the target within the short run), review and auto batch on
+        plasticity=PlasticityConfig(
+            metrics_every=0,
+            ne=True,
+            ne_every=40,
+            kron=HAS_KRON,
+            ne_schedule="cosine",
+            ne_init_space="full",
+            ne_prune="redo",
+            ne_review=True,
+            ne_auto_batch="on",
+        ),
+    )
     out = offpolicy.train(cfg, sac, tmp_path / "r")
     st = out["state"]
     if HAS_KRON:  # Kron: 301 finite updates; the opt state is PSGD-Kron's, not Adam's
@@ -321,8 +370,10 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     # agent config in the process, so a SAC run of an earlier test may already hold store's executable.)
     assert compile_counts["jit(learn_and_act)"] <= 2 and compile_counts["jit(store)"] <= 1, compile_counts
     # the same schedule on the host: the logged (device) sparsity follows it exactly
-    plans = {n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8, "full")
-             for n, (f, _) in sac.PLASTIC.items()}
+    plans = {
+        n: expansion.plan(jax.tree.map(lambda x: x[0], getattr(st, f)), 0.8, "full")
+        for n, (f, _) in sac.PLASTIC.items()
+    }
     # 0.8 up to the ER counts' rounding: n - int(S n) keeps ceil(d n), one connection more per kernel at most
     assert all(abs(p.sparsity - 0.8) < 0.02 for p in plans.values())
     host = expansion.Schedule(plans, total_updates=301, target_sparsity=0.25, kind="cosine", prune="redo")
@@ -338,8 +389,11 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
     assert 0.25 < sparsity[0] < 0.8 and sparsity[1] < sparsity[0]
     assert all(abs(s - 0.25) < 2e-3 for s in sparsity[3:])  # target reached by the 3rd event, then kept
     # the final nets are sparse exactly where the masks say; the target critic shares the critic's masks
-    for p_field, o_field in (("actor_params", "actor_opt"), ("critic_params", "critic_opt"),
-                             ("target_critic_params", "critic_opt")):
+    for p_field, o_field in (
+        ("actor_params", "actor_opt"),
+        ("critic_params", "critic_opt"),
+        ("target_critic_params", "critic_opt"),
+    ):
         masked = optim.apply_mask(getattr(st, o_field), getattr(st, p_field))
         for a, b in zip(jax.tree.leaves(masked), jax.tree.leaves(getattr(st, p_field))):
             np.testing.assert_array_equal(a, b)
@@ -352,8 +406,12 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
         if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             assert names[i].startswith("agent/")  # arrays are named by their path in the checkpointed tree
             np.testing.assert_array_equal(saved[names[i]], x)
-    losses = [float(r[k]) for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv"))
-              for k in ("losses/critic", "losses/actor") if r.get(k)]
+    losses = [
+        float(r[k])
+        for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv"))
+        for k in ("losses/critic", "losses/actor")
+        if r.get(k)
+    ]
     assert len(losses) >= 14 and np.all(np.isfinite(losses))
 
 
@@ -363,10 +421,16 @@ def test_an_ne_run_with_review_and_auto_batch_resumes_bit_identically(tiny_sac_c
     from plasticity_zoo.agents import sac
     from plasticity_zoo.training import offpolicy
 
-    cfg = tiny_sac_config(total_steps=600, learning_starts=100, checkpoint_every=300, log_every=100,
-                          network=NetworkConfig(width=16, depth=1),
-                          plasticity=PlasticityConfig(metrics_every=0, ne=True, ne_every=50, ne_review=True,
-                                                      ne_auto_batch="on", reset_batch=16))
+    cfg = tiny_sac_config(
+        total_steps=600,
+        learning_starts=100,
+        checkpoint_every=300,
+        log_every=100,
+        network=NetworkConfig(width=16, depth=1),
+        plasticity=PlasticityConfig(
+            metrics_every=0, ne=True, ne_every=50, ne_review=True, ne_auto_batch="on", reset_batch=16
+        ),
+    )
     full = offpolicy.train(cfg, sac, tmp_path / "full")
     part = offpolicy.train(cfg, sac, tmp_path / "part", stop_at=350)
     assert part["step"] < 600

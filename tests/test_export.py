@@ -6,6 +6,7 @@ exported file holds the actor's arrays (named by path) and what acting needs, an
 acts exactly as the restored run (SAC, PPO with its observation normaliser and clipped actions,
 MR.Q through its encoder).  Mistakes give one ``error:`` line.  Runs are tiny (Pendulum, width 16).
 """
+
 import csv
 import dataclasses
 import importlib.util
@@ -18,7 +19,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from plasticity_zoo.analysis import export
+from plasticity_zoo.analysis import export, restore
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("export_script", ROOT / "scripts" / "export.py")
@@ -32,8 +33,19 @@ def _sac_config(run_dir, **kw):
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     agent = SACConfig(buffer_size=5000, batch_size=32, learning_starts=200)
-    base = dict(env="Pendulum-v1", seeds=2, total_steps=300, eval_every=300, eval_episodes=2, log_every=100,
-                checkpoint_every=300, progress=False, network=NetworkConfig(width=16), agent_name="sac", agent=agent)
+    base = dict(
+        env="Pendulum-v1",
+        seeds=2,
+        total_steps=300,
+        eval_every=300,
+        eval_episodes=2,
+        log_every=100,
+        checkpoint_every=300,
+        progress=False,
+        network=NetworkConfig(width=16),
+        agent_name="sac",
+        agent=agent,
+    )
     return RunConfig(**{**base, **kw}, run_dir=str(run_dir))
 
 
@@ -81,29 +93,29 @@ def sac_run(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------- env units
 def test_env_actions_rescale_and_clip_onto_the_bounds():
-    acts = export.EnvActions(np.array([-2.0, 0.0]), np.array([2.0, 1.0]), "rescale", np.float32)
+    acts = restore.EnvActions(np.array([-2.0, 0.0]), np.array([2.0, 1.0]), "rescale", np.float32)
     a = np.array([[-1.0, -1.0], [1.0, 1.0], [0.25, 0.5], [-3.0, 7.0]], np.float32)
     got = acts(a)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, np.array([[-2, 0], [2, 1], [0.5, 0.75], [-2, 1]], np.float32))
-    clip = export.EnvActions(np.array([-2.0]), np.array([2.0]), "clip", np.float64)
+    clip = restore.EnvActions(np.array([-2.0]), np.array([2.0]), "clip", np.float64)
     np.testing.assert_array_equal(clip(np.array([[-2.5], [1.25], [3.0]])), [[-2.0], [1.25], [2.0]])
     with pytest.raises(ValueError, match="unknown action mode"):
-        export.EnvActions(np.zeros(1), np.ones(1), "squash", np.float32)
+        restore.EnvActions(np.zeros(1), np.ones(1), "squash", np.float32)
 
 
 def test_the_action_map_is_found_through_the_envs_wrappers():
     from plasticity_zoo.envs import make_env
 
     env = make_env("Pendulum-v1", 0, 3)
-    acts, repeat = export.env_actions(env), export.action_repeat_of(env)
+    acts, repeat = restore.env_actions(env), restore.action_repeat_of(env)
     assert repeat == 3 and acts.mode == "rescale" and acts.dtype == np.float32
     assert acts.low.tolist() == [-2.0] and acts.high.tolist() == [2.0]
     env = make_env("MountainCarContinuous-v0", 0, action_mode="clip")
-    acts = export.env_actions(env)
-    assert acts.mode == "clip" and acts.high.tolist() == [1.0] and export.action_repeat_of(env) == 1
+    acts = restore.env_actions(env)
+    assert acts.mode == "clip" and acts.high.tolist() == [1.0] and restore.action_repeat_of(env) == 1
     with pytest.raises(ValueError, match="multitask env pads"):
-        export.env_units_supported("mt:dmc4")
+        restore.env_units_supported("mt:dmc4")
 
 
 @pytest.mark.slow
@@ -161,16 +173,38 @@ def test_export_writes_the_policy_alone_and_it_acts_as_the_restored_run(sac_run,
     assert "params/actor_params/trunk/layers/0/kernel/value" in members
     assert not any("critic" in m or "opt" in m or "alpha" in m for m in members)  # the policy alone
     assert out.stat().st_size < 20_000
-    assert {k: meta[k] for k in ("agent", "env", "obs_dim", "act_dim", "action_repeat", "action_mode", "step",
-                                 "seed", "obs_normalization")} == {
-        "agent": "sac", "env": "Pendulum-v1", "obs_dim": 3, "act_dim": 1, "action_repeat": 1,
-        "action_mode": "rescale", "step": 300, "seed": 1, "obs_normalization": False}
+    assert {
+        k: meta[k]
+        for k in (
+            "agent",
+            "env",
+            "obs_dim",
+            "act_dim",
+            "action_repeat",
+            "action_mode",
+            "step",
+            "seed",
+            "obs_normalization",
+        )
+    } == {
+        "agent": "sac",
+        "env": "Pendulum-v1",
+        "obs_dim": 3,
+        "act_dim": 1,
+        "action_repeat": 1,
+        "action_mode": "rescale",
+        "step": 300,
+        "seed": 1,
+        "obs_normalization": False,
+    }
     assert meta["agent_config"]["critics"] == 2 and meta["network"]["width"] == 16
     # its arrays are seed 1's, to the bit
     restored = restore_policy(sac_run)
     with np.load(out) as z:
-        np.testing.assert_array_equal(z["params/actor_params/trunk/layers/0/kernel/value"],
-                                      np.asarray(restored.state.actor_params["trunk"]["layers"][0]["kernel"][...])[1])
+        np.testing.assert_array_equal(
+            z["params/actor_params/trunk/layers/0/kernel/value"],
+            np.asarray(restored.state.actor_params["trunk"]["layers"][0]["kernel"][...])[1],
+        )
         np.testing.assert_array_equal(z["bounds/low"], [-2.0])
     pi = export.load_policy(out)
     obs = _observations(9, seed=1)
@@ -218,15 +252,16 @@ def _constructed_run(tmp_path, agent_name: str, agent_cfg) -> Path:
     import jax
 
     from plasticity_zoo import agents
+    from plasticity_zoo.analysis.restore import checkpoint_template
     from plasticity_zoo.training import checkpoint
     from plasticity_zoo.training import config as config_lib
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
-    from plasticity_zoo.analysis.restore import checkpoint_template
 
     d = tmp_path / agent_name
     d.mkdir()
-    cfg = RunConfig(env="Pendulum-v1", network=NetworkConfig(width=16), agent_name=agent_name, agent=agent_cfg,
-                    eval_episodes=2)
+    cfg = RunConfig(
+        env="Pendulum-v1", network=NetworkConfig(width=16), agent_name=agent_name, agent=agent_cfg, eval_episodes=2
+    )
     (d / "config.json").write_text(config_lib.dump(cfg))
     rng = np.random.default_rng(0)
 
@@ -241,16 +276,22 @@ def _constructed_run(tmp_path, agent_name: str, agent_cfg) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agent_name, fields", [
-    ("mrq", {"encoder_params", "policy_params"}),  # pi(f(s)): the encoder and the policy, no value nets or targets
-    ("ravl", {"actor_params"}),  # an offline agent (its checkpoint holds model buffers): SAC's actor
-])
+@pytest.mark.parametrize(
+    "agent_name, fields",
+    [
+        ("mrq", {"encoder_params", "policy_params"}),  # pi(f(s)): the encoder and the policy, no value nets or targets
+        ("ravl", {"actor_params"}),  # an offline agent (its checkpoint holds model buffers): SAC's actor
+    ],
+)
 def test_constructed_checkpoints_export_what_the_agent_acts_through(tmp_path, agent_name, fields):
     from plasticity_zoo import agents
     from plasticity_zoo.analysis.restore import restore_policy
 
-    d = _constructed_run(tmp_path, agent_name, agents.get(agent_name).CONFIG(buffer_size=1000)
-                         if agent_name == "mrq" else agents.get(agent_name).CONFIG())
+    d = _constructed_run(
+        tmp_path,
+        agent_name,
+        agents.get(agent_name).CONFIG(buffer_size=1000) if agent_name == "mrq" else agents.get(agent_name).CONFIG(),
+    )
     restored = restore_policy(d)
     path = export.export_policy(d, tmp_path / f"{agent_name}.npz")
     assert {name.split("/")[0] for name in export.read_meta(path)["arrays"]} == fields
@@ -294,8 +335,9 @@ def test_mistakes_stop_with_one_error_line(tmp_path, capsys):
     assert "no checkpoint in" in _error([str(sac_dir), "--out", out], capsys)
     assert "--seed 3: the run has 1 seed(s)" in _error([str(sac_dir), "--seed", "3", "--out", out], capsys)
     assert "written as a .npz file" in _error([str(sac_dir), "--out", str(tmp_path / "p.pt")], capsys)
-    assert "inside the run's checkpoint folder" in _error([str(sac_dir), "--out", str(sac_dir / "ckpt" / "p.npz")],
-                                                          capsys)
+    assert "inside the run's checkpoint folder" in _error(
+        [str(sac_dir), "--out", str(sac_dir / "ckpt" / "p.npz")], capsys
+    )
     line = _error([str(_fake_run(tmp_path, "neubay", NeuBayConfig())), "--out", out], capsys)
     assert "agent 'neubay' cannot be exported: its policy is recurrent" in line
     assert not Path(out).exists()
@@ -322,13 +364,21 @@ def test_an_exported_file_that_does_not_fit_the_agents_networks_is_refused(tmp_p
     from plasticity_zoo.networks.config import NetworkConfig
 
     abstract = jax.eval_shape(lambda: sac.init(jax.random.key(0), 3, 1, sac.SACConfig(), NetworkConfig(width=8)))
-    arrays = {name: np.zeros(x.shape, x.dtype) for name, x in zip(
-        export.checkpoint.array_names({"actor_params": abstract.actor_params}), jax.tree.leaves(abstract.actor_params))}
+    arrays = {
+        name: np.zeros(x.shape, x.dtype)
+        for name, x in zip(
+            export.checkpoint.array_names({"actor_params": abstract.actor_params}),
+            jax.tree.leaves(abstract.actor_params),
+        )
+    }
     state = export.fill_state(abstract, ("actor_params",), arrays, "p.npz")
     assert not np.asarray(state.actor_params["out"]["kernel"][...]).any() and state.log_alpha.shape == ()
     wide = dict(arrays, **{"actor_params/trunk/layers/0/kernel/value": np.zeros((3, 9), np.float32)})
-    with pytest.raises(ValueError, match=r"p.npz: array actor_params/trunk/layers/0/kernel/value is float32\(3, 9\), "
-                                         r"this agent's networks expect float32\(3, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"p.npz: array actor_params/trunk/layers/0/kernel/value is float32\(3, 9\), "
+        r"this agent's networks expect float32\(3, 8\)",
+    ):
         export.fill_state(abstract, ("actor_params",), wide, "p.npz")
     renamed = {k.replace("layers/1", "layers/7"): v for k, v in arrays.items()}
     with pytest.raises(ValueError, match="do not fit this agent's networks: no array actor_params/trunk/layers/1/"):

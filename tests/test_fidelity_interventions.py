@@ -49,6 +49,7 @@ Deliberate differences:
 3. ReDo scores: the reference captures activations per sample under ``jax.vmap`` (matrix-vector), ours
    for the batch (one matrix product); equal within float32 rounding, not bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,8 +97,16 @@ def redo():
         return tree
 
     taps = [f"layer{i}" for i in range(len(layers) - 1)]
-    return dict(fx=fx, net=net, template=params, ours=ours, layers=layers, taps=taps,
-                params=load_into(params, ours("inputs/params")), x=jnp.asarray(fx["inputs/x"]))
+    return dict(
+        fx=fx,
+        net=net,
+        template=params,
+        ours=ours,
+        layers=layers,
+        taps=taps,
+        params=load_into(params, ours("inputs/params")),
+        x=jnp.asarray(fx["inputs/x"]),
+    )
 
 
 def _zoo_scores(r):
@@ -121,8 +130,9 @@ def test_redo_activations_and_scores_match_reference(redo):
 def test_redo_score_of_signed_activations_matches_reference(redo):
     """The score is of |h|: on activations with both signs (tanh, leaky units) it is not that of h."""
     fx = redo["fx"]
-    np.testing.assert_allclose(metrics.neuron_scores(jnp.asarray(fx["signed/acts"])), fx["signed/scores"],
-                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        metrics.neuron_scores(jnp.asarray(fx["signed/acts"])), fx["signed/scores"], rtol=RTOL, atol=ATOL
+    )
 
 
 def test_redo_tau_masks_and_dormant_ratios_match_reference(redo):
@@ -252,8 +262,11 @@ def test_sigreg_lejepa_per_slice_statistics_match_reference(sigreg_fx, fixed_dir
     (cfg,) = [c for c in fx["meta"]["cases"] if c["name"] == case]
     z, g = jnp.asarray(fx[f"{case}/z"]), jnp.asarray(fx[f"{case}/directions"])
     ref = fx[f"{case}/per_slice"]  # (..., S)
-    fn = jax.jit(lambda z, a: jax.vmap(lambda z1: sketched_isotropy(z1, a, "lejepa", 1, cfg["n_points"]))(
-        z.reshape((-1,) + z.shape[-2:])))
+    fn = jax.jit(
+        lambda z, a: jax.vmap(lambda z1: sketched_isotropy(z1, a, "lejepa", 1, cfg["n_points"]))(
+            z.reshape((-1,) + z.shape[-2:])
+        )
+    )
     for s in range(cfg["num_slices"]):
-        ours = fn(z, g[:, s:s + 1])
+        ours = fn(z, g[:, s : s + 1])
         np.testing.assert_allclose(ours, ref[..., s].reshape(-1), rtol=RTOL, atol=ATOL, err_msg=f"slice {s}")

@@ -62,6 +62,7 @@ Deliberate differences (agents/mrq.py's module docstring), checked on the quanti
    reference's (compared; ``priority_from_policy_q`` is not); window validity belongs to the replay,
    which is not run here.
 """
+
 from __future__ import annotations
 
 import json
@@ -176,20 +177,27 @@ def _state(fx, torch_eps: bool):
     meta = json.loads(str(fx["meta"]))
     zero = jnp.zeros((), jnp.int32)
     return shape.replace(
-        **params, encoder_opt=tx_f.init(params["encoder_params"]),
+        **params,
+        encoder_opt=tx_f.init(params["encoder_params"]),
         sa_encoder_opt=tx_g.init(params["sa_encoder_params"]),
-        value_opt=tx_v.init(params["value_params"]), policy_opt=tx_p.init(params["policy_params"]),
-        reward_scale=jnp.float32(meta["reward_scale"]), target_reward_scale=jnp.float32(meta["target_reward_scale"]),
-        updates=zero, syncs=zero, encoder_updates=zero,
+        value_opt=tx_v.init(params["value_params"]),
+        policy_opt=tx_p.init(params["policy_params"]),
+        reward_scale=jnp.float32(meta["reward_scale"]),
+        target_reward_scale=jnp.float32(meta["target_reward_scale"]),
+        updates=zero,
+        syncs=zero,
+        encoder_updates=zero,
         encoder_metrics={k: jnp.zeros((), jnp.float32) for k in shape.encoder_metrics},
-        exploration_noise=jnp.float32(cfg.exploration_noise))
+        exploration_noise=jnp.float32(cfg.exploration_noise),
+    )
 
 
 def _window(fx) -> Window:
     s = jnp.asarray(fx["inputs/states"])
     d = jnp.asarray(fx["inputs/terminated"]) > 0.5
-    return Window(s[:, 0], jnp.asarray(fx["inputs/actions"]), jnp.asarray(fx["inputs/rewards"]), s[:, 1:], d,
-                  jnp.zeros_like(d))
+    return Window(
+        s[:, 0], jnp.asarray(fx["inputs/actions"]), jnp.asarray(fx["inputs/rewards"]), s[:, 1:], d, jnp.zeros_like(d)
+    )
 
 
 class _FixedNormal:
@@ -209,9 +217,17 @@ def _forward(state, win):
     zsa, pred = state.sa_encoder(state.sa_encoder_params, zs, win.action[:, 0])
     d, next_zs, logits = mrq._split_model(state, pred)
     action, pre = state.policy(state.policy_params, zs)
-    return {"zs": zs, "zsa": zsa, "done": d, "next_zs": next_zs, "reward_logits": logits,
-            "value": state.value(state.value_params, zsa), "action": action, "pre_activ": pre,
-            "target_zs": state.state_encoder(state.target_encoder_params, win.obs)}
+    return {
+        "zs": zs,
+        "zsa": zsa,
+        "done": d,
+        "next_zs": next_zs,
+        "reward_logits": logits,
+        "value": state.value(state.value_params, zsa),
+        "action": action,
+        "pre_activ": pre,
+        "target_zs": state.state_encoder(state.target_encoder_params, win.obs),
+    }
 
 
 def run_ours(state, fx):
@@ -227,18 +243,28 @@ def run_ours(state, fx):
         bins = mrq.two_hot_bins(cfg.num_bins, cfg.bin_lower, cfg.bin_upper)
         out["bins"], out["two_hot"] = bins, mrq.two_hot(win.reward.reshape(-1), bins)
         # use_terminal 1 and 0 (the reference's env_terminates True / False), one trace for both
-        (loss, _), grads = jax.vmap(lambda use_terminal: enc_vg(
-            state.encoder_params, state.sa_encoder_params, state, win, use_terminal, reg_key=None,
-            sigreg=state.plasticity.sigreg))(jnp.array([1.0, 0.0], jnp.float32))
+        (loss, _), grads = jax.vmap(
+            lambda use_terminal: enc_vg(
+                state.encoder_params,
+                state.sa_encoder_params,
+                state,
+                win,
+                use_terminal,
+                reg_key=None,
+                sigreg=state.plasticity.sigreg,
+            )
+        )(jnp.array([1.0, 0.0], jnp.float32))
         for i, tag in enumerate(("enc", "enc_noterm")):
             out[f"{tag}/loss"], out[f"{tag}/grad"] = loss[i], jax.tree.map(lambda g: g[i], grads)
         out["return"], _ = lap.multistep_return(win_q.reward, win_q.terminated, cfg.gamma)
         out["y"] = y = mrq.value_target(state, win_q, noise)
         zs, zsa = mrq._online_embeddings(state, win_q)
         (out["value_loss"], out["q"]), out["grad_value"] = jax.value_and_grad(mrq.value_loss, has_aux=True)(
-            state.value_params, state, zsa, y)
-        (out["policy_loss"], out["q_policy"]), out["grad_policy"] = jax.value_and_grad(
-            mrq.policy_loss, has_aux=True)(state.policy_params, state, zs, state.value_params)
+            state.value_params, state, zsa, y
+        )
+        (out["policy_loss"], out["q_policy"]), out["grad_policy"] = jax.value_and_grad(mrq.policy_loss, has_aux=True)(
+            state.policy_params, state, zs, state.value_params
+        )
         out["pre_activ"] = state.policy(state.policy_params, zs)[1]
         # one step each, as the training loop takes them
         enc_state, _ = mrq.encoder_update(state, win, jnp.float32(1.0))
@@ -263,8 +289,9 @@ def ours(fx):
 
 
 def close(got, want, what=""):
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL, err_msg=what
+    )
 
 
 def close_tree(params, want: dict, what):
@@ -287,8 +314,15 @@ def test_fixture_records_reference_and_command(fx):
         assert getattr(ours, HP_NAMES.get(k, k)) == v, k
     # as run: the reference's sizes are our --network.width 16; the rest is our config, SET_HERE included
     cfg, sizes = _cfg(fx), mrq.dims(_cfg(fx), NetworkConfig(width=WIDTH))
-    ran = {**meta["hp"], "zs_dim": sizes["zs"], "za_dim": sizes["za"], "zsa_dim": sizes["zsa"],
-           "enc_hdim": sizes["enc"], "value_hdim": sizes["value"], "policy_hdim": sizes["policy"]}
+    ran = {
+        **meta["hp"],
+        "zs_dim": sizes["zs"],
+        "za_dim": sizes["za"],
+        "zsa_dim": sizes["zsa"],
+        "enc_hdim": sizes["enc"],
+        "value_hdim": sizes["value"],
+        "policy_hdim": sizes["policy"],
+    }
     assert ran == meta["hp"], (ran, meta["hp"])
     for k, v in meta["hp"].items():
         if not k.endswith(("_dim", "_hdim")):

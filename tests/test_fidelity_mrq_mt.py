@@ -73,6 +73,7 @@ Deliberate differences (agents/mrq_mt.py's module docstring), checked on the qua
 Not compared: K = 2 (the policy then reads head 0 alone; the fixture has K = 3), the learned table, replay
 sampling and the UTD credit of ``train_block``, SIGReg / plasticity options.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,8 +103,12 @@ ATOL_BIN = 8e-6  # two-hot weights: the bin position (x - vmin) / size lies in [
 # expensive passes, the classic elemental emitters for fusions and one codegen module.  ``update`` alone
 # compiles in about a third of the time (2.5 s against 7.4 s measured on 2 shared cores); the residuals move
 # by rounding only
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_cpu_parallel_codegen_split_count": 1,
+}
 WIDTH, TAU = 16, 0.01
 SPEC = TaskSpec("mt:fidelity", ("task-a", "task-b"), (3, 4), (1, 2), (500, 100))
 
@@ -119,8 +124,10 @@ def _normed(fx, prefix, name, path, norm_path):
     """torch ``NormedLinear`` -> our Linear at ``path`` and LayerNorm at ``norm_path``."""
     tree = {}
     tree[(*path, "kernel")], tree[(*path, "bias")] = torch_linear(fx, prefix, name)
-    tree[(*norm_path, "scale")], tree[(*norm_path, "bias")] = fx[f"{prefix}/{name}.ln.weight"], fx[
-        f"{prefix}/{name}.ln.bias"]
+    tree[(*norm_path, "scale")], tree[(*norm_path, "bias")] = (
+        fx[f"{prefix}/{name}.ln.weight"],
+        fx[f"{prefix}/{name}.ln.bias"],
+    )
     return tree
 
 
@@ -132,7 +139,8 @@ def _mlp(fx, prefix, net, hidden=2, ln=True):
             tree.update(_normed(fx, prefix, f"{net}.{i}", ("trunk", "layers", i), ("trunk", "norms", i)))
         else:
             tree[("trunk", "layers", i, "kernel")], tree[("trunk", "layers", i, "bias")] = torch_linear(
-                fx, prefix, f"{net}.{i}")
+                fx, prefix, f"{net}.{i}"
+            )
     tree[("out", "kernel")], tree[("out", "bias")] = torch_linear(fx, prefix, f"{net}.{hidden}")
     return tree
 
@@ -148,10 +156,12 @@ def sa_encoder_tree(fx, prefix, target=False, model=True):
     sfx = "_target" if target else ""
     tree = _mlp(fx, prefix, f"_zsa{sfx}")
     tree[("action", "layers", 0, "kernel")], tree[("action", "layers", 0, "bias")] = torch_linear(
-        fx, prefix, f"_za{sfx}.0")
+        fx, prefix, f"_za{sfx}.0"
+    )
     if model:  # the reference keeps no target of the predictor: ours (never read) is set to the online one
-        tree[("model", "kernel")], tree[("model", "bias")] = torch_linear(fx, prefix.replace("step", "init")
-                                                                          if target else prefix, "_dynamics_model")
+        tree[("model", "kernel")], tree[("model", "bias")] = torch_linear(
+            fx, prefix.replace("step", "init") if target else prefix, "_dynamics_model"
+        )
     return tree
 
 
@@ -173,16 +183,28 @@ class _TorchEpsLayerNorm(nnx.LayerNorm):
 
 
 # reference Config field -> ours
-HP_NAMES = {"grad_clip_norm": "grad_clip", "mrq_za_dim": "za_dim", "mrq_exploration_noise": "exploration_noise",
-            "mrq_target_policy_noise": "target_policy_noise", "mrq_noise_clip": "noise_clip",
-            "mrq_pre_activ_weight": "pre_activ_weight", "mrq_dyn_weight": "dyn_weight",
-            "mrq_reward_weight": "reward_weight", "mrq_enc_horizon": "horizon"}
+HP_NAMES = {
+    "grad_clip_norm": "grad_clip",
+    "mrq_za_dim": "za_dim",
+    "mrq_exploration_noise": "exploration_noise",
+    "mrq_target_policy_noise": "target_policy_noise",
+    "mrq_noise_clip": "noise_clip",
+    "mrq_pre_activ_weight": "pre_activ_weight",
+    "mrq_dyn_weight": "dyn_weight",
+    "mrq_reward_weight": "reward_weight",
+    "mrq_enc_horizon": "horizon",
+}
 # defaults that differ on purpose: task_dim (learned 96 vs CLIP 512), horizon (the README runs agent=mrq
 # with horizon=5, ours; Config's 3 is TD-MPC2's planning horizon)
 NOT_DEFAULT = {"task_dim", "horizon"}
 # ScaleMRL's switches, whose defaults are the behaviour ours has without a switch
-SWITCHES = {"mrq_reward_norm": "newt", "mrq_distributional_q": True, "mrq_policy_layernorm": True,
-            "mrq_num_q_from_model_size": True, "mrq_num_q": 2}
+SWITCHES = {
+    "mrq_reward_norm": "newt",
+    "mrq_distributional_q": True,
+    "mrq_policy_layernorm": True,
+    "mrq_num_q_from_model_size": True,
+    "mrq_num_q": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +216,13 @@ def table_file(fx, tmp_path_factory):
 
 def _cfg(fx, table_file):
     meta = json.loads(str(fx["meta"]))
-    cfg = mrq_mt.MultitaskMRQConfig(model_size="S", za_dim=meta["hp"]["mrq_za_dim"], batch_size=8,
-                                    weight_decay=meta["weight_decay"], task_embeddings=table_file)
+    cfg = mrq_mt.MultitaskMRQConfig(
+        model_size="S",
+        za_dim=meta["hp"]["mrq_za_dim"],
+        batch_size=8,
+        weight_decay=meta["weight_decay"],
+        task_embeddings=table_file,
+    )
     return mrq_mt.with_tasks(cfg, SPEC)
 
 
@@ -220,13 +247,21 @@ def _state(fx, table_file, torch_eps: bool = True):
     tx_f, tx_g, tx_e, tx_v, tx_p = mrq_mt._optimizers(cfg, shape.plasticity)
     zero = jnp.zeros((), jnp.float32)
     return shape.replace(
-        **params, task_params=table, encoder_opt=tx_f.init(params["encoder_params"]),
-        sa_encoder_opt=tx_g.init(params["sa_encoder_params"]), task_opt=tx_e.init(table),
-        value_opt=tx_v.init(params["value_params"]), policy_opt=tx_p.init(params["policy_params"]),
-        q_scale=jnp.float32(json.loads(str(fx["meta"]))["q_scale"]), update_credit=zero,
-        updates=jnp.zeros((), jnp.int32), last_metrics={k: zero for k in shape.last_metrics},
-        exploration_noise=jnp.float32(cfg.exploration_noise), action_mask=jnp.asarray(SPEC.action_mask()),
-        discounts=jnp.asarray(mrq_mt.task_discounts(cfg, SPEC.episode_lengths)))
+        **params,
+        task_params=table,
+        encoder_opt=tx_f.init(params["encoder_params"]),
+        sa_encoder_opt=tx_g.init(params["sa_encoder_params"]),
+        task_opt=tx_e.init(table),
+        value_opt=tx_v.init(params["value_params"]),
+        policy_opt=tx_p.init(params["policy_params"]),
+        q_scale=jnp.float32(json.loads(str(fx["meta"]))["q_scale"]),
+        update_credit=zero,
+        updates=jnp.zeros((), jnp.int32),
+        last_metrics={k: zero for k in shape.last_metrics},
+        exploration_noise=jnp.float32(cfg.exploration_noise),
+        action_mask=jnp.asarray(SPEC.action_mask()),
+        discounts=jnp.asarray(mrq_mt.task_discounts(cfg, SPEC.episode_lengths)),
+    )
 
 
 def _window(fx, terminated=None) -> Window:
@@ -235,8 +270,14 @@ def _window(fx, terminated=None) -> Window:
     onehot = np.eye(SPEC.num_tasks, dtype=np.float32)[task]
     full = np.concatenate([obs, np.broadcast_to(onehot[:, None], (*obs.shape[:2], SPEC.num_tasks))], -1)
     d = np.zeros(fx["inputs/reward"].shape, bool) if terminated is None else terminated
-    return Window(jnp.asarray(full[:, 0]), jnp.asarray(fx["inputs/action"]), jnp.asarray(fx["inputs/reward"]),
-                  jnp.asarray(full[:, 1:]), jnp.asarray(d), jnp.zeros(d.shape, bool))
+    return Window(
+        jnp.asarray(full[:, 0]),
+        jnp.asarray(fx["inputs/action"]),
+        jnp.asarray(fx["inputs/reward"]),
+        jnp.asarray(full[:, 1:]),
+        jnp.asarray(d),
+        jnp.zeros(d.shape, bool),
+    )
 
 
 class _FixedDraws:
@@ -292,10 +333,17 @@ def run_ours(state, fx, win):
         zsa, pred = state.sa_encoder(state.sa_encoder_params, zs, win.action[:, 0])
         action, pre = mrq_mt.policy_action(state, state.policy_params, zs, task)
         lat = state.latent_dim
-        out["fwd"] = {"zs": zs, "zsa": zsa, "next_zs": pred[:, :lat], "reward_logits": pred[:, lat:],
-                      "action": action, "pre_activ": pre, "q": mrq_mt.q_values(state, state.value_params, zsa),
-                      "target_zs": mrq_mt.encode(state, state.target_encoder_params, state.task_params, win.obs)[0],
-                      "target_action": mrq_mt.policy_action(state, state.target_policy_params, zs, task)[0]}
+        out["fwd"] = {
+            "zs": zs,
+            "zsa": zsa,
+            "next_zs": pred[:, :lat],
+            "reward_logits": pred[:, lat:],
+            "action": action,
+            "pre_activ": pre,
+            "q": mrq_mt.q_values(state, state.value_params, zsa),
+            "target_zs": mrq_mt.encode(state, state.target_encoder_params, state.task_params, win.obs)[0],
+            "target_action": mrq_mt.policy_action(state, state.target_policy_params, zs, task)[0],
+        }
         bins = mrq_mt._bins(state)
         out["two_hot"] = mrq_mt.two_hot_symlog(win.reward.reshape(-1), *bins)
         out["soft_ce"] = mrq_mt.soft_cross_entropy(pred[:, lat:], win.reward[:, 0], *bins)
@@ -309,13 +357,14 @@ def run_ours(state, fx, win):
         out["y"] = y = mrq_mt.value_target(state, win, key)
         zsa_sg = jax.lax.stop_gradient(zsa)
         (out["value/loss"], out["value/q"]), out["value/grad"] = jax.value_and_grad(mrq_mt.value_loss, has_aux=True)(
-            state.value_params, state, zsa_sg, y)
+            state.value_params, state, zsa_sg, y
+        )
         # (M4) with the policy's head draw as update takes it (two_heads of the drawn permutation)
         draws.queue("two_heads", perms=[policy_perm])
         heads = mrq_mt.two_heads(state, key)
         (out["policy/loss"], (out["policy/q"], out["policy/scale"])), out["policy/grad"] = jax.value_and_grad(
-            mrq_mt.policy_loss, has_aux=True)(state.policy_params, state, jax.lax.stop_gradient(zs), task,
-                                              state.value_params, heads)
+            mrq_mt.policy_loss, has_aux=True
+        )(state.policy_params, state, jax.lax.stop_gradient(zs), task, state.value_params, heads)
         # one update, as train_block takes it
         draws.queue("update", normals=[target_noise], perms=[target_perm, policy_perm])
         out["step"], metrics = mrq_mt.update(state, win, key)
@@ -323,8 +372,9 @@ def run_ours(state, fx, win):
         out["clip_norms"] = jnp.stack(clips.norms)
         # (M1) is update's first step, on the initial weights as the reference's: its loss and the gradient
         # that update hands to the encoder group's clip
-        out["enc/loss"], out["enc/dyn"], out["enc/rew"] = (metrics[f"losses/{k}"] for k in
-                                                           ("encoder", "dynamics", "reward"))
+        out["enc/loss"], out["enc/dyn"], out["enc/rew"] = (
+            metrics[f"losses/{k}"] for k in ("encoder", "dynamics", "reward")
+        )
         out["enc/grad"] = clips.grads[0]
         return out
 
@@ -347,8 +397,9 @@ def ours(fx, table_file):
 
 
 def close(got, want, what="", rtol=RTOL, atol=ATOL):
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol, err_msg=what
+    )
 
 
 def close_tree(params, want: dict, what, rtol=RTOL, leaf_atol=0.0):
@@ -385,13 +436,19 @@ def test_fixture_records_reference_and_command(fx, table_file):
     for size, ref in meta["model_size"].items():
         mine = mrq_mt.MODEL_SIZES[size]
         assert {k.replace("num_enc_layers", "enc_layers"): v for k, v in ref.items()} == {
-            k: mine[k] for k in ("enc_dim", "mlp_dim", "latent_dim", "enc_layers", *(("num_q",) if "num_q" in ref
-                                                                                        else ()))}, size
+            k: mine[k]
+            for k in ("enc_dim", "mlp_dim", "latent_dim", "enc_layers", *(("num_q",) if "num_q" in ref else ()))
+        }, size
         assert mine["num_q"] == ref.get("num_q", 5), size
     # as run: the reference's sizes are our model size S at --network.width 16
     sizes, ran = mrq_mt.sizes(_cfg(fx, table_file), NetworkConfig(width=WIDTH)), meta["sizes"]
-    assert sizes == {"enc_dim": ran["enc_dim"], "mlp_dim": ran["mlp_dim"], "latent_dim": ran["latent_dim"],
-                     "enc_layers": ran["num_enc_layers"], "num_q": ran["num_q"]}, (sizes, ran)
+    assert sizes == {
+        "enc_dim": ran["enc_dim"],
+        "mlp_dim": ran["mlp_dim"],
+        "latent_dim": ran["latent_dim"],
+        "enc_layers": ran["num_enc_layers"],
+        "num_q": ran["num_q"],
+    }, (sizes, ran)
     assert meta["hp"]["mrq_za_dim"] == _cfg(fx, table_file).za_dim
 
 
@@ -494,8 +551,7 @@ def test_parameters_after_one_update(fx, ours):
     close_tree(s.policy_params, policy_tree(fx, "step"), "pi")
     close_tree(s.target_encoder_params, encoder_tree(fx, "step", True), "f'")
     got = flat(s.target_sa_encoder_params)
-    close_tree({k: v for k, v in got.items() if k[0] != "model"}, sa_encoder_tree(fx, "step", True, model=False),
-               "g'")
+    close_tree({k: v for k, v in got.items() if k[0] != "model"}, sa_encoder_tree(fx, "step", True, model=False), "g'")
     close_tree(s.target_policy_params, policy_tree(fx, "step", True), "pi'")
     # Q' after the reference's lerp_ (derived here from its own arrays: the fixture keeps no step/_Qs_target)
     init_t, online = value_tree(fx, "init", True), value_tree(fx, "step")
@@ -515,8 +571,12 @@ def test_layer_norm_epsilon_as_built(fx, table_file):
     def fwd(state, win):
         zs, task = mrq_mt.encode(state, state.encoder_params, state.task_params, win.obs)
         zsa, pred = state.sa_encoder(state.sa_encoder_params, zs, win.action[:, 0])
-        return {"zs": zs, "zsa": zsa, "reward_logits": pred[:, state.latent_dim:],
-                "pre_activ": mrq_mt.policy_action(state, state.policy_params, zs, task)[1]}
+        return {
+            "zs": zs,
+            "zsa": zsa,
+            "reward_logits": pred[:, state.latent_dim :],
+            "pre_activ": mrq_mt.policy_action(state, state.policy_params, zs, task)[1],
+        }
 
     out = jax.device_get(jax.jit(fwd).lower(state, win).compile(FAST_COMPILE)(state, win))
     worst = 0.0
@@ -539,8 +599,11 @@ def test_terminal_mask(fx, ours):
         mp.setattr(jax.random, "normal", draws.normal)
         mp.setattr(jax.random, "permutation", draws.permutation)
         draws.queue("value_target", normals=[fx["inputs/target_noise"]], perms=[fx["inputs/target_perm"]])
-        y = np.asarray(jax.jit(mrq_mt.value_target).lower(state, win, jax.random.key(0)).compile(FAST_COMPILE)(
-            state, win, jax.random.key(0)))
+        y = np.asarray(
+            jax.jit(mrq_mt.value_target)
+            .lower(state, win, jax.random.key(0))
+            .compile(FAST_COMPILE)(state, win, jax.random.key(0))
+        )
         draws.queue()
     assert not draws.unused, draws.unused
     gamma = fx["discount/tasks"][fx["inputs/task"]].astype(np.float64)

@@ -32,6 +32,7 @@ Deliberate differences, each asserted as such:
    the reference leaves the moments alone but resets the kernels' Adam ``step`` to 0 at every growth event
    (``_reset_adam_moments``, run because ``use_simple_metric=False``; recorded, not reproduced).
 """
+
 from __future__ import annotations
 
 import json
@@ -64,9 +65,15 @@ def _shapes(dims):
 
 def _tree(kernels, biases=None):
     """A plain MLP param tree layers/<i>/{kernel, bias} (torch [out, in] weights -> flax [in, out] kernels)."""
-    return {"layers": {i: {"kernel": jnp.asarray(np.asarray(w).T, jnp.float32),
-                           "bias": jnp.zeros(w.shape[0], jnp.float32) if biases is None else jnp.asarray(biases[i])}
-                       for i, w in enumerate(kernels)}}
+    return {
+        "layers": {
+            i: {
+                "kernel": jnp.asarray(np.asarray(w).T, jnp.float32),
+                "bias": jnp.zeros(w.shape[0], jnp.float32) if biases is None else jnp.asarray(biases[i]),
+            }
+            for i, w in enumerate(kernels)
+        }
+    }
 
 
 def _zeros(shapes):
@@ -163,12 +170,14 @@ def _event(fx, tag):
     # moments that are not zero (as after training), so that zeroing shows; count as after 1000 steps
     ones = jax.tree.map(jnp.ones_like, params)
     inner = (adam._replace(count=jnp.asarray(1000, jnp.int32), mu=ones, nu=ones), *ms.inner[1:])
-    state = optim.replace_masked(state, optim.MaskedState(tuple(None if m is None else next(masks) for m in ms.masks),
-                                                          inner))
+    state = optim.replace_masked(
+        state, optim.MaskedState(tuple(None if m is None else next(masks) for m in ms.masks), inner)
+    )
     e = int(fx[f"{pre}/event"])
     grow, prune = fx["events/counts"][e - 1, :, 0], fx["events/counts"][e - 1, :, 1]
-    new_p, new_state, stats = _update(params, state, grads, grow.astype(np.int32), prune.astype(np.int32),
-                                      np.bool_(True))
+    new_p, new_state, stats = _update(
+        params, state, grads, grow.astype(np.int32), prune.astype(np.int32), np.bool_(True)
+    )
     return params, state, new_p, new_state, stats, grow, prune
 
 
@@ -185,8 +194,11 @@ def test_event_masks_and_weights_match_reference(fx, tag):
         before = fx[f"detail/{tag}/before/{name}.mask"].T
         after = fx[f"detail/{tag}/after/{name}.mask"].T
         np.testing.assert_array_equal(np.asarray(new_masks[i]), after, err_msg=f"{tag} {name} mask")
-        np.testing.assert_array_equal(np.asarray(new_p["layers"][i]["kernel"]),
-                                      fx[f"detail/{tag}/after/{name}.weight"].T, err_msg=f"{tag} {name} weight")
+        np.testing.assert_array_equal(
+            np.asarray(new_p["layers"][i]["kernel"]),
+            fx[f"detail/{tag}/after/{name}.weight"].T,
+            err_msg=f"{tag} {name} weight",
+        )
         np.testing.assert_array_equal(np.asarray(new_p["layers"][i]["bias"]), 0.0)
         assert int(after.sum()) == int(before.sum()) + int(grow[i]) - int(prune[i])
         # difference 3: the moments of connections that changed state are zeroed, the rest kept

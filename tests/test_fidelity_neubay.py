@@ -50,6 +50,7 @@ Deliberate differences, each measured here:
 4. Holdout: the reference's split is sklearn's with ``random_state=42``; ours is drawn by the run's seed.
    Here our functions are given the reference's holdout rows.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,12 @@ EPS_AS_BUILT = 3e-4  # difference 1: measured 1.1e-4 absolute, see test_layer_no
 EPOCH_AS_BUILT = 0.02  # measured 0.012, see test_one_training_epoch_as_built
 LOGVAR_HEAD_SCALE = 1.0  # our head's raw output is the reference's log sigma (head_output="log_sigma")
 OBS, ACT = 3, 2
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_cpu_parallel_codegen_split_count": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +210,15 @@ def actor_tree(fx, prefix):
 # ----------------------------------------------------------------------------- our world model and agent
 def world_config(meta, **kw):
     w = meta["world"]
-    return dynamics.neubay_config(members=w["total_size"], elites=meta["elites"], width=w["hidden_size"],
-                                  batch_size=w["batch_size"], lr=w["lr"], adamw_weight_decay=w["weight_decay"], **kw)
+    return dynamics.neubay_config(
+        members=w["total_size"],
+        elites=meta["elites"],
+        width=w["hidden_size"],
+        batch_size=w["batch_size"],
+        lr=w["lr"],
+        adamw_weight_decay=w["weight_decay"],
+        **kw,
+    )
 
 
 def world_model(fx, meta, prefix="wm/trained", eqx_eps=True, elites=None, logvar_scale=LOGVAR_HEAD_SCALE):
@@ -217,10 +229,16 @@ def world_model(fx, meta, prefix="wm/trained", eqx_eps=True, elites=None, logvar
     with pytest.MonkeyPatch.context() as mp:
         if eqx_eps:
             mp.setattr(nnx, "LayerNorm", _EqxEpsLayerNorm)
-        model = dynamics.init_model(jax.random.key(0), OBS, ACT, cfg, fx["wm/scaler_input_mean"],
-                                    fx["wm/scaler_input_std"],
-                                    np.r_[np.zeros(OBS, np.float32), fx["wm/scaler_output_mean"][OBS:]],
-                                    fx["wm/scaler_output_std"])
+        model = dynamics.init_model(
+            jax.random.key(0),
+            OBS,
+            ACT,
+            cfg,
+            fx["wm/scaler_input_mean"],
+            fx["wm/scaler_input_std"],
+            np.r_[np.zeros(OBS, np.float32), fx["wm/scaler_output_mean"][OBS:]],
+            fx["wm/scaler_output_std"],
+        )
     dynamics._initializer.cache_clear()
     model = model.replace(params=load_into(model.params, world_tree(fx, prefix, logvar_scale)))
     if elites is not None:
@@ -234,12 +252,27 @@ def agent_config(meta, clip=None):
     assert t["critic_enc_lr"] == t["actor_enc_lr"] and t["critic_head_lr"] == t["actor_head_lr"]
     assert t["critic_lr_ratio"] == 1.0 and t["weight_decay"] == 0.0 and m["target_alpha_ratio"] == 1.0
     return neubay.NeuBayConfig(
-        critics=m["num_critics"], sampled_critics=m["sampled_critics"], head_width=m["head_d_hidden"],
-        head_depth=m["head_n_layers"], d_model=m["memory"]["d_model"], d_hidden=m["memory"]["d_hidden"],
-        lru_layers=m["memory"]["n_layers"], r_max=m["memory"]["r_max"], encoder_lr=t["critic_enc_lr"],
-        head_lr=t["critic_head_lr"], alpha_lr=t["alpha_lr"], actor_lr_final_ratio=t["actor_lr_ratio"],
-        updates=t["grad_steps"], grad_clip=clip or t["gradient_scale"], gamma=t["gamma"], tau=t["target_tau"],
-        init_alpha=m["init_alpha"], fixed_alpha=False, real_weight=t["real_weight"], max_horizon=1000)
+        critics=m["num_critics"],
+        sampled_critics=m["sampled_critics"],
+        head_width=m["head_d_hidden"],
+        head_depth=m["head_n_layers"],
+        d_model=m["memory"]["d_model"],
+        d_hidden=m["memory"]["d_hidden"],
+        lru_layers=m["memory"]["n_layers"],
+        r_max=m["memory"]["r_max"],
+        encoder_lr=t["critic_enc_lr"],
+        head_lr=t["critic_head_lr"],
+        alpha_lr=t["alpha_lr"],
+        actor_lr_final_ratio=t["actor_lr_ratio"],
+        updates=t["grad_steps"],
+        grad_clip=clip or t["gradient_scale"],
+        gamma=t["gamma"],
+        tau=t["target_tau"],
+        init_alpha=m["init_alpha"],
+        fixed_alpha=False,
+        real_weight=t["real_weight"],
+        max_horizon=1000,
+    )
 
 
 def agent_state(fx, meta, eqx_eps=True, clip=None):
@@ -252,15 +285,25 @@ def agent_state(fx, meta, eqx_eps=True, clip=None):
     critic = load_into(shape.critic_params, critic_tree(fx, "agent/init/q"))
     target = load_into(shape.target_critic_params, critic_tree(fx, "agent/init/q_target"))
     log_alpha = jnp.asarray(fx["agent/init/log_alpha"], jnp.float32)
-    return shape.replace(actor_params=actor, critic_params=critic, target_critic_params=target, log_alpha=log_alpha,
-                         actor_opt=neubay._optimizer(cfg, True).init(actor),
-                         critic_opt=neubay._optimizer(cfg, False).init(critic),
-                         alpha_opt=optax.adam(cfg.alpha_lr).init(log_alpha), updates=jnp.zeros((), jnp.int32))
+    return shape.replace(
+        actor_params=actor,
+        critic_params=critic,
+        target_critic_params=target,
+        log_alpha=log_alpha,
+        actor_opt=neubay._optimizer(cfg, True).init(actor),
+        critic_opt=neubay._optimizer(cfg, False).init(critic),
+        alpha_opt=optax.adam(cfg.alpha_lr).init(log_alpha),
+        updates=jnp.zeros((), jnp.int32),
+    )
 
 
 def tape(fx):
-    return neubay.TapeBatch(*(jnp.asarray(fx[f"tape/{k}"])[None] for k in
-                              ("observation", "start", "action", "next_reward", "next_terminated", "real")))
+    return neubay.TapeBatch(
+        *(
+            jnp.asarray(fx[f"tape/{k}"])[None]
+            for k in ("observation", "start", "action", "next_reward", "next_terminated", "real")
+        )
+    )
 
 
 def update_draws(fx, times=1):
@@ -272,8 +315,7 @@ def run_update(fx, meta, times=1, clip=None):
     draws = update_draws(fx)
     with pytest.MonkeyPatch.context() as mp:
         draws.install(mp)
-        step = jax.jit(lambda s, t, k: neubay.update(s, t, k)).lower(state, tp, jax.random.key(0)).compile(
-            FAST_COMPILE)
+        step = jax.jit(lambda s, t, k: neubay.update(s, t, k)).lower(state, tp, jax.random.key(0)).compile(FAST_COMPILE)
     draws.done()  # traced once: the same fixed draws at every call, as the reference's traced sac_update
     out = []
     for _ in range(times):
@@ -322,8 +364,7 @@ def test_normalisation_and_targets(fx, meta):
 
 def _holdout(fx):
     r = fx["wm/valid_rows"]
-    return (fx["data/observations"][r], fx["data/actions"][r], fx["data/rewards"][r],
-            fx["data/next_observations"][r])
+    return (fx["data/observations"][r], fx["data/actions"][r], fx["data/rewards"][r], fx["data/next_observations"][r])
 
 
 def test_world_model_predictions(fx, meta):
@@ -352,18 +393,21 @@ def test_nll_loss_and_gradient(fx, meta):
     model = world_model(fx, meta, "wm/init")
     x, y = _first_batch(fx, model)
     m = model.cfg.members
-    (total, nll), grads = jit(lambda p, x, y: jax.value_and_grad(dynamics.ensemble_loss, has_aux=True)(
-        p, model.net, x, y, model.cfg), model.params, x, y)
+    (total, nll), grads = jit(
+        lambda p, x, y: jax.value_and_grad(dynamics.ensemble_loss, has_aux=True)(p, model.net, x, y, model.cfg),
+        model.params,
+        x,
+        y,
+    )
     close(0.5 * math.log(2 * math.pi) + float(total) / (2 * m), fx["wm/first_loss"])
-    ref = world_tree({k.replace("wm/first_grad", "g"): v for k, v in fx.items() if k.startswith("wm/first_grad")},
-                     "g")
+    ref = world_tree({k.replace("wm/first_grad", "g"): v for k, v in fx.items() if k.startswith("wm/first_grad")}, "g")
     for name, g in flat(grads).items():
         if name[0] in ("max_logvar", "min_logvar"):
             assert not np.any(g), name  # fixed bounds
             continue
         # ours = 2M x the reference's gradient; the head mapped as P = c P_ref has gradient 2M g_ref / c
         # = 2M ref[name] / c^2 (ref[name] = c g_ref)
-        factor = 2 * m / (LOGVAR_HEAD_SCALE ** 2 if name[0] == "logvar" else 1.0)
+        factor = 2 * m / (LOGVAR_HEAD_SCALE**2 if name[0] == "logvar" else 1.0)
         close(g, factor * ref[name], atol=2e-6, what=str(name))
 
 
@@ -378,8 +422,9 @@ def _epoch(fx, meta, logvar_scale):
     obs, act = fx["data/observations"], fx["data/actions"]
     rows = fx["wm/train_rows"]
     x = dynamics._normalize(jnp.asarray(np.c_[obs, act][rows]), model.input_mean, model.input_std, model.cfg)
-    y = jnp.asarray(dynamics._scaled_targets(model, obs[rows], fx["data/rewards"][rows, None],
-                                             fx["data/next_observations"][rows]))
+    y = jnp.asarray(
+        dynamics._scaled_targets(model, obs[rows], fx["data/rewards"][rows, None], fx["data/next_observations"][rows])
+    )
     boot = jnp.tile(jnp.arange(n, dtype=jnp.int32), (model.cfg.members, 1))
     opt = dynamics._optimizer(model.cfg).init(model.params)
     net, cfg = model.net, dynamics._epoch_cfg(model.cfg)
@@ -406,8 +451,9 @@ def test_one_training_epoch_with_reference_loss(fx, meta, monkeypatch):
         if name[0] in ("max_logvar", "min_logvar"):
             close(ours[name], before[name], rtol=0, atol=0)
             continue
-        np.testing.assert_allclose(ours[name] - before[name], after[name] - before[name], rtol=STEP_RTOL,
-                                   atol=EPOCH_ATOL, err_msg=str(name))
+        np.testing.assert_allclose(
+            ours[name] - before[name], after[name] - before[name], rtol=STEP_RTOL, atol=EPOCH_ATOL, err_msg=str(name)
+        )
 
 
 def test_one_training_epoch_as_built(fx, meta):
@@ -463,7 +509,8 @@ def test_imagined_step(fx, meta):
     with pytest.MonkeyPatch.context() as mp:
         draws.install(mp)
         next_obs, reward = jax.jit(lambda *args: dynamics.step.__wrapped__(*args))(
-            model, jnp.asarray(s), jnp.asarray(a), jax.random.key(0), jnp.asarray(member))
+            model, jnp.asarray(s), jnp.asarray(a), jax.random.key(0), jnp.asarray(member)
+        )
     draws.done()
     close(next_obs, fx["step/next_obs"][:, :OBS], atol=3e-6)
     unc = jit(dynamics.epistemic_uncertainty, model, jnp.asarray(s), jnp.asarray(a))
@@ -478,8 +525,10 @@ def test_lru_encoders(fx, meta):
     """``neubay._encode`` (pre-block + 2 LRU layers, reset at the tape's starts) and the state the encoder
     returns = the reference's ``pre`` + ``StackedLRU`` along the tape."""
     state, tp = agent_state(fx, meta), tape(fx)
-    for name, net, params in (("q", state.critic_encoder, state.critic_params["encoder"]),
-                              ("pi", state.actor_encoder, state.actor_params["encoder"])):
+    for name, net, params in (
+        ("q", state.critic_encoder, state.critic_params["encoder"]),
+        ("pi", state.actor_encoder, state.actor_params["encoder"]),
+    ):
         y, h = jit(lambda p, x, s: net(p, x, net.initial_state((1,)), s), params, tp.inputs, tp.start)
         close(y[0], fx[f"lru/{name}_y"], what=name)
         close(h[0], fx[f"lru/{name}_state"], what=name + " state")
@@ -493,8 +542,16 @@ def test_acting(fx, meta):
     memory = neubay.initial_memory(state, fx["act/start"].shape[1])
     step = jax.jit(neubay.act_step, static_argnums=(7,))
     for t in range(fx["act/start"].shape[0]):
-        action, memory = step(state, memory, fx["act/obs"][t], fx["act/prev_action"][t], fx["act/prev_reward"][t],
-                              jnp.asarray(fx["act/start"][t]), jax.random.key(t), False)
+        action, memory = step(
+            state,
+            memory,
+            fx["act/obs"][t],
+            fx["act/prev_action"][t],
+            fx["act/prev_reward"][t],
+            jnp.asarray(fx["act/start"][t]),
+            jax.random.key(t),
+            False,
+        )
         close(action, fx["act/action"][t], what=f"step {t}")
 
 
@@ -522,13 +579,15 @@ def test_parameters_after_one_update(fx, meta, updated):
     critic, alpha step) = the reference's, compared as changes from the initial weights."""
     state, _ = updated
     for ours, before, after in (
-            (state.critic_params, critic_tree(fx, "agent/init/q"), critic_tree(fx, "update/q")),
-            (state.target_critic_params, critic_tree(fx, "agent/init/q_target"), critic_tree(fx, "update/q_target")),
-            (state.actor_params, actor_tree(fx, "agent/init/pi"), actor_tree(fx, "update/pi"))):
+        (state.critic_params, critic_tree(fx, "agent/init/q"), critic_tree(fx, "update/q")),
+        (state.target_critic_params, critic_tree(fx, "agent/init/q_target"), critic_tree(fx, "update/q_target")),
+        (state.actor_params, actor_tree(fx, "agent/init/pi"), actor_tree(fx, "update/pi")),
+    ):
         for name, x in flat(ours).items():
             assert_step(x, before[name], after[name], before[name], str(name))
-    assert_step(state.log_alpha, fx["agent/init/log_alpha"], fx["update/log_alpha"], fx["agent/init/log_alpha"],
-                "log_alpha")
+    assert_step(
+        state.log_alpha, fx["agent/init/log_alpha"], fx["update/log_alpha"], fx["agent/init/log_alpha"], "log_alpha"
+    )
 
 
 @pytest.mark.slow
@@ -539,8 +598,9 @@ def test_joint_clip_difference(fx, meta):
     state, _ = run_update(fx, meta, times=2, clip=clip)
     worst = {}
     for who, ours, before, after in (
-            ("critic", state.critic_params, critic_tree(fx, "agent/init/q"), critic_tree(fx, "clip/q")),
-            ("actor", state.actor_params, actor_tree(fx, "agent/init/pi"), actor_tree(fx, "clip/pi"))):
+        ("critic", state.critic_params, critic_tree(fx, "agent/init/q"), critic_tree(fx, "clip/q")),
+        ("actor", state.actor_params, actor_tree(fx, "agent/init/pi"), actor_tree(fx, "clip/pi")),
+    ):
         for name, x in flat(ours).items():
             ref = after[name] - before[name]
             diff = np.abs((np.asarray(x) - before[name]) - ref).max() / max(np.abs(ref).max(), 1e-12)
@@ -557,8 +617,10 @@ def test_layer_norm_epsilon_as_built(fx, meta):
     obs, act, _, _ = _holdout(fx)
     mean, logvar = jit(dynamics.predict, model, jnp.asarray(obs), jnp.asarray(act))
     ref_next = fx["wm/mu"] * fx["wm/scaler_output_std"] + fx["wm/scaler_output_mean"]
-    err_wm = max(np.abs(np.asarray(mean[..., :OBS]) - (ref_next[..., :OBS] - obs[None])).max(),
-                 np.abs(np.asarray(logvar) / 2 - np.log(fx["wm/sigma"]) - np.log(fx["wm/scaler_output_std"])).max())
+    err_wm = max(
+        np.abs(np.asarray(mean[..., :OBS]) - (ref_next[..., :OBS] - obs[None])).max(),
+        np.abs(np.asarray(logvar) / 2 - np.log(fx["wm/sigma"]) - np.log(fx["wm/scaler_output_std"])).max(),
+    )
     state, tp = agent_state(fx, meta, eqx_eps=False), tape(fx)
     y = jit(lambda p, t: neubay._encode(state.critic_encoder, p, t), state.critic_params["encoder"], tp)[0]
     err_lru = np.abs(np.asarray(y) - fx["lru/q_y"]).max()

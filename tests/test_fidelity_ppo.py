@@ -61,6 +61,7 @@ Found (not in agents/ppo.py, not a difference of algorithm): optax's Adam comput
 (relative) on the first step and by roughly 4e-6 to 1.4e-5 over the first thousand, fading by t ~ 5000.
 Isolated in ``test_found_difference_optax_adam_float32_bias_correction_shortens_steps``.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,8 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import ppo
-from tests.fidelity import flat, load_into, torch_linear
 from plasticity_zoo.networks.distributions import gaussian_log_prob
+from tests.fidelity import flat, load_into, torch_linear
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ppo_reference.npz"
 RTOL, ATOL = 1e-5, 1e-6
@@ -106,10 +107,6 @@ def cleanrl_critic(fx, prefix):
     return tree
 
 
-
-
-
-
 # ----------------------------------------------------------------------------- the rollout, CleanRL's dones
 def terminations(fx):
     """Difference 1: CleanRL's dones[t + 1] (t < T - 1) and next_done -> the zoo's terminated[t]."""
@@ -127,19 +124,34 @@ def rollout(fx, truncations: bool = False) -> ppo.Rollout:
         logp=jnp.asarray(np.concatenate([fx["cleanrl/logprobs"], np.zeros((1, E), np.float32)])),
         values=jnp.asarray(np.concatenate([fx["cleanrl/values"], fx["cleanrl/next_value"][None]])),
         rewards=jnp.asarray(fx["inputs/rewards"]),
-        terminated=jnp.asarray(no if truncations else ends), truncated=jnp.asarray(ends if truncations else no),
-        final_values=jnp.zeros((T, E), jnp.float32))  # V(final obs) of a truncation: 0, as CleanRL takes it
+        terminated=jnp.asarray(no if truncations else ends),
+        truncated=jnp.asarray(ends if truncations else no),
+        final_values=jnp.zeros((T, E), jnp.float32),
+    )  # V(final obs) of a truncation: 0, as CleanRL takes it
 
 
 def _config(fx) -> ppo.PPOConfig:
     """CleanRL's Args of the fixture as our PPOConfig (every field the update reads)."""
     a = json.loads(str(fx["meta"]))["args"]
     assert a["target_kl"] is None and a["num_envs"] == E and a["num_steps"] == T
-    return ppo.PPOConfig(num_steps=a["num_steps"], num_minibatches=a["num_minibatches"],
-                         update_epochs=a["update_epochs"], learning_rate=a["learning_rate"], anneal_lr=a["anneal_lr"],
-                         adam_eps=1e-5, gamma=a["gamma"], gae_lambda=a["gae_lambda"], norm_adv=a["norm_adv"],
-                         clip=True, clip_coef=a["clip_coef"], clip_vloss=a["clip_vloss"], ent_coef=a["ent_coef"],
-                         vf_coef=a["vf_coef"], max_grad_norm=a["max_grad_norm"], target_kl=None)
+    return ppo.PPOConfig(
+        num_steps=a["num_steps"],
+        num_minibatches=a["num_minibatches"],
+        update_epochs=a["update_epochs"],
+        learning_rate=a["learning_rate"],
+        anneal_lr=a["anneal_lr"],
+        adam_eps=1e-5,
+        gamma=a["gamma"],
+        gae_lambda=a["gae_lambda"],
+        norm_adv=a["norm_adv"],
+        clip=True,
+        clip_coef=a["clip_coef"],
+        clip_vloss=a["clip_vloss"],
+        ent_coef=a["ent_coef"],
+        vf_coef=a["vf_coef"],
+        max_grad_norm=a["max_grad_norm"],
+        target_kl=None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +166,25 @@ def state(fx):
     critic = load_into(shape.critic_params, cleanrl_critic(fx, "cleanrl/init"))
     tx_a, tx_c = ppo._optimizers(cfg, shape.plasticity)
     return shape.replace(
-        actor_params=actor, critic_params=critic, actor_opt=tx_a.init(actor), critic_opt=tx_c.init(critic),
-        obs_rms=ppo.rms_init((OBS_DIM,)), ret_rms=ppo.rms_init(), anchors=None, anchor_count=jnp.zeros((), jnp.int32),
-        snapshots=jnp.zeros(shape.snapshots.shape, jnp.float32), snapshot_count=jnp.ones((), jnp.int32),
+        actor_params=actor,
+        critic_params=critic,
+        actor_opt=tx_a.init(actor),
+        critic_opt=tx_c.init(critic),
+        obs_rms=ppo.rms_init((OBS_DIM,)),
+        ret_rms=ppo.rms_init(),
+        anchors=None,
+        anchor_count=jnp.zeros((), jnp.int32),
+        snapshots=jnp.zeros(shape.snapshots.shape, jnp.float32),
+        snapshot_count=jnp.ones((), jnp.int32),
         iteration=jnp.asarray(meta["iteration"] - 1, jnp.int32),
-        num_iterations=jnp.asarray(meta["args"]["num_iterations"], jnp.int32))
+        num_iterations=jnp.asarray(meta["args"]["num_iterations"], jnp.int32),
+    )
 
 
 def close(got, want, what="", atol=ATOL):
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=atol,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=atol, err_msg=what
+    )
 
 
 def close_tree(params, want: dict, what, atol=ATOL):
@@ -213,7 +234,9 @@ def ours(fx, state):
             def update(grads, opt_state, params=None):
                 jax.debug.callback(lambda g: adam_inputs.append((name, g)), grads, ordered=True)
                 return tx.update(grads, opt_state, params)
+
             return tx._replace(update=update)
+
         tx_a, tx_c = real_optimizers(cfg, plasticity)
         return spy(tx_a, "actor"), spy(tx_c, "critic")
 
@@ -225,8 +248,9 @@ def ours(fx, state):
         new_state, metrics = jax.jit(ppo.update)(state, rollout(fx), jnp.asarray(fx["inputs/permutations"]))
         new_state, metrics = jax.device_get((new_state, metrics))
     jax.effects_barrier()
-    return SimpleNamespace(state=new_state, metrics=metrics, steps=jax.device_get(steps),
-                           adam_inputs=jax.device_get(adam_inputs))
+    return SimpleNamespace(
+        state=new_state, metrics=metrics, steps=jax.device_get(steps), adam_inputs=jax.device_get(adam_inputs)
+    )
 
 
 # ----------------------------------------------------------------------------- the fixture itself
@@ -240,8 +264,22 @@ def test_fixture_records_reference_and_command(fx):
     assert FIXTURE.stat().st_size < 300_000
 
 
-SHARED_ARGS = ("num_steps", "num_minibatches", "update_epochs", "learning_rate", "anneal_lr", "gamma", "gae_lambda",
-               "norm_adv", "clip_coef", "clip_vloss", "ent_coef", "vf_coef", "max_grad_norm", "target_kl")
+SHARED_ARGS = (
+    "num_steps",
+    "num_minibatches",
+    "update_epochs",
+    "learning_rate",
+    "anneal_lr",
+    "gamma",
+    "gae_lambda",
+    "norm_adv",
+    "clip_coef",
+    "clip_vloss",
+    "ent_coef",
+    "vf_coef",
+    "max_grad_norm",
+    "target_kl",
+)
 
 
 def test_config_matches_cleanrl_args(fx, state):
@@ -267,8 +305,16 @@ def test_rollout_log_probs_and_values(fx, state):
 
 def test_gae_advantages_and_returns(fx, state):
     batch = rollout(fx)
-    adv, ret = ppo.gae(batch.rewards, batch.values[:T], batch.terminated, batch.truncated, batch.final_values,
-                       batch.values[T], 0.99, 0.95)
+    adv, ret = ppo.gae(
+        batch.rewards,
+        batch.values[:T],
+        batch.terminated,
+        batch.truncated,
+        batch.final_values,
+        batch.values[T],
+        0.99,
+        0.95,
+    )
     close(adv, fx["cleanrl/advantages"], "advantages")
     close(ret, fx["cleanrl/returns"], "returns")
     data = ppo.flat_samples(state.cfg, batch)  # flattened as CleanRL's reshape(-1): index t * E + e
@@ -279,8 +325,16 @@ def test_gae_advantages_and_returns(fx, state):
 def test_gae_truncations_with_zero_final_value_match_cleanrl(fx):
     """Difference 1: CleanRL treats a truncation as a termination; ours does too when V(final obs) = 0."""
     batch = rollout(fx, truncations=True)
-    adv, ret = ppo.gae(batch.rewards, batch.values[:T], batch.terminated, batch.truncated, batch.final_values,
-                       batch.values[T], 0.99, 0.95)
+    adv, ret = ppo.gae(
+        batch.rewards,
+        batch.values[:T],
+        batch.terminated,
+        batch.truncated,
+        batch.final_values,
+        batch.values[T],
+        0.99,
+        0.95,
+    )
     close(adv, fx["cleanrl/advantages"], "advantages")
     close(ret, fx["cleanrl/returns"], "returns")
 
@@ -298,13 +352,18 @@ def test_first_minibatch_losses_and_gradients(fx, state):
     idx = jnp.asarray(fx["inputs/permutations"][0, :mb_size])
     mb = ppo.Minibatch(**jax.tree.map(lambda x: x[idx], data))
     vg = jax.jit(jax.value_and_grad(ppo._loss, has_aux=True))
-    (loss, aux), (g_actor, g_critic) = vg((state.actor_params, state.critic_params), state, mb, None,
-                                          jax.random.key(0))
-    ref = {k: fx[f"cleanrl/minibatch/{k}"][0] for k in ("pg_loss", "v_loss", "entropy_loss", "approx_kl",
-                                                       "clipfrac", "loss")}
-    for ours_key, ref_key in (("losses/policy", "pg_loss"), ("losses/value", "v_loss"),
-                              ("losses/entropy", "entropy_loss"), ("charts/approx_kl", "approx_kl"),
-                              ("charts/clipfrac", "clipfrac")):
+    (loss, aux), (g_actor, g_critic) = vg((state.actor_params, state.critic_params), state, mb, None, jax.random.key(0))
+    ref = {
+        k: fx[f"cleanrl/minibatch/{k}"][0]
+        for k in ("pg_loss", "v_loss", "entropy_loss", "approx_kl", "clipfrac", "loss")
+    }
+    for ours_key, ref_key in (
+        ("losses/policy", "pg_loss"),
+        ("losses/value", "v_loss"),
+        ("losses/entropy", "entropy_loss"),
+        ("charts/approx_kl", "approx_kl"),
+        ("charts/clipfrac", "clipfrac"),
+    ):
         close(aux[ours_key], ref[ref_key], ref_key)
     close(loss, ref["loss"], "loss = pg - ent_coef H + vf_coef v")
     close_tree(g_actor, cleanrl_actor(fx, "cleanrl/grad"), "d loss / d actor")
@@ -318,9 +377,14 @@ def test_update_minibatch_losses_every_step(fx, ours):
     """The loss terms of each of the 4 minibatch steps inside ``update`` (epoch-major, as CleanRL's loop)."""
     assert len(ours.steps) == 4
     for i, (_, aux) in enumerate(ours.steps):
-        for ours_key, ref_key in (("losses/policy", "pg_loss"), ("losses/value", "v_loss"),
-                                  ("losses/entropy", "entropy_loss"), ("charts/approx_kl", "approx_kl"),
-                                  ("charts/clipfrac", "clipfrac"), ("losses/total", "loss")):
+        for ours_key, ref_key in (
+            ("losses/policy", "pg_loss"),
+            ("losses/value", "v_loss"),
+            ("losses/entropy", "entropy_loss"),
+            ("charts/approx_kl", "approx_kl"),
+            ("charts/clipfrac", "clipfrac"),
+            ("losses/total", "loss"),
+        ):
             close(aux[ours_key], fx[f"cleanrl/minibatch/{ref_key}"][i], f"step {i} {ref_key}")
 
 
@@ -339,27 +403,35 @@ def test_update_parameters_after_first_step(fx, ours):
 
 
 def test_update_parameters_after_update(fx, ours):
-    close_tree(ours.state.actor_params, cleanrl_actor(fx, "cleanrl/after_update"), "actor after the update",
-               ATOL_PARAMS)
-    close_tree(ours.state.critic_params, cleanrl_critic(fx, "cleanrl/after_update"), "critic after the update",
-               ATOL_PARAMS)
+    close_tree(
+        ours.state.actor_params, cleanrl_actor(fx, "cleanrl/after_update"), "actor after the update", ATOL_PARAMS
+    )
+    close_tree(
+        ours.state.critic_params, cleanrl_critic(fx, "cleanrl/after_update"), "critic after the update", ATOL_PARAMS
+    )
 
 
 def test_update_metrics_are_cleanrl_means(fx, state, ours):
     """``update``'s metrics: the mean over the 4 steps of CleanRL's per-minibatch values, and its lr."""
     m = ours.metrics
-    for ours_key, ref_key in (("losses/policy", "pg_loss"), ("losses/value", "v_loss"),
-                              ("losses/entropy", "entropy_loss"), ("charts/approx_kl", "approx_kl"),
-                              ("charts/clipfrac", "clipfrac"), ("losses/total", "loss"),
-                              ("charts/grad_norm", "grad_norm")):
+    for ours_key, ref_key in (
+        ("losses/policy", "pg_loss"),
+        ("losses/value", "v_loss"),
+        ("losses/entropy", "entropy_loss"),
+        ("charts/approx_kl", "approx_kl"),
+        ("charts/clipfrac", "clipfrac"),
+        ("losses/total", "loss"),
+        ("charts/grad_norm", "grad_norm"),
+    ):
         close(m[ours_key], np.mean(fx[f"cleanrl/minibatch/{ref_key}"].astype(np.float64)), ref_key)
     close(m["charts/learning_rate"], fx["cleanrl/minibatch/lr"][0], "lr")
     close(m["charts/explained_variance"], fx["cleanrl/explained_var"], "explained variance")
     assert float(m["charts/epochs_run"]) == 2.0
     assert int(ours.state.iteration) == int(state.iteration) + 1
     # difference 2: the normalisers are not touched by the update
-    for a, b in zip(jax.tree.leaves((ours.state.obs_rms, ours.state.ret_rms)), jax.tree.leaves((state.obs_rms,
-                                                                                                state.ret_rms))):
+    for a, b in zip(
+        jax.tree.leaves((ours.state.obs_rms, ours.state.ret_rms)), jax.tree.leaves((state.obs_rms, state.ret_rms))
+    ):
         np.testing.assert_array_equal(a, b)
 
 

@@ -50,6 +50,7 @@ Deliberate differences:
 4. ``values/q_std_policy``: the reference logs torch's ``std`` (N - 1 denominator), ours ``jnp.std``
    (N): ours = ref * sqrt((N - 1) / N) (a logged diagnostic only).
 """
+
 from __future__ import annotations
 
 import json
@@ -72,9 +73,22 @@ FIXTURE = Path(__file__).parent / "fixtures" / "ravl_reference.npz"
 RTOL, ATOL = 1e-5, 1e-6
 M, E, N_CRITICS = 5, 3, 4
 DYN = dynamics.DynamicsConfig(members=M, elites=E, width=16, depth=4)
-CFG = ravl.RAVLConfig(critics=N_CRITICS, eta=1.0, gamma=0.99, tau=5e-3, actor_lr=3e-4, critic_lr=3e-4, alpha_lr=3e-4,
-                      batch_size=40, dataset_ratio=0.05, horizon=1, rollout_batch=8, retain_epochs=7,
-                      updates_per_epoch=1, dynamics=DYN)
+CFG = ravl.RAVLConfig(
+    critics=N_CRITICS,
+    eta=1.0,
+    gamma=0.99,
+    tau=5e-3,
+    actor_lr=3e-4,
+    critic_lr=3e-4,
+    alpha_lr=3e-4,
+    batch_size=40,
+    dataset_ratio=0.05,
+    horizon=1,
+    rollout_batch=8,
+    retain_epochs=7,
+    updates_per_epoch=1,
+    dynamics=DYN,
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +98,9 @@ def fx():
 
 
 def close(got, want, what=""):
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL, err_msg=what
+    )
 
 
 def close_tree(got_params, want: dict, what):
@@ -96,8 +111,14 @@ def close_tree(got_params, want: dict, what):
 
 
 # ----------------------------------------------------------------------------- weight mapping
-LAYERS = {("trunk", "layers", 0): "fc1", ("trunk", "layers", 1): "fc2", ("trunk", "layers", 2): "fc3",
-          ("trunk", "layers", 3): "fc4", ("mean",): "delta", ("logvar",): "logvar"}
+LAYERS = {
+    ("trunk", "layers", 0): "fc1",
+    ("trunk", "layers", 1): "fc2",
+    ("trunk", "layers", 2): "fc3",
+    ("trunk", "layers", 3): "fc4",
+    ("mean",): "delta",
+    ("logvar",): "logvar",
+}
 
 
 def dynamics_tree(fx, prefix, bounds_prefix):
@@ -113,10 +134,15 @@ def dynamics_tree(fx, prefix, bounds_prefix):
 
 def _model(fx, elites=None):
     shape = jax.eval_shape(lambda k: dynamics.init_model(k, 3, 2, DYN), jax.random.key(0))
-    return shape.replace(params=load_into(shape.params, dynamics_tree(fx, "dyn/init", "dyn/init")),
-                         input_mean=jnp.asarray(fx["dyn/input_mean"]), input_std=jnp.asarray(fx["dyn/input_std"]),
-                         elites=jnp.arange(E, dtype=jnp.int32) if elites is None else jnp.asarray(elites, jnp.int32),
-                         val_mse=jnp.zeros(M), target_mean=jnp.zeros(4), target_std=jnp.ones(4))
+    return shape.replace(
+        params=load_into(shape.params, dynamics_tree(fx, "dyn/init", "dyn/init")),
+        input_mean=jnp.asarray(fx["dyn/input_mean"]),
+        input_std=jnp.asarray(fx["dyn/input_std"]),
+        elites=jnp.arange(E, dtype=jnp.int32) if elites is None else jnp.asarray(elites, jnp.int32),
+        val_mse=jnp.zeros(M),
+        target_mean=jnp.zeros(4),
+        target_std=jnp.ones(4),
+    )
 
 
 def _split(fx, name):
@@ -152,6 +178,7 @@ def _queue(*arrays):
         x = left.pop(0)
         assert x.shape == tuple(shape), (x.shape, shape)
         return jnp.asarray(x)
+
     call.left = left
     return call
 
@@ -161,8 +188,11 @@ def _patched(mp, **modules):
     for module, kw in modules.items():
         fake = {name: _queue(*arrays) for name, arrays in kw.items()}
         calls += fake.values()
-        mp.setattr({"ravl": ravl, "dynamics": dynamics, "replay": replay, "distributions": distributions}[module],
-                   "jax", _Jax(**fake))
+        mp.setattr(
+            {"ravl": ravl, "dynamics": dynamics, "replay": replay, "distributions": distributions}[module],
+            "jax",
+            _Jax(**fake),
+        )
     jax.clear_caches()  # dynamics.step / predict are jitted: trace them anew, through the stand-ins
     return calls
 
@@ -181,21 +211,29 @@ def dyn(fx):
     vg = jax.jit(jax.value_and_grad(dynamics.ensemble_loss, has_aux=True), static_argnums=(1, 4))
     (out["total"], out["nll"]), out["grad"] = vg(model.params, model.net, x[boot], y[boot], DYN)
     opt_state = dynamics._optimizer(DYN).init(model.params)
-    out["step"], _, out["epoch_nll"] = dynamics._train_epoch(model.params, opt_state, jax.random.key(0), x, y, boot,
-                                                             model.net, dynamics._epoch_cfg(DYN))
+    out["step"], _, out["epoch_nll"] = dynamics._train_epoch(
+        model.params, opt_state, jax.random.key(0), x, y, boot, model.net, dynamics._epoch_cfg(DYN)
+    )
     return jax.device_get(out)
 
 
 def _dataset(fx):
     g = lambda k: jnp.asarray(fx[f"dataset/{k}"])  # noqa: E731
-    return Transition(g("observations"), g("actions"), g("rewards"), g("next_observations"),
-                      g("terminals") > 0.5, jnp.zeros(g("rewards").shape, bool))
+    return Transition(
+        g("observations"),
+        g("actions"),
+        g("rewards"),
+        g("next_observations"),
+        g("terminals") > 0.5,
+        jnp.zeros(g("rewards").shape, bool),
+    )
 
 
 def _fifo(fx, rows=slice(0, 48)):
     g = lambda k: jnp.asarray(fx[f"rollout/buffer/{k}"][rows])  # noqa: E731
-    return Transition(g("obs"), g("action"), g("reward"), g("next_obs"), g("terminated") > 0.5,
-                      jnp.zeros(g("reward").shape, bool))
+    return Transition(
+        g("obs"), g("action"), g("reward"), g("next_obs"), g("terminated") > 0.5, jnp.zeros(g("reward").shape, bool)
+    )
 
 
 def _agent_state(fx):
@@ -205,9 +243,16 @@ def _agent_state(fx):
     target = load_into(shape.target_critic_params, corl_critic(fx, "agent/init/target"))
     log_alpha = jnp.float32(fx["agent/init/log_alpha"])
     tx_a, tx_c, tx_t = sac._optimizers(CFG, shape.plasticity)
-    return shape.replace(actor_params=actor, critic_params=critic, target_critic_params=target, log_alpha=log_alpha,
-                         actor_opt=tx_a.init(actor), critic_opt=tx_c.init(critic), alpha_opt=tx_t.init(log_alpha),
-                         updates=jnp.zeros((), jnp.int32))
+    return shape.replace(
+        actor_params=actor,
+        critic_params=critic,
+        target_critic_params=target,
+        log_alpha=log_alpha,
+        actor_opt=tx_a.init(actor),
+        critic_opt=tx_c.init(critic),
+        alpha_opt=tx_t.init(log_alpha),
+        updates=jnp.zeros((), jnp.int32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -221,12 +266,16 @@ def epoch(fx, dyn):
     data = ravl.Data(_dataset(fx), replay.add(replay.init(ravl.model_capacity(CFG), 3, 2), _fifo(fx)))
     eps = [fx[f"update/eps_{k}"] for k in ("alpha", "actor", "next")]
     with pytest.MonkeyPatch.context() as mp:
-        calls = _patched(mp, ravl={"randint": [fx["rollout/start_rows"], fx["update/real_rows"]]},
-                         dynamics={"normal": [noise], "randint": [fx["rollout/elite_pick"]]},
-                         replay={"randint": [fx["update/model_rows"]]},
-                         distributions={"normal": [fx["rollout/eps_policy"], *eps]})
+        calls = _patched(
+            mp,
+            ravl={"randint": [fx["rollout/start_rows"], fx["update/real_rows"]]},
+            dynamics={"normal": [noise], "randint": [fx["rollout/elite_pick"]]},
+            replay={"randint": [fx["update/model_rows"]]},
+            distributions={"normal": [fx["rollout/eps_policy"], *eps]},
+        )
         new_state, new_data, metrics = jax.jit(ravl.make_epoch(CFG, "hopper-medium-v2"))(
-            state, data, model, jax.random.key(0))
+            state, data, model, jax.random.key(0)
+        )
         assert not any(c.left for c in calls), "fixed draws left unused"
         calls = _patched(mp, ravl={"randint": [fx["update/real_rows"]]}, replay={"randint": [fx["update/model_rows"]]})
         batch = jax.jit(ravl.sample_batch, static_argnums=3)(state, new_data, jax.random.key(1), CFG.batch_size)
@@ -246,25 +295,64 @@ def test_fixture_records_reference_and_command(fx):
 def test_defaults_are_the_reference_defaults(fx):
     ref = json.loads(str(fx["meta"]))["reference_defaults"]
     t, d, cfg, dyn = ref["TrainConfig"], ref["EnsembleTrainConfig"], ravl.RAVLConfig(), dynamics.DynamicsConfig()
-    ours = dict(critics=cfg.critics, gamma=cfg.gamma, tau=cfg.tau, eta=cfg.eta, actor_lr=cfg.actor_lr,
-                critic_lr=cfg.critic_lr, alpha_lr=cfg.alpha_lr, batch_size=cfg.batch_size, horizon=cfg.horizon,
-                dataset_ratio=cfg.dataset_ratio, rollout_batch=cfg.rollout_batch, retain_epochs=cfg.retain_epochs,
-                updates_per_epoch=cfg.updates_per_epoch, target_entropy=cfg.target_entropy)
-    theirs = dict(critics=t["num_critics"], gamma=t["gamma"], tau=t["tau"], eta=t["eta"],
-                  actor_lr=t["actor_learning_rate"], critic_lr=t["critic_learning_rate"],
-                  alpha_lr=t["alpha_learning_rate"], batch_size=t["batch_size"], horizon=t["steps_k"],
-                  dataset_ratio=t["dataset_ratio"], rollout_batch=t["rollouts_per_epoch"],
-                  retain_epochs=t["buffer_retain_epochs"], updates_per_epoch=t["updates_per_epoch"],
-                  target_entropy=t["target_entropy"])
+    ours = dict(
+        critics=cfg.critics,
+        gamma=cfg.gamma,
+        tau=cfg.tau,
+        eta=cfg.eta,
+        actor_lr=cfg.actor_lr,
+        critic_lr=cfg.critic_lr,
+        alpha_lr=cfg.alpha_lr,
+        batch_size=cfg.batch_size,
+        horizon=cfg.horizon,
+        dataset_ratio=cfg.dataset_ratio,
+        rollout_batch=cfg.rollout_batch,
+        retain_epochs=cfg.retain_epochs,
+        updates_per_epoch=cfg.updates_per_epoch,
+        target_entropy=cfg.target_entropy,
+    )
+    theirs = dict(
+        critics=t["num_critics"],
+        gamma=t["gamma"],
+        tau=t["tau"],
+        eta=t["eta"],
+        actor_lr=t["actor_learning_rate"],
+        critic_lr=t["critic_learning_rate"],
+        alpha_lr=t["alpha_learning_rate"],
+        batch_size=t["batch_size"],
+        horizon=t["steps_k"],
+        dataset_ratio=t["dataset_ratio"],
+        rollout_batch=t["rollouts_per_epoch"],
+        retain_epochs=t["buffer_retain_epochs"],
+        updates_per_epoch=t["updates_per_epoch"],
+        target_entropy=t["target_entropy"],
+    )
     assert ours == theirs
     assert cfg.init_alpha == 1.0 and cfg.edac_init and t["auto_alpha"]  # Agent: log_alpha = 0, EDAC's init
-    ours = dict(members=dyn.members, elites=dyn.elites, width=dyn.width, lr=dyn.lr, holdout=dyn.holdout,
-                max_epochs=dyn.max_epochs, min_epochs=dyn.min_epochs, lr_cut=dyn.lr_cut,
-                decays=list(dyn.weight_decay) + [dyn.weight_decay[-1]],
-                logvar_init=[dyn.max_logvar_init, dyn.min_logvar_init])
-    theirs = dict(members=d["num_models"], elites=d["num_elites"], width=d["hidden_dim"], lr=d["model_lr"],
-                  holdout=d["train_val_ratio"], max_epochs=d["epochs"], min_epochs=d["min_epochs"], lr_cut=0.3,
-                  decays=ref["decays"], logvar_init=ref["logvar_init"])
+    ours = dict(
+        members=dyn.members,
+        elites=dyn.elites,
+        width=dyn.width,
+        lr=dyn.lr,
+        holdout=dyn.holdout,
+        max_epochs=dyn.max_epochs,
+        min_epochs=dyn.min_epochs,
+        lr_cut=dyn.lr_cut,
+        decays=list(dyn.weight_decay) + [dyn.weight_decay[-1]],
+        logvar_init=[dyn.max_logvar_init, dyn.min_logvar_init],
+    )
+    theirs = dict(
+        members=d["num_models"],
+        elites=d["num_elites"],
+        width=d["hidden_dim"],
+        lr=d["model_lr"],
+        holdout=d["train_val_ratio"],
+        max_epochs=d["epochs"],
+        min_epochs=d["min_epochs"],
+        lr_cut=0.3,
+        decays=ref["decays"],
+        logvar_init=ref["logvar_init"],
+    )
     assert ours == theirs  # the reference's decays: 4 hidden layers, then delta and logvar heads
     assert dyn.depth == 4 and dyn.activation == "silu" and dyn.bootstrap and dyn.logvar_range_coef == 0.01
 
@@ -352,10 +440,13 @@ def corrections(fx, epoch):
         return state.actor(actor_params, obs), (mean2, log_std2), q, g_actor, g_critic
 
     (mean, log_std), (mean2, log_std2), q, g_actor, g_critic = jax.device_get(
-        terms(state.actor_params, new_state.actor_params, state.critic_params))
-    c = {"alpha": _tanh_eps_correction(mean, log_std, fx["update/eps_alpha"]),
-         "actor": _tanh_eps_correction(mean, log_std, fx["update/eps_actor"]),
-         "next": _tanh_eps_correction(mean2, log_std2, fx["update/eps_next"])}
+        terms(state.actor_params, new_state.actor_params, state.critic_params)
+    )
+    c = {
+        "alpha": _tanh_eps_correction(mean, log_std, fx["update/eps_alpha"]),
+        "actor": _tanh_eps_correction(mean, log_std, fx["update/eps_actor"]),
+        "next": _tanh_eps_correction(mean2, log_std2, fx["update/eps_next"]),
+    }
     delta = 0.99 * (1.0 - fx["update/batch/terminated"]) * np.exp(np.float64(new_state.log_alpha)) * c["next"]
     return {"c": c, "delta": delta, "q": q, "g_actor": flat(g_actor), "g_critic": flat(g_critic)}
 
@@ -389,8 +480,11 @@ def test_update_gradients_as_adam_moments(fx, epoch, corrections):
     close_tree(_adam(new_state.actor_opt, "mu").mu, actor_mu, "actor: 0.1 g")
     critic_mu = {k: v + 0.1 * gc[k] for k, v in corl_critic(fx, "update/exp_avg/critic").items()}
     close_tree(_adam(new_state.critic_opt, "mu").mu, critic_mu, "critic: 0.1 g")
-    close(_adam(new_state.alpha_opt, "mu").mu, fx["update/exp_avg/log_alpha"] - 0.1 * c["alpha"].mean(),
-          "log alpha: 0.1 g")
+    close(
+        _adam(new_state.alpha_opt, "mu").mu,
+        fx["update/exp_avg/log_alpha"] - 0.1 * c["alpha"].mean(),
+        "log alpha: 0.1 g",
+    )
 
 
 def test_update_parameters_after_one_step(fx, epoch):

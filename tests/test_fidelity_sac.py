@@ -52,6 +52,7 @@ Deliberate differences, checked on the quantities defined equally and not papere
 6. Online vs target critics: the fixtures' targets are drawn separately from the online critics (in the
    references they start as copies) so that a bug that uses the wrong one shows.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,8 @@ from plasticity_zoo.agents import sac
 from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.networks import Net, distributions
 from plasticity_zoo.networks.config import NetworkConfig
-from tests.fidelity import flat, load_into, torch_linear
 from plasticity_zoo.plasticity.sigreg import regularized
+from tests.fidelity import flat, load_into, torch_linear
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sac_reference.npz"
 RTOL, ATOL = 1e-5, 1e-6
@@ -123,10 +124,6 @@ def corl_critic(fx, prefix):
         tree[(*path, "kernel")] = fx[f"{prefix}/critic.{i}.weight"]
         tree[(*path, "bias")] = fx[f"{prefix}/critic.{i}.bias"][:, 0, :]
     return tree
-
-
-
-
 
 
 # ----------------------------------------------------------------------------- running our code
@@ -184,12 +181,21 @@ def run_ours(state, fx, ref: str):
         _, lp = distributions.tanh_gaussian_sample(eps["alpha"], mean, log_std)
         out["alpha_log_prob"] = lp
         out["alpha_loss"], out["grad_log_alpha"] = jax.value_and_grad(sac.alpha_loss)(
-            log_alpha, lp, sac.target_entropy(state))
+            log_alpha, lp, sac.target_entropy(state)
+        )
         (out["actor_loss"], (out["actor_log_prob"], _)), out["grad_actor"] = actor_vg(
-            state.actor_params, state, batch.obs, alpha, eps["actor"], reg_key=None, sigreg=state.plasticity.sigreg)
+            state.actor_params, state, batch.obs, alpha, eps["actor"], reg_key=None, sigreg=state.plasticity.sigreg
+        )
         (out["critic_loss"], (out["q"], out["td"], out["div"], _)), out["grad_critic"] = critic_vg(
-            state.critic_params, state, state.actor_params, batch, alpha, eps["next"], reg_key=None,
-            sigreg=state.plasticity.sigreg)
+            state.critic_params,
+            state,
+            state.actor_params,
+            batch,
+            alpha,
+            eps["next"],
+            reg_key=None,
+            sigreg=state.plasticity.sigreg,
+        )
         # the target's parts, by the functions critic_loss uses, for y and log pi(a'|s') themselves
         mean2, log_std2 = state.actor(state.actor_params, batch.next_obs)
         a2, lp2 = distributions.tanh_gaussian_sample(eps["next"], mean2, log_std2)
@@ -202,11 +208,17 @@ def run_ours(state, fx, ref: str):
         # critics: its y is ours + delta, delta = gamma (1 - d) alpha c(u'), so its loss is ours plus
         # sum_i mean_s [(q_i - y - delta)^2 - (q_i - y)^2] = ours - sum_i mean_s 2 delta q_i + const.
         out["grad_actor_eps_term"] = jax.grad(
-            lambda p: alpha * _tanh_eps_term(*state.actor(p, batch.obs), eps["actor"]).mean())(state.actor_params)
-        delta = state.cfg.gamma * (1.0 - batch.terminated.astype(jnp.float32)) * alpha * _tanh_eps_term(
-            mean2, log_std2, eps["next"])
+            lambda p: alpha * _tanh_eps_term(*state.actor(p, batch.obs), eps["actor"]).mean()
+        )(state.actor_params)
+        delta = (
+            state.cfg.gamma
+            * (1.0 - batch.terminated.astype(jnp.float32))
+            * alpha
+            * _tanh_eps_term(mean2, log_std2, eps["next"])
+        )
         out["grad_critic_eps_term"] = jax.grad(
-            lambda p: (2.0 * delta * state.critic(p, batch.obs, batch.action)).mean(axis=1).sum())(state.critic_params)
+            lambda p: (2.0 * delta * state.critic(p, batch.obs, batch.action)).mean(axis=1).sum()
+        )(state.critic_params)
         return out
 
     shim = SimpleNamespace(random=SimpleNamespace(normal=_fixed_normal), nn=jax.nn)
@@ -214,8 +226,11 @@ def run_ours(state, fx, ref: str):
         mp.setattr(distributions, "jax", shim)
         out = jax.device_get(losses(state, batch, alpha, log_alpha, eps))
         if state.cfg.eta > 0:
-            div, g = jax.device_get(jax.jit(jax.value_and_grad(sac.diversity_loss, argnums=1), static_argnums=0)(
-                state.critic, state.critic_params, batch.obs, batch.action))
+            div, g = jax.device_get(
+                jax.jit(jax.value_and_grad(sac.diversity_loss, argnums=1), static_argnums=0)(
+                    state.critic, state.critic_params, batch.obs, batch.action
+                )
+            )
             out["diversity"], out["grad_diversity"] = div, g
     return out
 
@@ -224,18 +239,27 @@ def _state(cfg, network, actor, critic, target):
     """``sac.init``'s state with the fixture's weights.  init runs abstractly (jax.eval_shape: its networks'
     structure, no compilation of its eager initialisers); the optimizer states, unused by the losses, are None."""
     shape = jax.eval_shape(lambda k: sac.init(k, 3, 2, cfg, network), jax.random.key(0))
-    return shape.replace(actor_params=load_into(shape.actor_params, actor),
-                         critic_params=load_into(shape.critic_params, critic),
-                         target_critic_params=load_into(shape.target_critic_params, target),
-                         log_alpha=jnp.zeros(()), actor_opt=None, critic_opt=None, alpha_opt=None,
-                         updates=jnp.zeros((), jnp.int32))
+    return shape.replace(
+        actor_params=load_into(shape.actor_params, actor),
+        critic_params=load_into(shape.critic_params, critic),
+        target_critic_params=load_into(shape.target_critic_params, target),
+        log_alpha=jnp.zeros(()),
+        actor_opt=None,
+        critic_opt=None,
+        alpha_opt=None,
+        updates=jnp.zeros((), jnp.int32),
+    )
 
 
 @pytest.fixture(scope="module")
 def cleanrl(fx):
-    state = _state(sac.SACConfig(critics=2, gamma=0.99), NetworkConfig(width=16, depth=2), cleanrl_actor(fx),
-                   cleanrl_critics(fx, ["cleanrl/qf1", "cleanrl/qf2"]),
-                   cleanrl_critics(fx, ["cleanrl/qf1_target", "cleanrl/qf2_target"]))
+    state = _state(
+        sac.SACConfig(critics=2, gamma=0.99),
+        NetworkConfig(width=16, depth=2),
+        cleanrl_actor(fx),
+        cleanrl_critics(fx, ["cleanrl/qf1", "cleanrl/qf2"]),
+        cleanrl_critics(fx, ["cleanrl/qf1_target", "cleanrl/qf2_target"]),
+    )
     low, high = (float(x) for x in fx["cleanrl/log_std_bounds"])
     state = state.replace(actor=_TanhSquashedLogStd(state.actor, low, high))  # difference 2
     return state, run_ours(state, fx, "cleanrl")
@@ -243,14 +267,20 @@ def cleanrl(fx):
 
 @pytest.fixture(scope="module")
 def corl(fx):
-    state = _state(sac.SACConfig(critics=3, eta=1.0, gamma=0.99, edac_init=True), NetworkConfig(width=16, depth=3),
-                   corl_actor(fx), corl_critic(fx, "corl/critic"), corl_critic(fx, "corl/target"))
+    state = _state(
+        sac.SACConfig(critics=3, eta=1.0, gamma=0.99, edac_init=True),
+        NetworkConfig(width=16, depth=3),
+        corl_actor(fx),
+        corl_critic(fx, "corl/critic"),
+        corl_critic(fx, "corl/target"),
+    )
     return state, run_ours(state, fx, "corl")
 
 
 def close(got, want, what=""):
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL, err_msg=what
+    )
 
 
 def close_tree(grads, want: dict, what):
@@ -328,8 +358,11 @@ def test_cleanrl_temperature_loss_relation(fx, cleanrl):
     # CleanRL's value and gradient are both -alpha mean(log pi + H); ours: -log alpha mean(.) and -mean(.)
     ref_mean = -fx["cleanrl/alpha_loss"] / alpha + c.mean()  # mean(log pi + H), difference 1 applied
     close(ours["grad_log_alpha"], -ref_mean, "d alpha_loss / d log alpha")
-    close(ours["grad_log_alpha"] * alpha, fx["cleanrl/grad/log_alpha"] - alpha * c.mean(),
-          "alpha * our gradient = CleanRL's gradient")
+    close(
+        ours["grad_log_alpha"] * alpha,
+        fx["cleanrl/grad/log_alpha"] - alpha * c.mean(),
+        "alpha * our gradient = CleanRL's gradient",
+    )
     close(ours["alpha_loss"], -log_alpha * ref_mean, "alpha loss")
 
 

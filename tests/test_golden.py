@@ -1,5 +1,6 @@
 """Refactors keep behaviour: short fixed-seed runs reproduce their recorded fingerprints
 (tests/golden: final parameter / optimizer sums per array and the evaluation returns)."""
+
 import numpy as np
 import pytest
 
@@ -10,12 +11,27 @@ TOLERANCE = {"eval": 1e-2, "leaves": 5e-3, "abs": 5e-3, "atol": 1e-4}  # relativ
 # ReGraMa's resets at width 64 amplify last-bit differences: recorded with XLA's default CPU settings
 # and run with the suite's, some Adam moments' sums differed by 13% (a leaf near 0 changed sign) while
 # the evaluations agreed to 3e-4.
-CPU_SPREAD = {"ravl_toy": {"leaves": 1e-1, "abs": 3e-2, "atol": 2e-4},
-              "mrq_w64_regrama": {"leaves": 2e-1, "abs": 2e-1, "atol": 2e-2}}
+CPU_SPREAD = {
+    "ravl_toy": {"leaves": 1e-1, "abs": 3e-2, "atol": 2e-4},
+    "mrq_w64_regrama": {"leaves": 2e-1, "abs": 2e-1, "atol": 2e-2},
+}
 # the cases of 3 s or more in one worker; the fast loop (``pytest -m "not slow"``) keeps SAC and PPO (clip)
-SLOW = {"mrq_w64", "mrq_w64_regrama", "sac_shrink_perturb_layer_reset", "sac_crelu_redo", "sac_fourier_multiskip",
-        "sac_l2init_parseval_nap", "sac_ne", "sac_ne_reference", "sac_n_edac", "ravl_toy", "sac_sigreg", "ppo_gtr",
-        "sac_redo", "ppo_clip_actions"}
+SLOW = {
+    "mrq_w64",
+    "mrq_w64_regrama",
+    "sac_shrink_perturb_layer_reset",
+    "sac_crelu_redo",
+    "sac_fourier_multiskip",
+    "sac_l2init_parseval_nap",
+    "sac_ne",
+    "sac_ne_reference",
+    "sac_n_edac",
+    "ravl_toy",
+    "sac_sigreg",
+    "ppo_gtr",
+    "sac_redo",
+    "ppo_clip_actions",
+}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in golden.CASES])

@@ -1,4 +1,5 @@
 """NeuBay's long-horizon imagination (agents/imagination.py) on constructed worlds."""
+
 from functools import partial
 
 import jax
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import dynamics as dyn
-from plasticity_zoo.networks.core import path_names
 from plasticity_zoo.agents import imagination as im
+from plasticity_zoo.networks.core import path_names
 from plasticity_zoo.networks.recurrent import RecurrentSpec, build_recurrent
 
 OBS, ACT = 2, 1
@@ -82,9 +83,19 @@ def test_each_tape_keeps_its_member_and_stops_at_termination_or_the_horizon():
     model = constant_world(means)
     h = im.histories(*dataset(), max_horizon=30)
     done_fn = lambda s: s[:, 0] > 4.0  # noqa: E731
-    run = jax.jit(lambda key: im.imagine(model, h, lambda c, x, s, k: (jnp.zeros((x.shape[0], ACT)), c),
-                                         jnp.zeros(30), key, batch=30, max_horizon=30, threshold=jnp.inf,
-                                         done_fn=done_fn))
+    run = jax.jit(
+        lambda key: im.imagine(
+            model,
+            h,
+            lambda c, x, s, k: (jnp.zeros((x.shape[0], ACT)), c),
+            jnp.zeros(30),
+            key,
+            batch=30,
+            max_horizon=30,
+            threshold=jnp.inf,
+            done_fn=done_fn,
+        )
+    )
     tape, stats = run(jax.random.key(3))
     tape, stats = jax.tree.map(np.asarray, (tape, stats))
     traj, t0 = (np.asarray(a) for a in im.sample_prefixes(h, jax.random.split(jax.random.key(3), 3)[0], 30))
@@ -106,11 +117,11 @@ def test_each_tape_keeps_its_member_and_stops_at_termination_or_the_horizon():
                 break
         assert tape.length[b] == p + n and stats["horizon"][b] == n, (b, tape.length[b], p, n)
         steps = slice(p, p + n)
-        np.testing.assert_allclose(np.diff(tape.obs[b, p:p + n + 1, 0]), means[m, 0], atol=1e-4)
+        np.testing.assert_allclose(np.diff(tape.obs[b, p : p + n + 1, 0]), means[m, 0], atol=1e-4)
         np.testing.assert_allclose(tape.reward[b, steps], means[m, 2], atol=1e-4)
-        assert tape.valid[b, :p + n].all() and not tape.valid[b, p + n:].any()
+        assert tape.valid[b, : p + n].all() and not tape.valid[b, p + n :].any()
         assert tape.terminated[b, p + n - 1] == terminated and tape.truncated[b, p + n - 1] == (not terminated)
-        assert not tape.terminated[b, p:p + n - 1].any() and not tape.truncated[b, p:p + n - 1].any()
+        assert not tape.terminated[b, p : p + n - 1].any() and not tape.truncated[b, p : p + n - 1].any()
         assert stats["ended_terminated"][b] == terminated and stats["ended_horizon"][b] == (not terminated)
     assert stats["ended_terminated"].any() and stats["ended_horizon"].any()  # both endings happened
 
@@ -121,9 +132,19 @@ def test_truncation_at_the_first_step_whose_uncertainty_exceeds_the_threshold():
     model = dyn.init_model(jax.random.key(1), OBS, ACT, cfg)  # untrained members disagree, more so far out
     h = im.histories(*dataset(), max_horizon=60)
     policy = lambda c, x, s, k: (jnp.tanh(x[:, -1, :1] + 0.5), c)  # noqa: E731  (deterministic)
-    run = jax.jit(lambda threshold: im.imagine(model, h, policy, jnp.zeros(40), jax.random.key(0), batch=40,
-                                               max_horizon=60, threshold=threshold,
-                                               done_fn=lambda s: jnp.zeros(len(s), bool)))
+    run = jax.jit(
+        lambda threshold: im.imagine(
+            model,
+            h,
+            policy,
+            jnp.zeros(40),
+            jax.random.key(0),
+            batch=40,
+            max_horizon=60,
+            threshold=threshold,
+            done_fn=lambda s: jnp.zeros(len(s), bool),
+        )
+    )
     free, _ = run(jnp.inf)  # no cut: the uncertainties along full-length tapes
     imagined = np.asarray(free.valid & ~free.real)
     threshold = float(np.quantile(np.asarray(free.uncertainty)[imagined], 0.95))
@@ -159,9 +180,19 @@ def test_warm_up_and_stepping_equal_one_pass_of_the_recurrence_over_the_tape():
     means = np.array([[0.05, 0.0, 1.0], [0.1, 0.0, 2.0], [0.15, 0.0, 3.0]], np.float32)
     model = constant_world(means)
     h = im.histories(*dataset(), max_horizon=25)
-    tape, stats = jax.jit(lambda key: im.imagine(model, h, actor, net.initial_state((12,)), key, batch=12,
-                                                 max_horizon=25, threshold=jnp.inf,
-                                                 done_fn=lambda s: s[:, 0] > 100.0))(jax.random.key(4))
+    tape, stats = jax.jit(
+        lambda key: im.imagine(
+            model,
+            h,
+            actor,
+            net.initial_state((12,)),
+            key,
+            batch=12,
+            max_horizon=25,
+            threshold=jnp.inf,
+            done_fn=lambda s: s[:, 0] > 100.0,
+        )
+    )(jax.random.key(4))
     x = im.agent_inputs(tape.obs, tape.action, tape.reward)  # (B, H + 1, I)
     start = jnp.zeros(x.shape[:2], bool).at[:, 0].set(True)
     y, _ = net(params, x, net.initial_state((12,)), start)
@@ -177,7 +208,7 @@ def test_warm_up_and_stepping_equal_one_pass_of_the_recurrence_over_the_tape():
     padded, starts = im._left_padded(inputs, t0)
     _, warm = net(params, padded, net.initial_state((3,)), starts)
     for b, p in enumerate([0, 4, 9]):
-        prefix = inputs[b:b + 1, :p + 1]
+        prefix = inputs[b : b + 1, : p + 1]
         _, direct = net(params, prefix, net.initial_state((1,)), jnp.zeros((1, p + 1), bool).at[:, 0].set(True))
         np.testing.assert_allclose(np.asarray(warm[b]), np.asarray(direct[0]), rtol=1e-5, atol=1e-5)
 
@@ -190,8 +221,17 @@ def test_tapes_keep_the_model_reward_and_each_step_uncertainty():
     model = constant_world(means, members=2)
     h = im.histories(*dataset(), max_horizon=10)
     zero = lambda c, x, s, k: (jnp.zeros((x.shape[0], ACT)), c)  # noqa: E731
-    tape, _ = im.imagine(model, h, zero, jnp.zeros(8), jax.random.key(0), batch=8, max_horizon=10,
-                         threshold=jnp.inf, done_fn=lambda s: jnp.zeros(len(s), bool))
+    tape, _ = im.imagine(
+        model,
+        h,
+        zero,
+        jnp.zeros(8),
+        jax.random.key(0),
+        batch=8,
+        max_horizon=10,
+        threshold=jnp.inf,
+        done_fn=lambda s: jnp.zeros(len(s), bool),
+    )
     imagined = np.asarray(tape.valid & ~tape.real)
     assert imagined.any()
     unc = np.sqrt(means.var(0).mean())  # constant members: the same uncertainty everywhere

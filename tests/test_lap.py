@@ -1,4 +1,5 @@
 """LAP replay over per-env subtrajectories (buffers/lap.py): streams, masks, priorities, returns."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,7 @@ def _reference_mask(log, capacity, horizon):
     """(env, t) -> window of ``horizon`` from (env, t) is sampleable, from the Python model alone."""
     live = {(e, t): (d, tr) for e, t, d, tr in log[-capacity:]}
     ok = {}
-    for (e, t) in live:
+    for e, t in live:
         steps = [(e, t + k) for k in range(horizon)]
         ok[(e, t)] = all(s in live for s in steps) and not any(live[s][1] for s in steps[:-1])
     return ok
@@ -77,29 +78,36 @@ def test_sampled_windows_stay_in_one_env_and_never_cross_a_truncation():
 
 def test_new_transitions_get_the_running_max_priority_and_priority_formula():
     buf = lap.init(8, 1, 1)
-    one = Transition(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.zeros(1), jnp.zeros((1, 1)),
-                     jnp.zeros(1, bool), jnp.zeros(1, bool))
+    one = Transition(
+        jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.zeros(1), jnp.zeros((1, 1)), jnp.zeros(1, bool), jnp.zeros(1, bool)
+    )
     for _ in range(3):
         buf = lap.add(buf, one)
     np.testing.assert_allclose(buf.priority[:3], 1.0)  # initial running max = 1
     # priority = max(|delta|, 1) ** 0.4
     p = lap.priority(jnp.array([0.5, 10.0, 3.0]), alpha=0.4, min_priority=1.0)
-    np.testing.assert_allclose(p, [1.0, 10.0 ** 0.4, 3.0 ** 0.4], rtol=1e-6)
+    np.testing.assert_allclose(p, [1.0, 10.0**0.4, 3.0**0.4], rtol=1e-6)
     buf = lap.update_priorities(buf, jnp.array([0, 1, 2]), p)
-    assert float(buf.max_priority) == pytest.approx(10.0 ** 0.4)
+    assert float(buf.max_priority) == pytest.approx(10.0**0.4)
     buf = lap.add(buf, one)
-    assert float(buf.priority[3]) == pytest.approx(10.0 ** 0.4)  # new transition: the running max
+    assert float(buf.priority[3]) == pytest.approx(10.0**0.4)  # new transition: the running max
     buf = lap.update_priorities(buf, jnp.array([1]), jnp.array([1.0]))  # the max never decreases
-    assert float(buf.max_priority) == pytest.approx(10.0 ** 0.4)
+    assert float(buf.max_priority) == pytest.approx(10.0**0.4)
     buf = lap.add(buf, one)
-    assert float(buf.priority[4]) == pytest.approx(10.0 ** 0.4)
+    assert float(buf.priority[4]) == pytest.approx(10.0**0.4)
 
 
 def test_sampling_frequencies_are_proportional_to_priority_times_validity():
     cap = 10
     buf = lap.init(cap, 1, 1)
-    batch = Transition(jnp.zeros((cap, 1)), jnp.zeros((cap, 1)), jnp.zeros(cap), jnp.zeros((cap, 1)),
-                       jnp.zeros(cap, bool), jnp.zeros(cap, bool).at[6].set(True))
+    batch = Transition(
+        jnp.zeros((cap, 1)),
+        jnp.zeros((cap, 1)),
+        jnp.zeros(cap),
+        jnp.zeros((cap, 1)),
+        jnp.zeros(cap, bool),
+        jnp.zeros(cap, bool).at[6].set(True),
+    )
     buf = lap.add(buf, batch)  # one add of 10 envs: every window has length 1 per env stream
     buf = buf._replace(priority=jnp.array([1.0, 2.0, 3.0, 4.0, 0.5, 7.0, 9.0, 1.5, 2.5, 6.0]))
     valid = lap.window_mask(buf, 1)
@@ -138,8 +146,9 @@ def test_multistep_return_with_termination_inside_the_window():
 def test_reward_scale_is_the_mean_absolute_reward_of_stored_transitions():
     buf = lap.init(6, 1, 1)
     rewards = jnp.array([1.0, -3.0, 2.0, 0.0])
-    batch = Transition(jnp.zeros((4, 1)), jnp.zeros((4, 1)), rewards, jnp.zeros((4, 1)),
-                       jnp.zeros(4, bool), jnp.zeros(4, bool))
+    batch = Transition(
+        jnp.zeros((4, 1)), jnp.zeros((4, 1)), rewards, jnp.zeros((4, 1)), jnp.zeros(4, bool), jnp.zeros(4, bool)
+    )
     buf = lap.add(buf, batch)
     assert float(lap.reward_scale(buf)) == pytest.approx(1.5)  # empty slots do not count
     buf = lap.add(buf, batch)  # wraps: 8 written into 6 slots -> the live ones are the last 6
@@ -150,8 +159,14 @@ def test_reward_scale_is_the_mean_absolute_reward_of_stored_transitions():
 @pytest.mark.slow
 def test_add_and_sample_vmap_over_seeds():
     bufs = jax.vmap(lambda _: lap.init(16, 2, 1))(jnp.arange(2))
-    batch = Transition(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 1)), jnp.array([[1.0, 2, 3], [4, 5, 6]]),
-                       jnp.ones((2, 3, 2)), jnp.zeros((2, 3), bool), jnp.zeros((2, 3), bool))
+    batch = Transition(
+        jnp.ones((2, 3, 2)),
+        jnp.ones((2, 3, 1)),
+        jnp.array([[1.0, 2, 3], [4, 5, 6]]),
+        jnp.ones((2, 3, 2)),
+        jnp.zeros((2, 3), bool),
+        jnp.zeros((2, 3), bool),
+    )
     for _ in range(4):
         bufs = jax.vmap(lap.add)(bufs, batch)
     idx, win = jax.vmap(lambda b, k: lap.sample(b, k, 64, 3))(bufs, jax.random.split(jax.random.key(0), 2))
@@ -170,16 +185,15 @@ def _check_trees(buf, horizon):
     for tree, leaves in ((buf.weights, np.asarray(buf.priority) * valid), (buf.counts, valid.astype(np.float32))):
         tree = np.asarray(tree)
         p = tree.shape[0] // 2
-        np.testing.assert_allclose(tree[p:p + cap], leaves, rtol=1e-6)
-        assert not tree[p + cap:].any()
-        np.testing.assert_allclose(tree[1:p], tree[2:2 * p:2] + tree[3:2 * p:2], rtol=1e-5)
+        np.testing.assert_allclose(tree[p : p + cap], leaves, rtol=1e-6)
+        assert not tree[p + cap :].any()
+        np.testing.assert_allclose(tree[1:p], tree[2 : 2 * p : 2] + tree[3 : 2 * p : 2], rtol=1e-5)
     assert float(lap.valid_windows(buf)) == valid.sum()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_envs,capacity,horizon", [(1, 30, 3), (3, 50, 5), (4, 64, 5), (2, 7, 3)])
-def test_the_kept_mask_and_sum_trees_match_a_rebuild_after_adds_wraps_and_priority_updates(num_envs, capacity,
-                                                                                            horizon):
+def test_the_kept_mask_and_sum_trees_match_a_rebuild_after_adds_wraps_and_priority_updates(num_envs, capacity, horizon):
     rng = np.random.default_rng(num_envs)
     buf = lap.init(capacity, 2, 1, horizon=horizon)
     add, upd = jax.jit(lap.add), jax.jit(lap.update_priorities)
@@ -197,8 +211,7 @@ def test_the_kept_mask_and_sum_trees_match_a_rebuild_after_adds_wraps_and_priori
 @pytest.mark.slow
 def test_the_tree_draws_the_slots_the_cumulative_sum_draws_from_the_same_key():
     buf, _ = _simulate(3, 60, 128, seed=2, p_term=0.1, p_trunc=0.15)
-    buf = buf._replace(weights=jnp.zeros(256), counts=jnp.zeros(256), horizon=jnp.arange(5),
-                       valid=jnp.zeros(128, bool))
+    buf = buf._replace(weights=jnp.zeros(256), counts=jnp.zeros(256), horizon=jnp.arange(5), valid=jnp.zeros(128, bool))
     # integer priorities: every partial sum is exact in float32, so both samplers must agree slot for slot
     pri = jnp.asarray(np.random.default_rng(0).integers(1, 9, 128), jnp.float32)
     buf = buf._replace(priority=pri)
@@ -215,8 +228,14 @@ def test_the_tree_draws_the_slots_the_cumulative_sum_draws_from_the_same_key():
 def test_tree_draws_never_land_on_an_invalid_window_and_follow_the_weights():
     cap = 10
     buf = lap.init(cap, 1, 1, horizon=1)
-    batch = Transition(jnp.zeros((cap, 1)), jnp.zeros((cap, 1)), jnp.zeros(cap), jnp.zeros((cap, 1)),
-                       jnp.zeros(cap, bool), jnp.zeros(cap, bool))
+    batch = Transition(
+        jnp.zeros((cap, 1)),
+        jnp.zeros((cap, 1)),
+        jnp.zeros(cap),
+        jnp.zeros((cap, 1)),
+        jnp.zeros(cap, bool),
+        jnp.zeros(cap, bool),
+    )
     buf = lap.add(buf, batch)
     w = np.array([1.0, 2.0, 3.0, 0.0, 0.5, 7.0, 9.0, 0.0, 2.5, 6.0], np.float32)
     buf = lap.update_priorities(buf, jnp.arange(cap), jnp.asarray(w))
@@ -234,8 +253,9 @@ def test_a_replay_steps_work_does_not_grow_with_the_capacity():
     """Issue #18's regression check, without timing: XLA's flop count of one add + draw + priority
     update grows with the tree depth (about 3x for 256x the capacity here; XLA counts a gather's index
     arithmetic too), where the mask-and-cumsum path grows with the capacity."""
-    tr = Transition(jnp.zeros((1, 3)), jnp.zeros((1, 1)), jnp.zeros(1), jnp.zeros((1, 3)), jnp.zeros(1, bool),
-                    jnp.zeros(1, bool))
+    tr = Transition(
+        jnp.zeros((1, 3)), jnp.zeros((1, 1)), jnp.zeros(1), jnp.zeros((1, 3)), jnp.zeros(1, bool), jnp.zeros(1, bool)
+    )
 
     def replay_step(buf, key):
         buf = lap.add(buf, tr)

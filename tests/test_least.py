@@ -74,6 +74,7 @@ def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_
     assert stops > 0
     from plasticity_zoo.training import checkpoint
     from plasticity_zoo.training.offpolicy import init_state
+
     (_, buffer, _), host, _ = checkpoint.load(checkpoint.latest(tmp_path / "r"), init_state(sac, cfg, 4, 1))
     data = jax.tree.map(lambda x: np.asarray(x[0]), buffer.data)
     n = int(np.asarray(buffer.size)[0])

@@ -3,6 +3,7 @@
 The SAC path itself (medium / medium-replay, reusing a finished training for random) is tested end
 to end in tests/test_datasets.py.
 """
+
 import sys
 from pathlib import Path
 
@@ -41,10 +42,12 @@ def no_sac(make_dataset, monkeypatch):
     monkeypatch.setattr(sac, "update", boom)
 
 
-def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4rl(make_dataset, no_sac, tmp_path,
-                                                                                   capsys):
-    flag = make_dataset.main(["--env", "Hopper-v5", "--kind", "random", "--ref-max", "3000",
-                              "--out", str(tmp_path / "flag.hdf5"), *SMALL])["random"]
+def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4rl(
+    make_dataset, no_sac, tmp_path, capsys
+):
+    flag = make_dataset.main(
+        ["--env", "Hopper-v5", "--kind", "random", "--ref-max", "3000", "--out", str(tmp_path / "flag.hdf5"), *SMALL]
+    )["random"]
     d4rl = make_dataset.main(["--env", "Hopper-v5", "--kind", "random", "--out", str(tmp_path), *SMALL])["random"]
     assert d4rl == tmp_path / "hopper-random-v5.hdf5" and not (tmp_path / "runs").exists()  # no SAC run dir
     a, b = D.load(flag, env_id="Hopper-v5"), D.load(d4rl, env_id="Hopper-v5")
@@ -72,8 +75,9 @@ def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4r
 def test_random_only_without_any_ref_max_records_nan_and_warns(make_dataset, no_sac, tmp_path, capsys):
     from plasticity_zoo.training.offline import scores
 
-    path = make_dataset.main(["--env", "Pendulum-v1", "--kind", "random", "--out", str(tmp_path / "p.hdf5"),
-                              *SMALL])["random"]
+    path = make_dataset.main(["--env", "Pendulum-v1", "--kind", "random", "--out", str(tmp_path / "p.hdf5"), *SMALL])[
+        "random"
+    ]
     assert "warning: no ref_max_score for Pendulum-v1" in capsys.readouterr().out
     ds = D.load(path, env_id="Pendulum-v1")
     m = ds.metadata
@@ -95,8 +99,7 @@ def test_ref_max_flag_is_checked(make_dataset, no_sac, tmp_path):
     with pytest.raises(SystemExit, match="--ref-max must be a finite number"):
         make_dataset.main(["--kind", "random", "--ref-max", "nan", *out])
     with pytest.raises(SystemExit, match="--ref-max applies to a request of only --kind random"):
-        make_dataset.main(["--kind", "random", "--kind", "expert", "--ref-max", "3000", "--out", str(tmp_path),
-                           *SMALL])
+        make_dataset.main(["--kind", "random", "--kind", "expert", "--ref-max", "3000", "--out", str(tmp_path), *SMALL])
     assert not list(tmp_path.iterdir())
 
 
@@ -109,17 +112,33 @@ def test_random_with_a_sac_kind_still_trains_sac(make_dataset, tmp_path, monkeyp
 
     monkeypatch.setattr(make_dataset.SacRun, "ensure_trained", ensure_trained)
     with pytest.raises(Trained):
-        make_dataset.main(["--kind", "random", "--kind", "medium", "--out", str(tmp_path), *SMALL,
-                           "--train-steps", "600", "--sac.learning-starts", "200"])
+        make_dataset.main(
+            [
+                "--kind",
+                "random",
+                "--kind",
+                "medium",
+                "--out",
+                str(tmp_path),
+                *SMALL,
+                "--train-steps",
+                "600",
+                "--sac.learning-starts",
+                "200",
+            ]
+        )
     assert not list(tmp_path.glob("*.hdf5"))
 
 
-def test_a_dataset_written_into_runs_names_the_sac_run_dir_without_runs_runs(make_dataset, no_sac, tmp_path,
-                                                                             capsys, monkeypatch):
+def test_a_dataset_written_into_runs_names_the_sac_run_dir_without_runs_runs(
+    make_dataset, no_sac, tmp_path, capsys, monkeypatch
+):
     """Issue #47 item 8: `--out runs/...` printed the SAC reference run's path as runs/runs/<env>-sac-seed0."""
     monkeypatch.chdir(tmp_path)
     make_dataset.main(["--env", "Pendulum-v1", "--kind", "random", "--out", "runs/p.hdf5", *SMALL])
     out = capsys.readouterr().out
     assert f"in {tmp_path / 'runs' / 'Pendulum-v1-sac-seed0'}," in out and "runs/runs" not in out, out
-    assert make_dataset.default_run_dir(tmp_path / "data", "dmc:cheetah-run", 2) == \
-        tmp_path / "data" / "runs" / "dmc_cheetah-run-sac-seed2"  # any other out dir keeps its runs/ folder
+    assert (
+        make_dataset.default_run_dir(tmp_path / "data", "dmc:cheetah-run", 2)
+        == tmp_path / "data" / "runs" / "dmc_cheetah-run-sac-seed2"
+    )  # any other out dir keeps its runs/ folder

@@ -4,6 +4,7 @@ The datasets are written here, in a temporary Minari data path, by Minari's own 
 Hopper-v5 (a 40-step time limit): episodes that fall (terminated), reach the limit (truncated) and
 one reset after 10 steps (Minari marks it truncated).  Nothing is downloaded.
 """
+
 import csv
 import json
 import os
@@ -40,8 +41,9 @@ def build(root: Path, dataset_id: str = ID, episodes=EPISODES, ref_max: float = 
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         mp.setenv("MINARI_DATASETS_PATH", str(root))
         warnings.simplefilter("ignore")  # minari's notes on a missing author, permalink, ...
-        env = minari.DataCollector(gym.make("Hopper-v5", max_episode_steps=40), record_infos=True,
-                                   step_data_callback=_States)
+        env = minari.DataCollector(
+            gym.make("Hopper-v5", max_episode_steps=40), record_infos=True, step_data_callback=_States
+        )
         rng = np.random.default_rng(0)
         for seed, (scale, cut) in enumerate(episodes):
             env.reset(seed=seed)
@@ -49,8 +51,9 @@ def build(root: Path, dataset_id: str = ID, episodes=EPISODES, ref_max: float = 
                 _, _, terminated, truncated, _ = env.step((scale * rng.uniform(-1, 1, 3)).astype(np.float32))
                 if terminated or truncated or t + 1 == cut:
                     break
-        env.create_dataset(dataset_id, eval_env="Hopper-v5", algorithm_name="uniform", ref_min_score=-20.0,
-                           ref_max_score=ref_max)
+        env.create_dataset(
+            dataset_id, eval_env="Hopper-v5", algorithm_name="uniform", ref_min_score=-20.0, ref_max_score=ref_max
+        )
         env.close()
     return root / dataset_id / "data"
 
@@ -108,8 +111,13 @@ def test_conversion_matches_the_minari_episodes_row_by_row(paths):
     # every episode's last row (fall, time limit, reset) replays in the simulator to its stored next observation
     assert len(D.check_transitions(ds, rows=np.r_[ds.episode_ends(), 0, 17, 50])) == 0
     m = ds.metadata
-    assert (m["env_id"], m["kind"], m["minari_dataset_id"], m["minari_episodes"], m["minari_cut_episodes"]) == \
-        ("Hopper-v5", "medium", ID, 5, 0)
+    assert (m["env_id"], m["kind"], m["minari_dataset_id"], m["minari_episodes"], m["minari_cut_episodes"]) == (
+        "Hopper-v5",
+        "medium",
+        ID,
+        5,
+        0,
+    )
     assert (m["ref_min_score"], m["ref_max_score"], m["ref_max_source"]) == (-20.0, 3000.0, "minari")
     assert D.normalized_score(3000.0, metadata=m, reference="dataset") == pytest.approx(100.0)
     np.testing.assert_array_equal(m["action_low"], -np.ones(3, np.float32))
@@ -148,9 +156,14 @@ def test_a_second_conversion_is_reused_and_a_changed_source_redone(paths):
 
 def test_episode_flags_both_cut_and_malformed():
     ep = lambda obs_rows=4, term=(0, 0, 0), trunc=(0, 0, 0), obs=None: minari.EpisodeData(  # noqa: E731
-        id=7, observations=np.arange(obs_rows * 2, dtype=np.float64).reshape(obs_rows, 2) if obs is None else obs,
-        actions=np.zeros((3, 1), np.float32), rewards=np.ones(3), terminations=np.array(term, bool),
-        truncations=np.array(trunc, bool), infos={"x": np.arange(4), "y": np.arange(3), "n": {"z": np.ones((4, 2))}})
+        id=7,
+        observations=np.arange(obs_rows * 2, dtype=np.float64).reshape(obs_rows, 2) if obs is None else obs,
+        actions=np.zeros((3, 1), np.float32),
+        rewards=np.ones(3),
+        terminations=np.array(term, bool),
+        truncations=np.array(trunc, bool),
+        infos={"x": np.arange(4), "y": np.arange(3), "n": {"z": np.ones((4, 2))}},
+    )
     rows, cut = M.episode_rows(ep(term=(0, 0, 1), trunc=(0, 0, 1)))  # both on the time limit's last step
     assert rows.terminals.tolist() == [0, 0, 1] and rows.timeouts.tolist() == [0, 0, 0] and not cut
     rows, cut = M.episode_rows(ep())  # stopped mid-episode: closed with a timeout
@@ -165,8 +178,9 @@ def test_episode_flags_both_cut_and_malformed():
         M.episode_rows(ep(obs={"a": np.zeros((4, 2))}))
 
 
-def test_an_id_without_version_takes_the_newest_of_that_name_and_bad_data_are_refused(source, tmp_path, capsys,
-                                                                                      monkeypatch):
+def test_an_id_without_version_takes_the_newest_of_that_name_and_bad_data_are_refused(
+    source, tmp_path, capsys, monkeypatch
+):
     import shutil
 
     import gymnasium as gym
@@ -177,8 +191,11 @@ def test_an_id_without_version_takes_the_newest_of_that_name_and_bad_data_are_re
     assert M.locate("zoo-test/hopper/medium", root) == (ID, root / ID / "data")
     shutil.copytree(source / ID, root / "zoo-test/hopper/medium-v2")
     assert M.locate("zoo-test/hopper/medium", root)[0] == "zoo-test/hopper/medium-v2"
-    assert M.local_ids(root) == ["zoo-test/hopper/medium-replay-v7", "zoo-test/hopper/medium-v0",
-                                 "zoo-test/hopper/medium-v2"]
+    assert M.local_ids(root) == [
+        "zoo-test/hopper/medium-replay-v7",
+        "zoo-test/hopper/medium-v0",
+        "zoo-test/hopper/medium-v2",
+    ]
     (root / ID / "data" / "main_data.hdf5").write_bytes(b"not hdf5" * 100)
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
     monkeypatch.setenv("RLZOO_DATASETS", str(tmp_path / "cache"))
@@ -197,8 +214,12 @@ def test_the_eval_env_comes_from_the_spec_and_a_different_spec_is_noted():
     _, note = M.eval_env({"env_spec": json.dumps({**spec, "kwargs": {"frame_skip": 2}})})
     assert 'kwargs {"frame_skip": 2}' in note
     # eval_env_spec wins over the collection's spec
-    assert M.eval_env({"env_spec": json.dumps({**spec, "max_episode_steps": 40}),
-                       "eval_env_spec": json.dumps({**spec, "id": "Walker2d-v5"})}) == ("Walker2d-v5", None)
+    assert M.eval_env(
+        {
+            "env_spec": json.dumps({**spec, "max_episode_steps": 40}),
+            "eval_env_spec": json.dumps({**spec, "id": "Walker2d-v5"}),
+        }
+    ) == ("Walker2d-v5", None)
     assert M.eval_env({}) == (None, None)
     assert M.dataset_id("minari:D4RL/door/human-v2") == "D4RL/door/human-v2"
     for bad in ("minari:", "minari:../x-v0", "minari:a b"):
@@ -236,8 +257,9 @@ def test_an_absent_id_names_the_path_searched_and_creates_nothing(tmp_path, monk
 
 
 def test_other_datasets_present_are_listed(paths, tmp_path, capsys):
-    err = _cli_error(["ravl", "--dataset", "minari:zoo-test/hopper/expert-v0", "--run-dir", str(tmp_path / "r")],
-                     capsys)
+    err = _cli_error(
+        ["ravl", "--dataset", "minari:zoo-test/hopper/expert-v0", "--run-dir", str(tmp_path / "r")], capsys
+    )
     assert "looked for" in err and f"(present: {ID})" in err
 
 
@@ -264,11 +286,45 @@ def test_a_minari_file_given_as_a_path_says_to_use_its_id(paths, tmp_path, monke
 # --------------------------------------------------------------------------------------------
 # training on it
 # --------------------------------------------------------------------------------------------
-TINY = ["--network.width", "16", "--critics", "2", "--rollout-batch", "64", "--horizon", "2",
-        "--updates-per-epoch", "20", "--batch-size", "32", "--total-steps", "40", "--eval-every", "20",
-        "--eval-episodes", "2", "--log-every", "20", "--checkpoint-every", "40", "--no-progress",
-        "--dynamics.members", "2", "--dynamics.elites", "1", "--dynamics.width", "16", "--dynamics.depth", "1",
-        "--dynamics.min-epochs", "2", "--dynamics.max-epochs", "2", "--dynamics.batch-size", "64"]
+TINY = [
+    "--network.width",
+    "16",
+    "--critics",
+    "2",
+    "--rollout-batch",
+    "64",
+    "--horizon",
+    "2",
+    "--updates-per-epoch",
+    "20",
+    "--batch-size",
+    "32",
+    "--total-steps",
+    "40",
+    "--eval-every",
+    "20",
+    "--eval-episodes",
+    "2",
+    "--log-every",
+    "20",
+    "--checkpoint-every",
+    "40",
+    "--no-progress",
+    "--dynamics.members",
+    "2",
+    "--dynamics.elites",
+    "1",
+    "--dynamics.width",
+    "16",
+    "--dynamics.depth",
+    "1",
+    "--dynamics.min-epochs",
+    "2",
+    "--dynamics.max-epochs",
+    "2",
+    "--dynamics.batch-size",
+    "64",
+]
 
 
 @pytest.mark.slow
@@ -320,12 +376,35 @@ def test_neubay_trains_on_a_minari_id(paths, tmp_path):
     from plasticity_zoo.training.run import run
 
     world = dynamics.neubay_config(members=4, elites=3, width=16, depth=1, max_epochs=2, batch_size=64)
-    agent = neubay.NeuBayConfig(dataset=f"minari:{ID}", critics=2, head_width=16, d_model=16, d_hidden=8,
-                                lru_layers=1, tape_len=64, rollout_batch=4, planning_members=3, updates_per_epoch=20,
-                                max_horizon=40, dynamics=world)
-    out = run(RunConfig(env=None, total_steps=40, eval_every=40, eval_episodes=2, log_every=20, checkpoint_every=40,
-                        progress=False, run_dir=str(tmp_path / "run"), agent_name="neubay", agent=agent,
-                        plasticity=PlasticityConfig(metrics_every=0)))
+    agent = neubay.NeuBayConfig(
+        dataset=f"minari:{ID}",
+        critics=2,
+        head_width=16,
+        d_model=16,
+        d_hidden=8,
+        lru_layers=1,
+        tape_len=64,
+        rollout_batch=4,
+        planning_members=3,
+        updates_per_epoch=20,
+        max_horizon=40,
+        dynamics=world,
+    )
+    out = run(
+        RunConfig(
+            env=None,
+            total_steps=40,
+            eval_every=40,
+            eval_episodes=2,
+            log_every=20,
+            checkpoint_every=40,
+            progress=False,
+            run_dir=str(tmp_path / "run"),
+            agent_name="neubay",
+            agent=agent,
+            plasticity=PlasticityConfig(metrics_every=0),
+        )
+    )
     assert out["step"] == 40 and np.all(np.asarray(out["state"].updates) == 40)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["env"] == "Hopper-v5" and saved["agent"]["dataset"] == f"minari:{ID}"

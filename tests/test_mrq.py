@@ -1,4 +1,5 @@
 """MR.Q (agents/mrq.py): two-hot reward, masked returns, losses, schedule, seeds, learning."""
+
 import csv
 import math
 
@@ -9,9 +10,9 @@ import pytest
 
 from plasticity_zoo.agents import mrq
 from plasticity_zoo.buffers import lap
-from plasticity_zoo.training.config import NetworkConfig, RunConfig
 from plasticity_zoo.buffers.lap import Window
 from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
 GAMMA = 0.99
 
@@ -25,7 +26,7 @@ def test_symlog_symexp_against_numpy():
     np.testing.assert_allclose(mrq.symexp(x[2:-1]), np.sign(x[2:-1]) * np.expm1(np.abs(x[2:-1])), rtol=1e-6)
     np.testing.assert_allclose(mrq.symexp(mrq.symlog(x)), x, rtol=1e-5)
     assert float(mrq.symlog(math.e - 1)) == pytest.approx(1.0)
-    assert float(mrq.symexp(-2.0)) == pytest.approx(-(math.e ** 2 - 1))
+    assert float(mrq.symexp(-2.0)) == pytest.approx(-(math.e**2 - 1))
 
 
 def test_two_hot_bins_round_trip_and_cross_entropy():
@@ -40,13 +41,17 @@ def test_two_hot_bins_round_trip_and_cross_entropy():
     np.testing.assert_allclose(mrq.two_hot_decode(th, bins), x, rtol=1e-5, atol=1e-6)  # encode -> decode
     # hand case: 0.1 lies between bins[32] = 0 and bins[33] = e^0.3125 - 1
     w = 0.1 / math.expm1(0.3125)
-    np.testing.assert_allclose(np.asarray(mrq.two_hot(jnp.array([0.1]), jnp.asarray(bins)))[0, 32:34], [1 - w, w],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(mrq.two_hot(jnp.array([0.1]), jnp.asarray(bins)))[0, 32:34], [1 - w, w], rtol=1e-5
+    )
     # cross-entropy against numpy
     logits = np.random.default_rng(0).normal(size=(len(x), 65)).astype(np.float32)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    np.testing.assert_allclose(mrq.two_hot_cross_entropy(jnp.asarray(logits), jnp.asarray(x), jnp.asarray(bins)),
-                               -(th * log_p).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(
+        mrq.two_hot_cross_entropy(jnp.asarray(logits), jnp.asarray(x), jnp.asarray(bins)),
+        -(th * log_p).sum(-1),
+        rtol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- tiny agent fixtures
@@ -57,19 +62,26 @@ def tiny():
     cfg = mrq.MRQConfig(batch_size=16, buffer_size=256)
     state = mrq.init(jax.random.key(0), 3, 1, cfg, NetworkConfig(width=16))
     perturb = lambda t, s: jax.tree.map(lambda x: x * s, t)  # noqa: E731  (targets != online)
-    return state.replace(reward_scale=jnp.float32(2.0), target_reward_scale=jnp.float32(5.0),
-                         target_value_params=perturb(state.value_params, 1.3),
-                         target_encoder_params=perturb(state.encoder_params, 0.9))
+    return state.replace(
+        reward_scale=jnp.float32(2.0),
+        target_reward_scale=jnp.float32(5.0),
+        target_value_params=perturb(state.value_params, 1.3),
+        target_encoder_params=perturb(state.encoder_params, 0.9),
+    )
 
 
 def _window(reward, terminated, seed=0):
     reward = jnp.asarray(reward, jnp.float32)
     b, h = reward.shape
     rng = np.random.default_rng(seed)
-    return Window(jnp.asarray(rng.normal(size=(b, 3)), jnp.float32),
-                  jnp.asarray(rng.uniform(-1, 1, (b, h, 1)), jnp.float32), reward,
-                  jnp.asarray(rng.normal(size=(b, h, 3)), jnp.float32), jnp.asarray(terminated, bool),
-                  jnp.zeros((b, h), bool))
+    return Window(
+        jnp.asarray(rng.normal(size=(b, 3)), jnp.float32),
+        jnp.asarray(rng.uniform(-1, 1, (b, h, 1)), jnp.float32),
+        reward,
+        jnp.asarray(rng.normal(size=(b, h, 3)), jnp.float32),
+        jnp.asarray(terminated, bool),
+        jnp.zeros((b, h), bool),
+    )
 
 
 def _min_target_q(state, win, key):
@@ -91,9 +103,9 @@ def test_value_target_is_masked_at_terminations_and_scaled(tiny):
     rbar, rbar_prev = 2.0, 5.0
     np.testing.assert_allclose(y[0], 1.0 / rbar, rtol=1e-6)  # first transition terminates: r_t / rbar
     np.testing.assert_allclose(y[1], (1.0 + GAMMA * 2.0) / rbar, rtol=1e-6)  # terminates at i = 1
-    np.testing.assert_allclose(y[2], (1.0 + GAMMA * 2.0 + GAMMA ** 2 * 4.0) / rbar, rtol=1e-6)  # no bootstrap
-    ret = 3.0 - GAMMA * 1.0 + GAMMA ** 2 * 0.5
-    np.testing.assert_allclose(y[3], (ret + GAMMA ** 3 * rbar_prev * q[3]) / rbar, rtol=1e-5)  # previous scale
+    np.testing.assert_allclose(y[2], (1.0 + GAMMA * 2.0 + GAMMA**2 * 4.0) / rbar, rtol=1e-6)  # no bootstrap
+    ret = 3.0 - GAMMA * 1.0 + GAMMA**2 * 0.5
+    np.testing.assert_allclose(y[3], (ret + GAMMA**3 * rbar_prev * q[3]) / rbar, rtol=1e-5)  # previous scale
     assert abs(q[3]) > 1e-3
     # rewards, observations and flags after the terminal transition change nothing
     r2 = np.array(r)
@@ -130,13 +142,19 @@ def test_encoder_loss_hand_computed_and_masked_after_termination(tiny):
     # five steps, every window terminating at step 1: steps 2..4 are masked out
     win = _window(np.ones((4, 5)), np.tile([0, 1, 0, 0, 0], (4, 1)), seed=3)
     base = float(mrq.encoder_loss(state.encoder_params, state.sa_encoder_params, state, win, 1.0)[0])
-    later = win._replace(reward=win.reward.at[:, 2:].set(50.0), action=win.action.at[:, 2:].set(-1.0),
-                         next_obs=win.next_obs.at[:, 2:].set(4.0), terminated=win.terminated.at[:, 3].set(True))
-    assert float(mrq.encoder_loss(state.encoder_params, state.sa_encoder_params, state, later, 1.0)[0]) == \
-        pytest.approx(base, rel=1e-6)
+    later = win._replace(
+        reward=win.reward.at[:, 2:].set(50.0),
+        action=win.action.at[:, 2:].set(-1.0),
+        next_obs=win.next_obs.at[:, 2:].set(4.0),
+        terminated=win.terminated.at[:, 3].set(True),
+    )
+    assert float(
+        mrq.encoder_loss(state.encoder_params, state.sa_encoder_params, state, later, 1.0)[0]
+    ) == pytest.approx(base, rel=1e-6)
     at_terminal = win._replace(reward=win.reward.at[:, 1].set(50.0))  # the terminal step's reward counts
-    assert float(mrq.encoder_loss(state.encoder_params, state.sa_encoder_params, state, at_terminal, 1.0)[0]) != \
-        pytest.approx(base, rel=1e-3)
+    assert float(
+        mrq.encoder_loss(state.encoder_params, state.sa_encoder_params, state, at_terminal, 1.0)[0]
+    ) != pytest.approx(base, rel=1e-3)
 
 
 @pytest.mark.slow
@@ -160,12 +178,24 @@ def test_rl_update_moves_value_and_policy_only_and_returns_lap_priorities(tiny):
 
 def test_sync_copies_every_network_and_shifts_the_reward_scale(tiny):
     buf = lap.init(8, 3, 1)
-    buf = lap.add(buf, Transition(jnp.zeros((4, 3)), jnp.zeros((4, 1)), jnp.array([1.0, -3.0, 0.5, 0.5]),
-                                  jnp.zeros((4, 3)), jnp.zeros(4, bool), jnp.zeros(4, bool)))
+    buf = lap.add(
+        buf,
+        Transition(
+            jnp.zeros((4, 3)),
+            jnp.zeros((4, 1)),
+            jnp.array([1.0, -3.0, 0.5, 0.5]),
+            jnp.zeros((4, 3)),
+            jnp.zeros(4, bool),
+            jnp.zeros(4, bool),
+        ),
+    )
     new = mrq.sync(tiny, buf)
-    for online, target in (("encoder_params", "target_encoder_params"), ("value_params", "target_value_params"),
-                           ("sa_encoder_params", "target_sa_encoder_params"),
-                           ("policy_params", "target_policy_params")):
+    for online, target in (
+        ("encoder_params", "target_encoder_params"),
+        ("value_params", "target_value_params"),
+        ("sa_encoder_params", "target_sa_encoder_params"),
+        ("policy_params", "target_policy_params"),
+    ):
         for a, b in zip(jax.tree.leaves(getattr(new, online)), jax.tree.leaves(getattr(new, target))):
             np.testing.assert_array_equal(a, b)
     assert float(new.target_reward_scale) == 2.0  # the previous rbar
@@ -180,7 +210,13 @@ def test_paper_size_parameter_count_width_scaling_and_act(tiny):
     assert n["value"] == pytest.approx(1.58e6, rel=0.02) and n["policy"] == pytest.approx(0.53e6, rel=0.02)
     assert sum(n.values()) == pytest.approx(3.9e6, rel=0.02)  # spec: ~3.9M derived (paper: 4.1M)
     assert mrq.dims(mrq.MRQConfig(), NetworkConfig(width=64)) == {
-        "zs": 64, "zsa": 64, "za": 32, "enc": 64, "value": 64, "policy": 64}
+        "zs": 64,
+        "zsa": 64,
+        "za": 32,
+        "enc": 64,
+        "value": 64,
+        "policy": 64,
+    }
     obs = jnp.ones((3, 3))
     a = mrq.act(tiny, obs, None, explore=False)
     b = mrq.act(tiny, obs, jax.random.key(1), explore=True)
@@ -195,19 +231,29 @@ def test_paper_size_parameter_count_width_scaling_and_act(tiny):
 def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and_seeds_differ():
     from plasticity_zoo.training.offpolicy import init_state, make_train_block, seed_slice
 
-    cfg = RunConfig(env="Pendulum-v1", seeds=2, network=NetworkConfig(width=16), agent_name="mrq",
-                    agent=mrq.MRQConfig(batch_size=16, buffer_size=256))
+    cfg = RunConfig(
+        env="Pendulum-v1",
+        seeds=2,
+        network=NetworkConfig(width=16),
+        agent_name="mrq",
+        agent=mrq.MRQConfig(batch_size=16, buffer_size=256),
+    )
     assert cfg.agent.target_update_freq == 250 and cfg.agent.learning_starts == 10_000  # paper defaults
     state, buffer, _ = init_state(mrq, cfg, 3, 1)
     rng = np.random.default_rng(0)
     add = jax.jit(jax.vmap(mrq.buffer_add))
     for t in range(100):  # 2 envs per seed: per-env streams
-        buffer = add(buffer, Transition(
-            jnp.asarray(rng.normal(size=(2, 2, 3)), jnp.float32),
-            jnp.asarray(rng.uniform(-1, 1, (2, 2, 1)), jnp.float32),
-            jnp.asarray(rng.normal(size=(2, 2)) * [[1.0], [3.0]], jnp.float32),
-            jnp.asarray(rng.normal(size=(2, 2, 3)), jnp.float32), jnp.asarray(rng.random((2, 2)) < 0.05),
-            jnp.asarray(rng.random((2, 2)) < 0.05)))
+        buffer = add(
+            buffer,
+            Transition(
+                jnp.asarray(rng.normal(size=(2, 2, 3)), jnp.float32),
+                jnp.asarray(rng.uniform(-1, 1, (2, 2, 1)), jnp.float32),
+                jnp.asarray(rng.normal(size=(2, 2)) * [[1.0], [3.0]], jnp.float32),
+                jnp.asarray(rng.normal(size=(2, 2, 3)), jnp.float32),
+                jnp.asarray(rng.random((2, 2)) < 0.05),
+                jnp.asarray(rng.random((2, 2)) < 0.05),
+            ),
+        )
     rbar = np.abs(np.asarray(buffer.data.reward)[:, :200]).mean(axis=1)
     block = jax.jit(jax.vmap(make_train_block(mrq, cfg.agent, 300)))
     keys = jax.random.split(jax.random.key(1), 2)
@@ -231,8 +277,13 @@ def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and
 
     a, b = seed_slice(s2, 0), seed_slice(s2, 1)  # the two vmapped seeds learn different params
     for net in ("encoder_params", "sa_encoder_params", "value_params", "policy_params"):
-        kernels = [(x, y) for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(getattr(a, net))[0],
-                                               jax.tree.leaves(getattr(b, net))) if "kernel" in mrq._keys(p)]
+        kernels = [
+            (x, y)
+            for (p, x), y in zip(
+                jax.tree_util.tree_flatten_with_path(getattr(a, net))[0], jax.tree.leaves(getattr(b, net))
+            )
+            if "kernel" in mrq._keys(p)
+        ]
         assert all(not np.allclose(x, y) for x, y in kernels), net
 
 
@@ -248,9 +299,18 @@ def test_mrq_learns_pendulum(tmp_path):
     # Three seeds of this setting swung up after 2000-4500 steps (eval at 4000: -224, -139, -127).
     steps = 4000
     agent = mrq.MRQConfig(buffer_size=steps, batch_size=64, learning_starts=500)
-    cfg = RunConfig(env="Pendulum-v1", total_steps=steps, eval_every=steps, eval_episodes=5, log_every=500,
-                    checkpoint_every=steps, progress=False, network=NetworkConfig(width=64), agent_name="mrq",
-                    agent=agent)
+    cfg = RunConfig(
+        env="Pendulum-v1",
+        total_steps=steps,
+        eval_every=steps,
+        eval_episodes=5,
+        log_every=500,
+        checkpoint_every=steps,
+        progress=False,
+        network=NetworkConfig(width=64),
+        agent_name="mrq",
+        agent=agent,
+    )
     out = train(cfg, mrq, tmp_path / "r")
     rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
     start = [float(r["return_mean"]) for r in rows if r["step"] == "0"]

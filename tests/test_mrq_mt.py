@@ -1,6 +1,7 @@
 """Multitask MR.Q (agents/mrq_mt.py, ScaleMRL): hand values for the per-task discount, the
 discrete regression, RunningScale and the masked multi-step target with two sampled heads; the
 task embedding's gradient, action masks, the UTD credit, and runs through train.py."""
+
 import dataclasses
 import importlib
 
@@ -36,7 +37,7 @@ def _obs(rng, tasks):
     """mt: observations of the given tasks: each task's own dims random, zero padding, one-hot."""
     obs = np.zeros((len(tasks), SPEC.obs_dim), np.float32)
     for i, t in enumerate(tasks):
-        obs[i, :SPEC.obs_dims[t]] = rng.normal(size=SPEC.obs_dims[t])
+        obs[i, : SPEC.obs_dims[t]] = rng.normal(size=SPEC.obs_dims[t])
         obs[i, SPEC.max_obs_dim + t] = 1.0
     return obs
 
@@ -46,9 +47,14 @@ def _windows(tasks, h=5, seed=0, terminated=None):
     b = len(tasks)
     nxt = np.stack([_obs(rng, tasks) for _ in range(h)], axis=1)
     term = np.zeros((b, h), bool) if terminated is None else terminated
-    return Window(jnp.asarray(_obs(rng, tasks)), jnp.asarray(rng.uniform(-1, 1, (b, h, SPEC.act_dim)), jnp.float32),
-                  jnp.asarray(rng.normal(size=(b, h)), jnp.float32), jnp.asarray(nxt), jnp.asarray(term),
-                  jnp.zeros((b, h), bool))
+    return Window(
+        jnp.asarray(_obs(rng, tasks)),
+        jnp.asarray(rng.uniform(-1, 1, (b, h, SPEC.act_dim)), jnp.float32),
+        jnp.asarray(rng.normal(size=(b, h)), jnp.float32),
+        jnp.asarray(nxt),
+        jnp.asarray(term),
+        jnp.zeros((b, h), bool),
+    )
 
 
 def test_the_per_task_discount_follows_scalemrls_episode_length_heuristic():
@@ -66,7 +72,9 @@ def test_the_two_hot_of_symlog_puts_its_mass_on_the_two_neighbouring_bins_and_de
     th = np.asarray(mrq_mt.two_hot_symlog(x, n, lo, hi))
     np.testing.assert_allclose(th.sum(-1), 1.0, rtol=1e-6)
     assert th[0, 50] == pytest.approx(1.0)  # symlog 0 sits on bin 50
-    assert th[1, 55] == pytest.approx(0.75, abs=1e-4) and th[1, 56] == pytest.approx(0.25, abs=1e-4)  # 1.05 = 1.0 + 0.25 x 0.2
+    assert th[1, 55] == pytest.approx(0.75, abs=1e-4) and th[1, 56] == pytest.approx(
+        0.25, abs=1e-4
+    )  # 1.05 = 1.0 + 0.25 x 0.2
     assert th[2, 48] == pytest.approx(0.5, abs=1e-4) and th[2, 48] == pytest.approx(th[2, 49], abs=1e-4)  # -0.3
     assert th[3, 100] == pytest.approx(1.0)  # clipped at vmax
     logits = jnp.log(jnp.asarray(th[:3]) + 1e-12)
@@ -105,12 +113,13 @@ def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two
     a = jnp.clip(a + noise, -1, 1) * state.action_mask[task]
     zsa, _ = state.sa_encoder(state.target_sa_encoder_params, next_zs, a)
     q_all = np.asarray(mrq_mt.q_values(state, state.target_value_params, zsa))  # (K, B)
-    expect = ret + gammas ** 5 * alive[:, 5] * q_all[heads].min(axis=0)
+    expect = ret + gammas**5 * alive[:, 5] * q_all[heads].min(axis=0)
     np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
     # the heads matter: another pair of heads gives another target
     others = [p for p in ((0, 1), (0, 2), (1, 2)) if set(p) != set(heads.tolist())]
-    assert any(not np.allclose(ret + gammas ** 5 * alive[:, 5] * q_all[list(p)].min(axis=0), y, atol=1e-7)
-               for p in others)
+    assert any(
+        not np.allclose(ret + gammas**5 * alive[:, 5] * q_all[list(p)].min(axis=0), y, atol=1e-7) for p in others
+    )
 
 
 @pytest.mark.slow
@@ -160,9 +169,14 @@ def _filled_buffer(cfg, n=64):
     add = jax.jit(mrq_mt.buffer_add)
     for _ in range(n):
         obs = _obs(rng, [0, 1, 2])
-        tr = Transition(jnp.asarray(obs), jnp.asarray(rng.uniform(-1, 1, (3, 2)), jnp.float32),
-                        jnp.asarray(rng.normal(size=3), jnp.float32), jnp.asarray(obs + 0.01), jnp.zeros(3, bool),
-                        jnp.zeros(3, bool))
+        tr = Transition(
+            jnp.asarray(obs),
+            jnp.asarray(rng.uniform(-1, 1, (3, 2)), jnp.float32),
+            jnp.asarray(rng.normal(size=3), jnp.float32),
+            jnp.asarray(obs + 0.01),
+            jnp.zeros(3, bool),
+            jnp.zeros(3, bool),
+        )
         buf = add(buf, tr)
     return buf
 
@@ -192,8 +206,11 @@ def test_learning_starts_after_five_random_episodes_per_env_as_scalemrl_seeds(ta
     # ScaleMRL trainer.py: random actions while step < seeding_coef (5) x num_envs x episode_length, the
     # step counting every env's steps; evaluation every 20 x 500 x num_envs steps, 2 episodes per env.
     spec = TaskSpec("mt:x", ("t",) * tasks, (3,) * tasks, (1,) * tasks, (500,) * tasks)
-    assert mrq_mt.protocol(spec, envs) == {"learning_starts": 2_500 * envs, "eval_every": 10_000 * envs,
-                                           "eval_episodes": 2}
+    assert mrq_mt.protocol(spec, envs) == {
+        "learning_starts": 2_500 * envs,
+        "eval_every": 10_000 * envs,
+        "eval_episodes": 2,
+    }
     if tasks == 21:
         assert mrq_mt.protocol(spec, envs)["learning_starts"] == 52_500  # mt:dmc21
     # tasks of unequal length: the longest episode (ScaleMRL's cfg.episode_length is their max)
@@ -214,7 +231,11 @@ def test_the_schedule_fills_only_what_the_command_line_and_the_config_leave_unse
     assert (cfg.agent.learning_starts, cfg.eval_every, cfg.eval_episodes) == (300, 5_000, 10)
     cfg = parse(["mrq-mt", "--preset", "mrq-mt-scalemrl", "--env", env, "--run-dir", "/nonexistent/x"])
     assert (cfg.total_steps, cfg.agent.learning_starts, cfg.eval_every, cfg.eval_episodes) == (
-        10_000_000, 5_000, 20_000, 2)
+        10_000_000,
+        5_000,
+        20_000,
+        2,
+    )
     # a config built in Python: fields left at RunConfig's defaults take the schedule; applying it twice is a no-op
     lib = RunConfig(env=env, num_envs=2, eval_episodes=4, agent_name="mrq-mt", agent=mrq_mt.CONFIG())
     done = protocol_defaults(lib, mrq_mt, log=lambda _: None)
@@ -223,8 +244,12 @@ def test_the_schedule_fills_only_what_the_command_line_and_the_config_leave_unse
 
 
 def test_bad_settings_are_refused_with_the_flag_named():
-    for kw, msg in ((dict(updates_per_step=2), "--utd"), (dict(utd=0.0), "--utd"), (dict(num_q=1), "--num-q"),
-                    (dict(tau=1.5), "--tau")):
+    for kw, msg in (
+        (dict(updates_per_step=2), "--utd"),
+        (dict(utd=0.0), "--utd"),
+        (dict(num_q=1), "--num-q"),
+        (dict(tau=1.5), "--tau"),
+    ):
         with pytest.raises(ValueError, match=msg):
             _state(**kw)
     with pytest.raises(ValueError, match="mt:"):
@@ -246,13 +271,34 @@ def test_model_sizes_follow_scalemrls_table(size, heads):
 def _run_config(**kw):
     from plasticity_zoo.training.config import PlasticityConfig, RunConfig
 
-    agent = mrq_mt.CONFIG(**{"model_size": "S", "buffer_size": 512, "batch_size": 8, "learning_starts": 20,
-                             "utd": 0.5, **kw.pop("agent", {})})
-    return RunConfig(**{"env": "mt:cartpole2", "seeds": 2, "num_envs": 2, "total_steps": 80, "eval_every": 40,
-                        "eval_episodes": 1, "log_every": 20, "checkpoint_every": 40, "progress": False,
-                        "network": NetworkConfig(width=16), "agent_name": "mrq-mt", "agent": agent,
-                        "plasticity": PlasticityConfig(metrics_every=20, metrics_batch=8, redo=True, reset_every=20,
-                                                       reset_batch=8), **kw})
+    agent = mrq_mt.CONFIG(
+        **{
+            "model_size": "S",
+            "buffer_size": 512,
+            "batch_size": 8,
+            "learning_starts": 20,
+            "utd": 0.5,
+            **kw.pop("agent", {}),
+        }
+    )
+    return RunConfig(
+        **{
+            "env": "mt:cartpole2",
+            "seeds": 2,
+            "num_envs": 2,
+            "total_steps": 80,
+            "eval_every": 40,
+            "eval_episodes": 1,
+            "log_every": 20,
+            "checkpoint_every": 40,
+            "progress": False,
+            "network": NetworkConfig(width=16),
+            "agent_name": "mrq-mt",
+            "agent": agent,
+            "plasticity": PlasticityConfig(metrics_every=20, metrics_batch=8, redo=True, reset_every=20, reset_batch=8),
+            **kw,
+        }
+    )
 
 
 @pytest.mark.slow
@@ -276,8 +322,9 @@ def test_a_resumed_run_with_plasticity_metrics_and_redo_equals_the_uninterrupted
     rows = list(csv.DictReader(open(tmp_path / "full" / "eval.csv")))
     assert {r["task"] for r in rows} == {"dmc:cartpole-balance", "dmc:cartpole-swingup", "all"}
     metrics = list(csv.DictReader(open(tmp_path / "full" / "metrics.csv")))
-    assert any(r.get("plasticity/value/dormant_0.025", "") != "" for r in metrics) or \
-        any(k.startswith("plasticity/state_encoder") and r[k] != "" for r in metrics for k in r)
+    assert any(r.get("plasticity/value/dormant_0.025", "") != "" for r in metrics) or any(
+        k.startswith("plasticity/state_encoder") and r[k] != "" for r in metrics for k in r
+    )
     assert int(float(metrics[-1]["charts/updates"])) == 31  # 0.5 x 2 env steps x 31 learning iterations (steps 20..80)
     seeds = [jax.tree.leaves(full["state"].value_params)[0][j] for j in range(2)]
     assert not np.array_equal(*seeds)  # the two seeds differ
@@ -298,9 +345,18 @@ def test_a_short_run_on_two_tasks_beats_its_untrained_policy_on_each(tmp_path):
 
     agent = importlib.import_module("plasticity_zoo.agents").get("mrq-mt")
     env = "mt:Pendulum-v1,dmc:cartpole-swingup"
-    cfg = _run_config(env=env, seeds=1, total_steps=6000, eval_every=6000, eval_episodes=4, log_every=1000,
-                      checkpoint_every=100_000, network=NetworkConfig(width=64), plasticity=PlasticityConfig(),
-                      agent={"batch_size": 128, "buffer_size": 10_000, "learning_starts": 1000, "utd": 1.0})
+    cfg = _run_config(
+        env=env,
+        seeds=1,
+        total_steps=6000,
+        eval_every=6000,
+        eval_episodes=4,
+        log_every=1000,
+        checkpoint_every=100_000,
+        network=NetworkConfig(width=64),
+        plasticity=PlasticityConfig(),
+        agent={"batch_size": 128, "buffer_size": 10_000, "learning_starts": 1000, "utd": 1.0},
+    )
     offpolicy.train(cfg, agent, tmp_path / "run")
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))
 

@@ -1,4 +1,5 @@
 """Multitask env ids (``mt:``, envs/multitask.py): parsing, TaskSpec, padding, the vector env."""
+
 import pickle
 
 import gymnasium as gym
@@ -27,8 +28,13 @@ def test_suites_and_explicit_lists_parse():
     dmc21 = SUITES["dmc21"]
     assert len(dmc21) == 21 and len(set(dmc21)) == 21
     assert dmc21[:3] == ("dmc:walker-stand", "dmc:walker-walk", "dmc:walker-run") and dmc21[-1] == "dmc:quadruped-run"
-    assert {"dmc:cartpole-balance_sparse", "dmc:cartpole-swingup_sparse", "dmc:ball_in_cup-catch",
-            "dmc:finger-turn_easy", "dmc:finger-turn_hard"} <= set(dmc21)
+    assert {
+        "dmc:cartpole-balance_sparse",
+        "dmc:cartpole-swingup_sparse",
+        "dmc:ball_in_cup-catch",
+        "dmc:finger-turn_easy",
+        "dmc:finger-turn_hard",
+    } <= set(dmc21)
     assert SUITES["dmc6"] == SUITES["dmc4"] + ("dmc:cheetah-run", "dmc:walker-walk")
     assert member_ids("mt:cartpole2") == ("dmc:cartpole-balance", "dmc:cartpole-swingup")
     assert member_ids(CART_PEND) == ("dmc:cartpole-balance", "dmc:pendulum-swingup")
@@ -36,19 +42,28 @@ def test_suites_and_explicit_lists_parse():
     assert member_ids("mt:Pendulum-v1") == ("Pendulum-v1",)
 
 
-@pytest.mark.parametrize("env_id,words", [
-    ("mt:", "empty task list"),
-    ("mt:a,,b", "empty member"),
-    ("mt:dmc99", "unknown multitask suite 'dmc99'.*mt:<id>,<id>.*dmc21"),
-    ("mt:mt:dmc4", "nested"),
-    ("mt:dmc:cartpole-balance,ns:reward_flip:Pendulum-v1", "ns: ids are not supported in a multitask env"),
-    ("mt:playground:CartpoleBalance", "playground: ids are not supported in a multitask env"),
-    ("mt:dmc:cartpole-balance,dmc:pendulum-swingup,dmc:cartpole-balance", "duplicate member 'dmc:cartpole-balance'"),
-    ("mt:dmc:cartpole-balance,dmc:cheetah-fly", "^'mt:dmc:cartpole-balance,dmc:cheetah-fly': unknown Control Suite task"),
-    ("mt:dmc:cheetah,dmc:cartpole-balance", "^'mt:dmc:cheetah,dmc:cartpole-balance': malformed Control Suite id"),
-    ("mt:NotAnEnv-v9,Pendulum-v1", "unknown env id 'NotAnEnv-v9'"),
-    ("mt:Pendulum-v1,MtNoLimit-v0", "'MtNoLimit-v0' has no finite episode limit"),
-])
+@pytest.mark.parametrize(
+    "env_id,words",
+    [
+        ("mt:", "empty task list"),
+        ("mt:a,,b", "empty member"),
+        ("mt:dmc99", "unknown multitask suite 'dmc99'.*mt:<id>,<id>.*dmc21"),
+        ("mt:mt:dmc4", "nested"),
+        ("mt:dmc:cartpole-balance,ns:reward_flip:Pendulum-v1", "ns: ids are not supported in a multitask env"),
+        ("mt:playground:CartpoleBalance", "playground: ids are not supported in a multitask env"),
+        (
+            "mt:dmc:cartpole-balance,dmc:pendulum-swingup,dmc:cartpole-balance",
+            "duplicate member 'dmc:cartpole-balance'",
+        ),
+        (
+            "mt:dmc:cartpole-balance,dmc:cheetah-fly",
+            "^'mt:dmc:cartpole-balance,dmc:cheetah-fly': unknown Control Suite task",
+        ),
+        ("mt:dmc:cheetah,dmc:cartpole-balance", "^'mt:dmc:cheetah,dmc:cartpole-balance': malformed Control Suite id"),
+        ("mt:NotAnEnv-v9,Pendulum-v1", "unknown env id 'NotAnEnv-v9'"),
+        ("mt:Pendulum-v1,MtNoLimit-v0", "'MtNoLimit-v0' has no finite episode limit"),
+    ],
+)
 def test_bad_ids_are_refused_by_name(env_id, words):
     with pytest.raises(ValueError, match=words):
         task_spec(env_id)
@@ -58,7 +73,9 @@ def test_bad_ids_are_refused_by_name(env_id, words):
 
 def test_task_spec_against_hand_values():
     spec = task_spec("mt:cartpole2")
-    assert spec == TaskSpec("mt:cartpole2", ("dmc:cartpole-balance", "dmc:cartpole-swingup"), (5, 5), (1, 1), (500, 500))
+    assert spec == TaskSpec(
+        "mt:cartpole2", ("dmc:cartpole-balance", "dmc:cartpole-swingup"), (5, 5), (1, 1), (500, 500)
+    )
     assert (spec.num_tasks, spec.obs_dim, spec.act_dim) == (2, 7, 1)
     mt = "mt:dmc:cartpole-balance,dmc:pendulum-swingup,dmc:reacher-easy"
     spec = task_spec(mt)

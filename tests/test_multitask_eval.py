@@ -6,6 +6,7 @@ evaluation writes per seed one eval.csv row per task and a ``task=all`` row (mea
 per-task means and of return / 1000 for ``dmc:`` tasks); single-task runs keep their columns.  Runs are
 tiny (SAC, width 16, 300 steps, one episode per task).
 """
+
 import collections
 import csv
 import dataclasses
@@ -17,8 +18,7 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.training.evaluation import Evaluator, eval_base_seed, run_evaluator
-from plasticity_zoo.training.logger import task_max_return, task_results
-from plasticity_zoo.training.logger import EVAL_COLUMNS, MT_EVAL_COLUMNS, RunLogger
+from plasticity_zoo.training.logger import EVAL_COLUMNS, MT_EVAL_COLUMNS, RunLogger, task_max_return, task_results
 
 ROOT = Path(__file__).resolve().parents[1]
 MT = "mt:cartpole2"
@@ -37,8 +37,20 @@ def _mt_config(run_dir, **kw):
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     agent = SACConfig(buffer_size=5000, batch_size=32, learning_starts=100)
-    base = dict(env=MT, seeds=2, num_envs=2, total_steps=300, eval_every=150, eval_episodes=1, log_every=150,
-                checkpoint_every=150, progress=False, network=NetworkConfig(width=16), agent_name="sac", agent=agent)
+    base = dict(
+        env=MT,
+        seeds=2,
+        num_envs=2,
+        total_steps=300,
+        eval_every=150,
+        eval_episodes=1,
+        log_every=150,
+        checkpoint_every=150,
+        progress=False,
+        network=NetworkConfig(width=16),
+        agent_name="sac",
+        agent=agent,
+    )
     return RunConfig(**{**base, **kw}, run_dir=str(run_dir))
 
 
@@ -63,8 +75,7 @@ def test_task_max_return_and_per_task_summary_against_hand_values():
     assert task_max_return("Pendulum-v1") is None
     # episode k ran task k % 2: task a got 100 and 300, task b 10 and 30
     a, b, total = task_results([100.0, 10.0, 300.0, 30.0], ("dmc:a-x", "dmc:b-y"))
-    assert a == {"task": "dmc:a-x", "returns": [100.0, 300.0], "return_mean": 200.0, "return_std": 100.0,
-                 "score": 0.2}
+    assert a == {"task": "dmc:a-x", "returns": [100.0, 300.0], "return_mean": 200.0, "return_std": 100.0, "score": 0.2}
     assert b["returns"] == [10.0, 30.0] and b["return_mean"] == 20.0 and b["score"] == pytest.approx(0.02)
     assert total["task"] == "all" and total["return_mean"] == 110.0 and total["score"] == pytest.approx(0.11)
     assert total["returns"] == [100.0, 10.0, 300.0, 30.0]
@@ -90,14 +101,20 @@ def test_logger_writes_task_rows_empty_scores_without_a_maximum_and_tensorboard_
     with open(tmp_path / "eval.csv", newline="") as f:
         assert next(csv.reader(f)) == MT_EVAL_COLUMNS
     rows = _rows(tmp_path)
-    assert [(r["step"], r["seed"], r["task"]) for r in rows] == [("10", "0", "dmc:a-x"), ("10", "0", "Pendulum-v1"),
-                                                                 ("10", "0", "all")]
+    assert [(r["step"], r["seed"], r["task"]) for r in rows] == [
+        ("10", "0", "dmc:a-x"),
+        ("10", "0", "Pendulum-v1"),
+        ("10", "0", "all"),
+    ]
     assert [r["episode_returns"] for r in rows] == ["500.0 700.0", "-200.0 -400.0", "500.0 -200.0 700.0 -400.0"]
     assert [r["score"] for r in rows] == ["0.6", "", ""]
     assert float(rows[2]["return_mean"]) == (600.0 - 300.0) / 2
     assert list(log.tb) == [0] and log.tb[0].scalars == {
-        "eval_tasks/dmc_a-x/return": 600.0, "eval_tasks/dmc_a-x/score": 0.6,
-        "eval_tasks/Pendulum-v1/return": -300.0, "eval/return": 150.0}
+        "eval_tasks/dmc_a-x/return": 600.0,
+        "eval_tasks/dmc_a-x/score": 0.6,
+        "eval_tasks/Pendulum-v1/return": -300.0,
+        "eval/return": 150.0,
+    }
     log.truncate_after(5)  # resume: the rows after the checkpoint go, the header stays
     assert _rows(tmp_path) == []
     with open(tmp_path / "eval.csv", newline="") as f:
@@ -152,10 +169,11 @@ def test_an_mt_run_writes_a_row_per_task_and_the_mean_over_tasks(mt_run):
         assert next(csv.reader(f)) == MT_EVAL_COLUMNS
     rows = _rows(d)
     assert [(int(r["step"]), int(r["seed"]), r["task"]) for r in rows] == [
-        (step, seed, task) for step in (0, 150, 300) for seed in (0, 1) for task in (*TASKS, "all")]
+        (step, seed, task) for step in (0, 150, 300) for seed in (0, 1) for task in (*TASKS, "all")
+    ]
     finals = []
     for i in range(0, len(rows), 3):
-        *per_task, total = rows[i:i + 3]
+        *per_task, total = rows[i : i + 3]
         for r in per_task:
             returns = [float(x) for x in r["episode_returns"].split()]
             assert len(returns) == 1 and float(r["return_mean"]) == returns[0]  # K = 1 episode per task
@@ -196,8 +214,9 @@ def test_evaluate_py_reports_per_task_returns_equal_to_the_runs_own(mt_run, tmp_
     assert "per task and seed" in printed and "the same returns" in printed
     own = [r for r in _rows(d) if r["step"] == "300"]
     mine = list(csv.DictReader(open(tmp_path / "e.csv", newline="")))
-    assert [(r["seed"], r["task"], r["return_mean"], r["score"]) for r in mine] == \
-        [(r["seed"], r["task"], r["return_mean"], r["score"]) for r in own]
+    assert [(r["seed"], r["task"], r["return_mean"], r["score"]) for r in mine] == [
+        (r["seed"], r["task"], r["return_mean"], r["score"]) for r in own
+    ]
     assert res["returns"] == [[float(x) for x in r["episode_returns"].split()] for r in own if r["task"] == "all"]
 
 
@@ -232,8 +251,9 @@ def test_plot_draws_the_aggregate_by_default_and_a_panel_per_task_with_per_task(
     agg = plot_lib.aggregate(plot_lib.group_curves([run], "score", "eval"))
     np.testing.assert_allclose(agg.mean[-1], np.mean(final) / 1000.0)
 
-    plot.main([str(d), "--out", str(tmp_path / "tasks.png"), "--per-task", "--y", "score",
-               "--metrics", "losses/critic"])
+    plot.main(
+        [str(d), "--out", str(tmp_path / "tasks.png"), "--per-task", "--y", "score", "--metrics", "losses/critic"]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert (tmp_path / "tasks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for task in TASKS:

@@ -1,7 +1,8 @@
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from pathlib import Path
 import pytest
 
 from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, TrunkSpec, build, instrument
@@ -49,7 +50,8 @@ def test_activation_gradients_match_a_hand_derived_gradient():
     w_out = np.asarray(p["out"]["kernel"])[:, 0]
     g1 = 2 * np.asarray(y)[:, None] * w_out[None]
     z1 = np.asarray(taps["layer0"]) @ np.asarray(p["trunk"]["layers"][1]["kernel"]) + np.asarray(
-        p["trunk"]["layers"][1]["bias"])
+        p["trunk"]["layers"][1]["bias"]
+    )
     g0 = (g1 * (z1 > 0)) @ np.asarray(p["trunk"]["layers"][1]["kernel"]).T
     np.testing.assert_allclose(grads["critic"]["layer1"], g1, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grads["critic"]["layer0"], g0, rtol=1e-4, atol=1e-5)
@@ -82,8 +84,9 @@ def test_only_the_first_call_is_recorded():
 
 def test_policy_log_std_is_clipped_and_bad_specs_are_refused():
     spec = TrunkSpec(width=4, depth=1)
-    net, p = build("actor", lambda r: GaussianPolicyHead(2, 3, spec, rngs=r, log_std_min=-1, log_std_max=0.5),
-                   jax.random.key(0))
+    net, p = build(
+        "actor", lambda r: GaussianPolicyHead(2, 3, spec, rngs=r, log_std_min=-1, log_std_max=0.5), jax.random.key(0)
+    )
     p = jax.tree.map(lambda x: x * 1000.0, p)
     (_, log_std), _ = net.apply(p, jnp.ones((2, 2)))
     assert float(log_std.min()) >= -1 and float(log_std.max()) <= 0.5
@@ -122,12 +125,19 @@ def test_threefry_unrolled_on_request_gives_the_same_bits_as_jaxs_rolled_loop(tm
     assert "while" in rolled.lower(k1, k2, x1, x2).as_text()
     for a, b in zip(unrolled(k1, k2, x1, x2), rolled(k1, k2, x1, x2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check = ("import jax, numpy as np; from plasticity_zoo.networks import runtime; assert runtime.THREEFRY_UNROLLED; "
-             "draw = jax.jit(lambda key: jax.random.normal(key, (256, 16))); "
-             "assert 'while' not in draw.lower(jax.random.key(0)).compile().as_text(); "
-             f"np.save({str(tmp_path / 'draws.npy')!r}, np.asarray(draw(jax.random.key(3))))")
-    out = subprocess.run([sys.executable, "-c", check], env={**os.environ, "RLZOO_UNROLLED_THREEFRY": "1"},
-                         capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    check = (
+        "import jax, numpy as np; from plasticity_zoo.networks import runtime; assert runtime.THREEFRY_UNROLLED; "
+        "draw = jax.jit(lambda key: jax.random.normal(key, (256, 16))); "
+        "assert 'while' not in draw.lower(jax.random.key(0)).compile().as_text(); "
+        f"np.save({str(tmp_path / 'draws.npy')!r}, np.asarray(draw(jax.random.key(3))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", check],
+        env={**os.environ, "RLZOO_UNROLLED_THREEFRY": "1"},
+        capture_output=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     draws = np.load(tmp_path / "draws.npy")
     np.testing.assert_array_equal(draws, np.asarray(jax.random.normal(jax.random.key(3), (256, 16))))
@@ -158,14 +168,16 @@ def test_dots_only_library_fusion_keeps_reductions_out_of_ynnpack_on_cpu():
     reduce_sum = lambda a: a.sum(0)  # noqa: E731
     assert not ynn_fusions(hlo(reduce_sum, x, opts=options))
     assert ynn_fusions(hlo(lambda a, b: a @ b, x, w, opts=options))  # dots still go to the library
-    np.testing.assert_allclose(np.asarray(jax.jit(reduce_sum, compiler_options=options)(x)), x.sum(0, dtype=np.float64),
-                               rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(reduce_sum, compiler_options=options)(x)), x.sum(0, dtype=np.float64), rtol=1e-4, atol=1e-3
+    )
 
 
 @pytest.mark.slow
 def test_fan_in_uniform_redraws_linear_layers_only():
     from plasticity_zoo.networks import fan_in_uniform_init
     from plasticity_zoo.networks.core import path_names
+
     spec = TrunkSpec(width=64, depth=2, layer_norm=True)
     make = lambda r: MLPHead(40, 3, spec, rngs=r)  # noqa: E731
     net, before = build("q", make, jax.random.key(0), ensemble=2)
@@ -190,6 +202,7 @@ def test_fan_in_uniform_redraws_linear_layers_only():
 
 def _lapack_calls(lowered_text: str) -> list[str]:
     import re
+
     return re.findall(r"custom_call @(lapack_\w+).*?num_batch_dims = \"(\d+)\"", lowered_text)
 
 
@@ -209,8 +222,9 @@ def test_lapack_calls_run_one_matrix_each_under_vmap_with_the_batched_values():
     ppo = agents.get("ppo")
     programs = {
         "ppo init": jax.jit(jax.vmap(lambda k: ppo.init(k, 5, 2, ppo.PPOConfig(), NetworkConfig(width=16)))),
-        "simba trunk": jax.jit(jax.vmap(lambda k: build("q", lambda r: MLPHead(5, 1, TrunkSpec(16, 1, block="simba"),
-                                                                                rngs=r), k)[1])),
+        "simba trunk": jax.jit(
+            jax.vmap(lambda k: build("q", lambda r: MLPHead(5, 1, TrunkSpec(16, 1, block="simba"), rngs=r), k)[1])
+        ),
     }
     for name, fn in programs.items():
         calls = _lapack_calls(fn.lower(keys).as_text())

@@ -1,18 +1,31 @@
 """NeuBay's learner (agents/neubay.py): losses against hand cases, a learning step, acting."""
+
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pathlib import Path
 
 from plasticity_zoo.agents import dynamics as dyn
 from plasticity_zoo.agents import imagination as im
 from plasticity_zoo.agents import neubay
 
 OBS, ACT = 3, 2
-SMALL = neubay.NeuBayConfig(critics=4, sampled_critics=2, head_width=16, d_model=16, d_hidden=8, lru_layers=1,
-                            encoder_lr=1e-3, head_lr=1e-3, updates=1000, tape_len=32, real_weight=0.05,
-                            fixed_alpha=False)
+SMALL = neubay.NeuBayConfig(
+    critics=4,
+    sampled_critics=2,
+    head_width=16,
+    d_model=16,
+    d_hidden=8,
+    lru_layers=1,
+    encoder_lr=1e-3,
+    head_lr=1e-3,
+    updates=1000,
+    tape_len=32,
+    real_weight=0.05,
+    fixed_alpha=False,
+)
 # the one other config the tests compile: all weight on real data, alpha fixed (as for hopper)
 REAL_FIXED = neubay.NeuBayConfig(**{**SMALL.__dict__, "real_weight": 1.0, "fixed_alpha": True})
 STEP = jax.jit(neubay.update)
@@ -33,8 +46,15 @@ def test_real_imagined_weighting_hand_case():
 def test_redq_target_hand_case():
     next_qs = jnp.array([[1.0, 5.0], [3.0, 2.0], [0.5, 9.0], [4.0, 4.0]])  # 4 heads x 2 transitions
     heads = jnp.array([1, 3])  # drawn: min(3, 4) = 3 and min(2, 4) = 2; head 2's 0.5 is not drawn
-    y = neubay.redq_target(next_qs, heads, reward=jnp.array([1.0, -1.0]), terminated=jnp.array([False, True]),
-                           next_log_prob=jnp.array([-2.0, 0.7]), alpha=0.5, gamma=0.9)
+    y = neubay.redq_target(
+        next_qs,
+        heads,
+        reward=jnp.array([1.0, -1.0]),
+        terminated=jnp.array([False, True]),
+        next_log_prob=jnp.array([-2.0, 0.7]),
+        alpha=0.5,
+        gamma=0.9,
+    )
     np.testing.assert_allclose(np.asarray(y), [1.0 + 0.9 * (3.0 + 0.5 * 2.0), -1.0], rtol=1e-6)
 
 
@@ -49,10 +69,14 @@ def test_the_critic_loss_targets_the_drawn_heads_of_all_the_target_heads():
     b, t = 2, 12
     start = np.zeros((b, t), bool)
     start[:, 0] = start[0, 7] = True
-    tape = neubay.TapeBatch(jnp.asarray(r.normal(size=(b, t, OBS + ACT + 1)), jnp.float32), jnp.asarray(start),
-                            jnp.asarray(r.uniform(-1, 1, (b, t, ACT)), jnp.float32),
-                            jnp.asarray(r.normal(size=(b, t)), jnp.float32), jnp.asarray(r.uniform(size=(b, t)) < 0.2),
-                            jnp.asarray(r.uniform(size=(b, t)) < 0.5))
+    tape = neubay.TapeBatch(
+        jnp.asarray(r.normal(size=(b, t, OBS + ACT + 1)), jnp.float32),
+        jnp.asarray(start),
+        jnp.asarray(r.uniform(-1, 1, (b, t, ACT)), jnp.float32),
+        jnp.asarray(r.normal(size=(b, t)), jnp.float32),
+        jnp.asarray(r.uniform(size=(b, t)) < 0.2),
+        jnp.asarray(r.uniform(size=(b, t)) < 0.5),
+    )
     alpha, key = 0.2, jax.random.key(5)
     loss = neubay.critic_loss(state.critic_params, state, tape, alpha, key)[0]
 
@@ -66,11 +90,13 @@ def test_the_critic_loss_targets_the_drawn_heads_of_all_the_target_heads():
         all_heads = neubay._q(state, state.target_critic_params["heads"], target_h[:, 1:], next_action[:, 1:])
         assert all_heads.shape[0] == SMALL.critics
         heads = pick(jax.random.choice(k_heads, SMALL.critics, (SMALL.sampled_critics,), replace=False))
-        y = neubay.redq_target(all_heads, heads, tape.reward[:, :-1], tape.terminated[:, :-1],
-                               next_log_prob[:, 1:], alpha, SMALL.gamma)
+        y = neubay.redq_target(
+            all_heads, heads, tape.reward[:, :-1], tape.terminated[:, :-1], next_log_prob[:, 1:], alpha, SMALL.gamma
+        )
         per_step = neubay.huber(q - y[None]).mean(axis=0)
-        return neubay.real_imagined_mean(per_step, neubay.transition_mask(tape), tape.real[:, :-1],
-                                         SMALL.real_weight)[0]
+        return neubay.real_imagined_mean(per_step, neubay.transition_mask(tape), tape.real[:, :-1], SMALL.real_weight)[
+            0
+        ]
 
     np.testing.assert_allclose(float(loss), float(reference(lambda heads: heads)), rtol=1e-5)
     others = lambda heads: jnp.setdiff1d(jnp.arange(SMALL.critics), heads, size=SMALL.sampled_critics)  # noqa: E731
@@ -81,6 +107,7 @@ def test_networks_start_as_the_reference_codes_layers():
     """Equinox's default U(+-1/sqrt(fan_in)) for every Linear (weights and biases), the critics'
     output at U(+-sqrt(0.01 / fan_in)) with a zero bias, LayerNorms at 1 / 0, the LRU's own init."""
     from plasticity_zoo.networks.core import path_names
+
     state = neubay.init(jax.random.key(0), OBS, ACT, SMALL)
     fans = {"pre": OBS + ACT + 1, "out": 16, "gate": 16}
     for owner, params in (("actor", state.actor_params), ("critic", state.critic_params)):
@@ -102,8 +129,9 @@ def test_networks_start_as_the_reference_codes_layers():
 
 
 def test_huber():
-    np.testing.assert_allclose(np.asarray(neubay.huber(jnp.array([-3.0, -0.5, 0.0, 0.9, 2.0]))),
-                               [2.5, 0.125, 0.0, 0.405, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(neubay.huber(jnp.array([-3.0, -0.5, 0.0, 0.9, 2.0]))), [2.5, 0.125, 0.0, 0.405, 1.5], rtol=1e-6
+    )
 
 
 def test_task_settings_and_their_overrides():
@@ -114,16 +142,22 @@ def test_task_settings_and_their_overrides():
     # a value set in the config (a flag) is kept; a task outside the table keeps the base values
     cfg = neubay.task_config(neubay.NeuBayConfig(encoder_lr=2e-4), "Hopper-v5", "medium")
     assert (cfg.encoder_lr, cfg.real_weight) == (2e-4, 0.8)
-    assert neubay.resolved(neubay.task_config(neubay.NeuBayConfig(), "ant", "medium")) == \
-        neubay.resolved(neubay.NeuBayConfig())
+    assert neubay.resolved(neubay.task_config(neubay.NeuBayConfig(), "ant", "medium")) == neubay.resolved(
+        neubay.NeuBayConfig()
+    )
     with pytest.raises(ValueError, match="sampled-critics"):
         neubay.NeuBayConfig(critics=2, sampled_critics=3)
 
 
 def test_a_run_resolves_presets_from_the_dataset():
     cfg = neubay.with_dataset(neubay.NeuBayConfig(), "Hopper-v5", {"kind": "medium-replay"}, 50_000)
-    assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.updates, cfg.max_horizon) == \
-        (3e-7, 0.5, True, 50_000, 1000)
+    assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.updates, cfg.max_horizon) == (
+        3e-7,
+        0.5,
+        True,
+        50_000,
+        1000,
+    )
     assert cfg.dynamics.max_epochs == dyn.NO_EPOCH_CAP  # medium-replay: no cap
     cfg = neubay.with_dataset(neubay.NeuBayConfig(kind="medium"), "Walker2d-v5", {}, 10)
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.dynamics.max_epochs) == (3e-6, 0.5, False, 1200)
@@ -152,9 +186,17 @@ def toy_tapes(key, batch=4, horizon=12):
     hist = im.histories(obs, actions, rewards, obs + 0.1 * actions[:, :1], terminals, timeouts, horizon)
     model = dyn.init_model(jax.random.key(1), OBS, ACT, dyn.neubay_config(members=3, elites=3, width=8, depth=1))
     state = neubay.init(jax.random.key(2), OBS, ACT, SMALL)
-    tape, _ = im.imagine(model, hist, neubay.rollout_policy(state), neubay.initial_memory(state, batch), key,
-                         batch=batch, max_horizon=horizon, threshold=jnp.inf,
-                         done_fn=lambda s: jnp.zeros(len(s), bool))
+    tape, _ = im.imagine(
+        model,
+        hist,
+        neubay.rollout_policy(state),
+        neubay.initial_memory(state, batch),
+        key,
+        batch=batch,
+        max_horizon=horizon,
+        threshold=jnp.inf,
+        done_fn=lambda s: jnp.zeros(len(s), bool),
+    )
     return tape
 
 
@@ -164,7 +206,7 @@ def test_tape_batches_mask_padding_and_the_dummy_last_transition(tape):
     mask = np.asarray(neubay.transition_mask(batch))
     length = np.asarray(tape.length)
     for b in range(4):
-        assert mask[b, :length[b]].all() and not mask[b, length[b]:].any()
+        assert mask[b, : length[b]].all() and not mask[b, length[b] :].any()
     np.testing.assert_array_equal(np.asarray(batch.real[:, :-1]), np.asarray(tape.real))
 
 
@@ -214,12 +256,13 @@ def test_stepping_the_actor_equals_running_it_over_the_sequence():
     memory, stepped = neubay.initial_memory(state, 3), []
     act = jax.jit(neubay.act_step, static_argnames="explore")
     for t in range(9):
-        a, memory = act(state, memory, x[:, t, :OBS], x[:, t, OBS:OBS + ACT], x[:, t, -1], start[:, t], None,
-                        explore=False)
+        a, memory = act(
+            state, memory, x[:, t, :OBS], x[:, t, OBS : OBS + ACT], x[:, t, -1], start[:, t], None, explore=False
+        )
         stepped.append(a)
     policy = jax.jit(neubay.rollout_policy(state, explore=False))
     for t in (4, 8):
-        a, _ = policy(neubay.initial_memory(state, 3), x[:, :t + 1], start[:, :t + 1], jax.random.key(0))
+        a, _ = policy(neubay.initial_memory(state, 3), x[:, : t + 1], start[:, : t + 1], jax.random.key(0))
         np.testing.assert_allclose(np.asarray(a), np.asarray(stepped[t]), rtol=1e-4, atol=1e-5)
 
 
@@ -242,8 +285,15 @@ def test_the_markov_ablation_acts_on_the_state_alone(tape):
     np.testing.assert_array_equal(np.asarray(a1), np.asarray(neubay.act(state, obs, None, False)))
     assert m1.shape == (3, 0)
     # trained on uniform transitions from the tape buffer: rows of two positions, the tail state masked
-    buf = neubay.tapes_lib.add(neubay.tapes_lib.init(200, OBS, ACT), tape.obs, tape.action, tape.reward,
-                               tape.terminated, tape.real, tape.length)
+    buf = neubay.tapes_lib.add(
+        neubay.tapes_lib.init(200, OBS, ACT),
+        tape.obs,
+        tape.action,
+        tape.reward,
+        tape.terminated,
+        tape.real,
+        tape.length,
+    )
     data = neubay.Data((), buf, jnp.zeros((), jnp.int32), {})
     batch = neubay.sample_batch(state, data, jax.random.key(9), 64)
     assert batch.inputs.shape == (64, 2, OBS + ACT + 1)
@@ -264,8 +314,9 @@ def test_plasticity_metrics_read_the_encoders_and_the_heads(tape, markov):
 
     assert isinstance(neubay, MeasuredAgent) and not isinstance(neubay, PlasticAgent)
     hooks.check_applicable(PlasticityConfig(metrics_every=10), neubay, "neubay")  # metrics: accepted
-    with pytest.raises(ValueError, match="regrama does not apply to agent 'neubay': its networks take plasticity "
-                                         "metrics only"):
+    with pytest.raises(
+        ValueError, match="regrama does not apply to agent 'neubay': its networks take plasticity metrics only"
+    ):
         hooks.check_applicable(PlasticityConfig(regrama=True), neubay, "neubay")
     cfg = MARKOV if markov else SMALL
     state = neubay.init(jax.random.key(3), OBS, ACT, cfg)
@@ -275,8 +326,9 @@ def test_plasticity_metrics_read_the_encoders_and_the_heads(tape, markov):
     assert sorted(params) == nets
     losses = neubay.metric_losses(state, batch, jax.random.key(4))
     # each loss is its owner's training loss, the network's params swapped in
-    critic_full = neubay.critic_loss(state.critic_params, state, batch, jnp.exp(state.log_alpha),
-                                     jax.random.split(jax.random.key(4))[0])[0]
+    critic_full = neubay.critic_loss(
+        state.critic_params, state, batch, jnp.exp(state.log_alpha), jax.random.split(jax.random.key(4))[0]
+    )[0]
     np.testing.assert_allclose(float(losses["critic"](params["critic"])), float(critic_full), rtol=1e-6)
     out = jax.jit(lambda s, b, k: hooks.metrics_step(neubay, s, b, params, k))(state, batch, jax.random.key(4))
     assert all(np.isfinite(float(v)) for v in out.values())
@@ -297,13 +349,38 @@ def _run_config(dataset, run_dir, total=400, **kw):
     from plasticity_zoo.training.config import RunConfig
 
     world = dyn.neubay_config(members=4, elites=3, width=32, depth=2, max_epochs=30, batch_size=128)
-    agent = neubay.NeuBayConfig(dataset=str(dataset), critics=4, head_width=32, d_model=32, d_hidden=16,
-                                lru_layers=1, encoder_lr=1e-3, head_lr=1e-3, real_weight=0.5, tape_len=128,
-                                rollout_batch=8,
-                                planning_members=3, updates_per_epoch=100, dynamics=world)
-    return RunConfig(**{"env": None, "total_steps": total, "eval_every": 200, "eval_episodes": 4, "log_every": 100,
-                        "checkpoint_every": 200, "progress": False, "run_dir": str(run_dir), "agent_name": "neubay",
-                        "agent": agent, "plasticity": PlasticityConfig(metrics_every=200, metrics_batch=64), **kw})
+    agent = neubay.NeuBayConfig(
+        dataset=str(dataset),
+        critics=4,
+        head_width=32,
+        d_model=32,
+        d_hidden=16,
+        lru_layers=1,
+        encoder_lr=1e-3,
+        head_lr=1e-3,
+        real_weight=0.5,
+        tape_len=128,
+        rollout_batch=8,
+        planning_members=3,
+        updates_per_epoch=100,
+        dynamics=world,
+    )
+    return RunConfig(
+        **{
+            "env": None,
+            "total_steps": total,
+            "eval_every": 200,
+            "eval_episodes": 4,
+            "log_every": 100,
+            "checkpoint_every": 200,
+            "progress": False,
+            "run_dir": str(run_dir),
+            "agent_name": "neubay",
+            "agent": agent,
+            "plasticity": PlasticityConfig(metrics_every=200, metrics_batch=64),
+            **kw,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -342,8 +419,14 @@ def test_a_short_run_beats_its_untrained_policy(finished_run, toy_dataset):
     # config.json holds the settings the run trained with: the cosine over the run, ToyReach's 20-step limit
     assert (saved["updates"], saved["max_horizon"], saved["fixed_alpha"]) == (400, 20, False)
     metrics = (run_dir / "metrics.csv").read_text().splitlines()[0]
-    for name in ("rollout/horizon_p50", "rollout/ended_uncertainty", "buffer/trajectories", "losses/critic_real",
-                 "plasticity/critic_encoder/dormant_0.025", "plasticity/actor/active_fraction"):
+    for name in (
+        "rollout/horizon_p50",
+        "rollout/ended_uncertainty",
+        "buffer/trajectories",
+        "losses/critic_real",
+        "plasticity/critic_encoder/dormant_0.025",
+        "plasticity/actor/active_fraction",
+    ):
         assert name in metrics
     assert Path(neubay.model_path(toy_dataset, 0)).exists()  # the world model is cached beside the dataset
 
@@ -386,8 +469,16 @@ def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
         memory, prev_a, prev_r, total, start = neubay.initial_memory(one, 1), jnp.zeros((1, 1)), jnp.zeros(1), 0.0, True
         done = False
         while not done:
-            action, memory = step(one, memory, jnp.asarray(obs, jnp.float32)[None], prev_a, prev_r,
-                                  jnp.array([start]), None, explore=False)
+            action, memory = step(
+                one,
+                memory,
+                jnp.asarray(obs, jnp.float32)[None],
+                prev_a,
+                prev_r,
+                jnp.array([start]),
+                None,
+                explore=False,
+            )
             obs, reward, terminated, truncated, _ = env.step(np.asarray(action[0]))
             prev_a, prev_r, start = action, jnp.array([reward], jnp.float32), False
             total += float(np.float32(reward))
@@ -395,7 +486,8 @@ def test_evaluation_feeds_the_previous_action_and_reward(finished_run):
         assert total == pytest.approx(expected, rel=1e-5, abs=1e-5)
     # and the memory matters: acting from a fresh memory at every step (``act``) gives other returns
     forgetful = Evaluator("ToyReach-v0", 1, 2, base_seed=123)(
-        lambda o: jax.vmap(lambda s, x: neubay.act(s, x, None, False))(state, jnp.asarray(o)))[0]
+        lambda o: jax.vmap(lambda s, x: neubay.act(s, x, None, False))(state, jnp.asarray(o))
+    )[0]
     assert not np.allclose(forgetful, returns)
 
 
@@ -404,8 +496,9 @@ def toy_world(n=30):
     model = dyn.init_model(jax.random.key(0), OBS, ACT, dyn.neubay_config(members=4, elites=4, width=8, depth=1))
     rng = np.random.default_rng(0)
     obs = rng.normal(size=(n, OBS)).astype(np.float32)
-    hist = im.histories(obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool),
-                        np.arange(n) % 10 == 9, 12)
+    hist = im.histories(
+        obs, rng.uniform(-1, 1, (n, ACT)), rng.normal(size=n), obs + 0.1, np.zeros(n, bool), np.arange(n) % 10 == 9, 12
+    )
     return model, hist, n
 
 
@@ -414,8 +507,11 @@ def toy_world(n=30):
 def test_one_collection_owes_utd_times_its_transitions(markov):
     from plasticity_zoo.envs import termination
 
-    cfg = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12,
-                                                 "utd": 0.25, "updates": 100, "markov": markov}))
+    cfg = neubay.resolved(
+        neubay.NeuBayConfig(
+            **{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12, "utd": 0.25, "updates": 100, "markov": markov}
+        )
+    )
     model, hist, n = toy_world()
     world = neubay.World(model, hist, jnp.float32(np.inf), jnp.float32(0.0))
     state = neubay.init(jax.random.key(1), OBS, ACT, cfg)
@@ -446,8 +542,17 @@ def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
     world = neubay.World(model, hist, jnp.float32(np.inf), jnp.float32(coef))
     state = neubay.init(jax.random.key(1), OBS, ACT, plain)
     key = jax.random.key(2)
-    tape, _ = im.imagine(model, hist, neubay.rollout_policy(state), neubay.initial_memory(state, 4), key, batch=4,
-                         max_horizon=12, threshold=jnp.inf, done_fn=termination.never_done)
+    tape, _ = im.imagine(
+        model,
+        hist,
+        neubay.rollout_policy(state),
+        neubay.initial_memory(state, 4),
+        key,
+        batch=4,
+        max_horizon=12,
+        threshold=jnp.inf,
+        done_fn=termination.never_done,
+    )
     bufs = {}
     for name, cfg in (("plain", plain), ("penalised", penalised)):
         data = neubay.collect(state, neubay.data_init(types_real(n), cfg), world, key, cfg, termination.never_done)
@@ -455,29 +560,48 @@ def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
     assert bufs["plain"].steps.penalty is None and len(jax.tree.leaves(bufs["plain"].steps)) == 6
     # the buffer's layout: each tape's transitions, then its final state with a zero transition
     length = np.asarray(tape.length)
-    expected = np.concatenate([np.append(coef * np.asarray(tape.uncertainty)[b, :length[b]], 0.0)
-                               for b in range(4) if length[b] >= 1])
+    expected = np.concatenate(
+        [np.append(coef * np.asarray(tape.uncertainty)[b, : length[b]], 0.0) for b in range(4) if length[b] >= 1]
+    )
     written = int(bufs["penalised"].written)
-    imagined = ~np.asarray(bufs["penalised"].steps.real[:written]) & np.asarray(bufs["penalised"].steps.has_next[:written])
+    imagined = ~np.asarray(bufs["penalised"].steps.real[:written]) & np.asarray(
+        bufs["penalised"].steps.has_next[:written]
+    )
     assert written == len(expected) and imagined.any() and (expected[imagined] > 0).all()
     np.testing.assert_allclose(np.asarray(bufs["penalised"].steps.penalty[:written]), expected, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(bufs["penalised"].steps.reward), np.asarray(bufs["plain"].steps.reward))
     k = jax.random.key(3)
-    batches = {name: neubay.sample_batch(state, neubay.Data((), buf, jnp.zeros((), jnp.int32), {}), k, 32)
-               for name, buf in bufs.items()}
+    batches = {
+        name: neubay.sample_batch(state, neubay.Data((), buf, jnp.zeros((), jnp.int32), {}), k, 32)
+        for name, buf in bufs.items()
+    }
     np.testing.assert_array_equal(np.asarray(batches["penalised"].inputs), np.asarray(batches["plain"].inputs))
     sampled = neubay.tapes_lib.sample(bufs["penalised"], k, 32).penalty
-    np.testing.assert_allclose(np.asarray(batches["penalised"].reward[0]),
-                               np.asarray(batches["plain"].reward[0]) - np.asarray(sampled), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(batches["penalised"].reward[0]),
+        np.asarray(batches["plain"].reward[0]) - np.asarray(sampled),
+        rtol=1e-6,
+    )
     assert float(jnp.abs(sampled).sum()) > 0
     # imagination's tapes as training tapes: the same split
     direct, off = neubay.tape_batch(tape), neubay.tape_batch(tape, coef)
     np.testing.assert_array_equal(np.asarray(off.inputs), np.asarray(direct.inputs))
-    np.testing.assert_allclose(np.asarray(off.reward[:, :-1]),
-                               np.asarray(direct.reward[:, :-1]) - coef * np.asarray(tape.uncertainty), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(off.reward[:, :-1]),
+        np.asarray(direct.reward[:, :-1]) - coef * np.asarray(tape.uncertainty),
+        rtol=1e-6,
+    )
     with pytest.raises(ValueError, match="stores no reward penalty"):
-        neubay.tapes_lib.add(bufs["plain"], tape.obs, tape.action, tape.reward, tape.terminated, tape.real,
-                             tape.length, penalty=tape.uncertainty)
+        neubay.tapes_lib.add(
+            bufs["plain"],
+            tape.obs,
+            tape.action,
+            tape.reward,
+            tape.terminated,
+            tape.real,
+            tape.length,
+            penalty=tape.uncertainty,
+        )
 
 
 def types_real(n):
@@ -505,7 +629,7 @@ def test_refusals_name_what_does_not_apply(toy_dataset, tmp_path):
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
-# ----------------------------------------------------------------------------- diagnostics (scripts/diagnose_offline.py)
+# ------------------------------------------------------------------------ diagnostics (scripts/diagnose_offline.py)
 
 
 @pytest.mark.slow
@@ -517,13 +641,18 @@ def test_history_values_are_the_training_critics_and_read_only_the_past():
     q = np.asarray(neubay.history_values(state, obs, action, reward))
     assert q.shape == (SMALL.critics, 7)
     # the same episode as a training tape: inputs [s_t, a_{t-1}, r_{t-1}], zeros before the start
-    inputs = np.concatenate([obs, np.vstack([np.zeros((1, ACT)), action[:-1]]),
-                             np.concatenate([[0.0], reward[:-1]])[:, None]], axis=1)[None].astype(np.float32)
+    inputs = np.concatenate(
+        [obs, np.vstack([np.zeros((1, ACT)), action[:-1]]), np.concatenate([[0.0], reward[:-1]])[:, None]], axis=1
+    )[None].astype(np.float32)
     start = np.arange(7)[None] == 0
-    h = neubay._encode(state.critic_encoder, state.critic_params["encoder"],
-                       neubay.TapeBatch(inputs, start, action[None], reward[None], start, start))
-    np.testing.assert_allclose(q, np.asarray(neubay._q(state, state.critic_params["heads"], h, action[None]))[:, 0],
-                               rtol=1e-5, atol=1e-6)
+    h = neubay._encode(
+        state.critic_encoder,
+        state.critic_params["encoder"],
+        neubay.TapeBatch(inputs, start, action[None], reward[None], start, start),
+    )
+    np.testing.assert_allclose(
+        q, np.asarray(neubay._q(state, state.critic_params["heads"], h, action[None]))[:, 0], rtol=1e-5, atol=1e-6
+    )
     # changing step 4 leaves the values of steps 0-3 and changes the later ones
     obs2 = obs.copy()
     obs2[4] += 1.0

@@ -3,9 +3,9 @@ import pickle
 import numpy as np
 import pytest
 
-from plasticity_zoo.envs.vector import CountingVectorEnv
 from plasticity_zoo.envs import make_env, make_vector_env
 from plasticity_zoo.envs import nonstationary as ns
+from plasticity_zoo.envs.vector import CountingVectorEnv
 
 
 def run(env, actions, reset_seed=0):
@@ -36,20 +36,25 @@ def test_grammar_parses_modes_options_and_dmc_bases():
     assert ns.parse("ns:reward_flip:dmc:cheetah-run:term=all").term == "all"
 
 
-@pytest.mark.parametrize("env_id,match", [
-    ("ns:wobble:HalfCheetah-v5", "unknown non-stationary mode 'wobble'"),
-    ("ns:reward_flip", "missing the base env"),
-    ("ns:reward_flip:HalfCheetah-v5:every=10,color=red",
-     "unknown option.*color.*valid options: every, seed, switch, term"),
-    ("ns:reward_flip:HalfCheetah-v5:every=ten", "every='ten' must be an integer"),
-    ("ns:reward_flip:HalfCheetah-v5:every=0", "every must be >= 1"),
-    ("ns:reward_flip:HalfCheetah-v5:every", "malformed"),
-    ("ns:chain:HalfCheetah-v5", "at least two env ids"),
-    ("ns:reward_flip:HalfCheetah-v5,Hopper-v5", "only mode 'chain'"),
-    ("ns:dynamics:Hopper-v5:params=wind", "params must be"),
-    ("ns:obs_permute:Hopper-v5:switch=soon", "switch must be lazy or hard"),
-    ("ns:reward_flip:ns:reward_flip:Hopper-v5", "cannot be nested"),
-])
+@pytest.mark.parametrize(
+    "env_id,match",
+    [
+        ("ns:wobble:HalfCheetah-v5", "unknown non-stationary mode 'wobble'"),
+        ("ns:reward_flip", "missing the base env"),
+        (
+            "ns:reward_flip:HalfCheetah-v5:every=10,color=red",
+            "unknown option.*color.*valid options: every, seed, switch, term",
+        ),
+        ("ns:reward_flip:HalfCheetah-v5:every=ten", "every='ten' must be an integer"),
+        ("ns:reward_flip:HalfCheetah-v5:every=0", "every must be >= 1"),
+        ("ns:reward_flip:HalfCheetah-v5:every", "malformed"),
+        ("ns:chain:HalfCheetah-v5", "at least two env ids"),
+        ("ns:reward_flip:HalfCheetah-v5,Hopper-v5", "only mode 'chain'"),
+        ("ns:dynamics:Hopper-v5:params=wind", "params must be"),
+        ("ns:obs_permute:Hopper-v5:switch=soon", "switch must be lazy or hard"),
+        ("ns:reward_flip:ns:reward_flip:Hopper-v5", "cannot be nested"),
+    ],
+)
 def test_grammar_errors_are_clear(env_id, match):
     with pytest.raises(ValueError, match=match):
         ns.parse(env_id)

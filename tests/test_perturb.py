@@ -1,6 +1,7 @@
 """Shrink & Perturb and layer resets (plasticity/perturb.py, plasticity/hooks.py): the update against
 its formula, exactly the chosen layers re-drawn from their initialisers with fresh Adam moments,
 targets following, every agent that declares plastic networks, refusals."""
+
 import dataclasses
 
 import jax
@@ -29,8 +30,11 @@ def _leaves(tree):
 
 
 def _adam(opt_state):
-    (adam,) = [n for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
-               if isinstance(n, optax.ScaleByAdamState)]
+    (adam,) = [
+        n
+        for n in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+        if isinstance(n, optax.ScaleByAdamState)
+    ]
     return adam
 
 
@@ -70,7 +74,7 @@ def test_the_last_k_layers_are_the_output_layer_then_the_hidden_ones_from_the_to
     assert hit(1) == some(1) == {k for k in _leaves(params) if k[0] == "out"}
     (top,) = perturb.layers(net, params)[-2:-1]
     two = hit(2) - hit(1)
-    assert two and all(any(k[:len(p)] == p for p in top) for k in two)
+    assert two and all(any(k[: len(p)] == p for p in top) for k in two)
     assert len(top) == (2 if layer_norm else 1)  # the layer's LayerNorm goes with its Linear
     assert hit(0) == set(_leaves(params))  # 0: the whole network
     assert hit(3) > hit(2) > hit(1)
@@ -79,9 +83,10 @@ def test_the_last_k_layers_are_the_output_layer_then_the_hidden_ones_from_the_to
 def test_a_layer_reset_redraws_exactly_the_chosen_layers_with_fresh_adam_moments_and_targets_follow():
     agent, state = _state("sac")
     # give Adam some history, so zeroed moments and counts are visible
-    state = state.replace(critic_opt=jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.number) else x,
-                                                  state.critic_opt),
-                          target_critic_params=jax.tree.map(lambda x: x + 3.0, state.target_critic_params))
+    state = state.replace(
+        critic_opt=jax.tree.map(lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.number) else x, state.critic_opt),
+        target_critic_params=jax.tree.map(lambda x: x + 3.0, state.target_critic_params),
+    )
     key = jax.random.key(11)
     cfg = PlasticityConfig(layer_reset=True, layer_reset_layers=1)
     new, out = hooks.layer_reset_step(agent, cfg, state, key)
@@ -133,13 +138,23 @@ def test_both_events_run_jitted_over_seeds_on_every_agent_with_plastic_networks(
     for v in out.values():
         assert v.shape == (2,) and np.all((v > 0) & (v < 1))
     for net_name, t_field in getattr(agent, "PLASTIC_TARGETS", {}).items():  # targets declared are real fields
-        assert jax.tree.structure(getattr(states, t_field)) == jax.tree.structure(getattr(states, agent.PLASTIC[net_name][0]))
+        assert jax.tree.structure(getattr(states, t_field)) == jax.tree.structure(
+            getattr(states, agent.PLASTIC[net_name][0])
+        )
 
 
 def test_events_fire_on_their_periods_in_the_hooks():
     agent = agents.get("sac")
-    cfg = PlasticityConfig(metrics_every=0, shrink_perturb=True, sp_every=5, sp_shrink=0.5, sp_perturb=0.0,
-                           layer_reset=True, layer_reset_every=7, layer_reset_layers=1)
+    cfg = PlasticityConfig(
+        metrics_every=0,
+        shrink_perturb=True,
+        sp_every=5,
+        sp_shrink=0.5,
+        sp_perturb=0.0,
+        layer_reset=True,
+        layer_reset_every=7,
+        layer_reset_layers=1,
+    )
     h = hooks.Hooks(cfg, agent, "sac")
     states = jax.vmap(lambda k: agent.init(k, 3, 2, agent.CONFIG(), NET))(jax.random.split(jax.random.key(0), 1))
     states = h.start(states)
@@ -156,13 +171,20 @@ def test_events_fire_on_their_periods_in_the_hooks():
 
 def test_refused_where_it_does_not_apply_and_out_of_range_values_are_named():
     neubay = agents.get("neubay")
-    for flag, cfg in (("--plasticity.shrink-perturb", PlasticityConfig(shrink_perturb=True)),
-                      ("--plasticity.layer-reset", PlasticityConfig(layer_reset=True))):
+    for flag, cfg in (
+        ("--plasticity.shrink-perturb", PlasticityConfig(shrink_perturb=True)),
+        ("--plasticity.layer-reset", PlasticityConfig(layer_reset=True)),
+    ):
         with pytest.raises(ValueError, match=f"{flag} does not apply to agent 'neubay'"):
             hooks.check_applicable(cfg, neubay, "neubay")
-    for bad, msg in ((dict(sp_shrink=0.0), "sp-shrink"), (dict(sp_shrink=1.5), "sp-shrink"),
-                     (dict(sp_perturb=-0.1), "sp-perturb"), (dict(sp_every=0), "sp-every"),
-                     (dict(layer_reset_every=0), "layer-reset-every"), (dict(layer_reset_layers=-1), "layer-reset-layers")):
+    for bad, msg in (
+        (dict(sp_shrink=0.0), "sp-shrink"),
+        (dict(sp_shrink=1.5), "sp-shrink"),
+        (dict(sp_perturb=-0.1), "sp-perturb"),
+        (dict(sp_every=0), "sp-every"),
+        (dict(layer_reset_every=0), "layer-reset-every"),
+        (dict(layer_reset_layers=-1), "layer-reset-layers"),
+    ):
         with pytest.raises(ValueError, match=msg):
             PlasticityConfig(shrink_perturb=True, layer_reset=True, **bad).validate()
 
@@ -174,12 +196,32 @@ def test_sac_trains_with_shrink_perturb_and_layer_resets_through_the_loop(tmp_pa
     from plasticity_zoo.agents import sac
     from plasticity_zoo.training.offpolicy import train
 
-    cfg = RunConfig(env="Pendulum-v1", total_steps=160, eval_every=160, eval_episodes=1, log_every=40,
-                    checkpoint_every=160, progress=False, network=NetworkConfig(width=16),
-                    plasticity=PlasticityConfig(metrics_every=0, shrink_perturb=True, sp_every=10, sp_shrink=0.9,
-                                                sp_perturb=0.1, layer_reset=True, layer_reset_every=50),
-                    agent_name="sac", agent=sac.SACConfig(batch_size=16, buffer_size=512, learning_starts=40))
+    cfg = RunConfig(
+        env="Pendulum-v1",
+        total_steps=160,
+        eval_every=160,
+        eval_episodes=1,
+        log_every=40,
+        checkpoint_every=160,
+        progress=False,
+        network=NetworkConfig(width=16),
+        plasticity=PlasticityConfig(
+            metrics_every=0,
+            shrink_perturb=True,
+            sp_every=10,
+            sp_shrink=0.9,
+            sp_perturb=0.1,
+            layer_reset=True,
+            layer_reset_every=50,
+        ),
+        agent_name="sac",
+        agent=sac.SACConfig(batch_size=16, buffer_size=512, learning_starts=40),
+    )
     out = train(cfg, sac, tmp_path / "r")
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(sac.plastic_params(out["state"])))
-    rows = [r for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv")) if r.get("plasticity/critic/layer_reset_fraction")]
+    rows = [
+        r
+        for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv"))
+        if r.get("plasticity/critic/layer_reset_fraction")
+    ]
     assert rows and all(float(r["plasticity/critic/layer_reset_fraction"]) == 1.0 for r in rows)

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from plasticity_zoo.networks import MLPHead, TrunkSpec, build, instrument
+from plasticity_zoo.networks import MLPHead, TrunkSpec, build
 from plasticity_zoo.plasticity import resets
 from plasticity_zoo.plasticity.hooks import check_applicable
 from plasticity_zoo.plasticity.sigreg import SIGRegSpec, regularized, sigreg
@@ -75,11 +75,16 @@ def test_reset_keeps_output_redraws_incoming_zeroes_outgoing_and_moments():
     k1_new = _leaf(new_p, "trunk", "layers", 1, "kernel")
     assert np.all(k1_new[2, [0, 1, 2, 3, 5]] == 0.0)
     assert _leaf(new_p, "out", "kernel")[4, 0] == 0.0
-    np.testing.assert_array_equal(np.delete(_leaf(new_p, "out", "kernel"), 4, 0), np.delete(_leaf(p, "out", "kernel"), 4, 0))
+    np.testing.assert_array_equal(
+        np.delete(_leaf(new_p, "out", "kernel"), 4, 0), np.delete(_leaf(p, "out", "kernel"), 4, 0)
+    )
     # Adam moments zeroed exactly where weights were touched; elsewhere unchanged; step count kept
     touched = resets.touched_mask(p, resets.neuron_layout(net, p), masks)
-    for m_old, m_new, t in zip(jax.tree.leaves((opt[0].mu, opt[0].nu)), jax.tree.leaves((new_opt[0].mu, new_opt[0].nu)),
-                               jax.tree.leaves((touched, touched))):
+    for m_old, m_new, t in zip(
+        jax.tree.leaves((opt[0].mu, opt[0].nu)),
+        jax.tree.leaves((new_opt[0].mu, new_opt[0].nu)),
+        jax.tree.leaves((touched, touched)),
+    ):
         m_old, m_new, t = map(np.asarray, (m_old, m_new, t))
         assert np.all(m_new[t] == 0) and np.array_equal(m_new[~t], m_old[~t])
     assert int(new_opt[0].count) == int(opt[0].count)
@@ -111,9 +116,16 @@ def _numpy_sigreg(z, a, variant):
         dt = t[1] - t[0]
         w = np.full(17, 2 * dt)
         w[0] = w[-1] = dt
-        w, scale = w * np.exp(-t**2 / 2), len(z)
-    err = np.array([[(np.cos(tt * y[:, s]).mean() - np.exp(-tt**2 / 2)) ** 2 + np.sin(tt * y[:, s]).mean() ** 2
-                     for s in range(y.shape[1])] for tt in t])
+        w, scale = w * np.exp(-(t**2) / 2), len(z)
+    err = np.array(
+        [
+            [
+                (np.cos(tt * y[:, s]).mean() - np.exp(-(tt**2) / 2)) ** 2 + np.sin(tt * y[:, s]).mean() ** 2
+                for s in range(y.shape[1])
+            ]
+            for tt in t
+        ]
+    )
     return scale * np.mean((w[:, None] * err).sum(0)) if variant == "lejepa" else err.mean()
 
 
@@ -123,8 +135,9 @@ def test_sigreg_matches_numpy_and_separates_gaussian_from_collapsed(variant):
     key = jax.random.key(3)
     z = np.asarray(jax.random.normal(jax.random.key(4), (512, 8)), np.float64)
     a = np.asarray(jax.random.normal(key, (8, 16)), np.float64)
-    np.testing.assert_allclose(sigreg(jnp.asarray(z, jnp.float32), key, variant), _numpy_sigreg(z, a, variant),
-                               rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(
+        sigreg(jnp.asarray(z, jnp.float32), key, variant), _numpy_sigreg(z, a, variant), rtol=2e-3, atol=1e-6
+    )
     big = jax.random.normal(jax.random.key(5), (8192, 16))
     gaussian = float(sigreg(big, key, variant))
     collapsed = float(sigreg(jnp.outer(big[:, 0], jnp.ones(16)) / 4.0, key, variant))  # rank 1
@@ -139,8 +152,9 @@ def test_sigregs_cos_and_sin_match_numpy_in_every_quadrant_up_to_1e5():
     quarter = np.pi / 2
     edges = np.array([q * quarter + d for q in range(-8, 9) for d in (-1e-3, 0.0, 1e-3)])  # around each quadrant switch
     rng = np.random.default_rng(0)
-    x = np.concatenate([edges, *(rng.normal(size=2000) * scale for scale in (1, 30, 1e3)),
-                        rng.uniform(-1e5, 1e5, 2000)]).astype(np.float32)
+    x = np.concatenate(
+        [edges, *(rng.normal(size=2000) * scale for scale in (1, 30, 1e3)), rng.uniform(-1e5, 1e5, 2000)]
+    ).astype(np.float32)
     exact = x.astype(np.float64)
     for fn in (_cos_sin, jax.jit(_cos_sin)):  # op by op, and fused as in the update (where XLA may contract to FMAs)
         cos, sin = fn(jnp.asarray(x))
@@ -189,10 +203,16 @@ def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
     logged = [r for r in rows if r.get("plasticity/critic/dormant_0.0")]
     assert {r["seed"] for r in logged} == {"0", "1"} and len(logged) >= 4
     for r in logged:
-        for k in ("plasticity/critic/dormant_0.025", "plasticity/actor/grama_0.01", "plasticity/critic/active_fraction"):
+        for k in (
+            "plasticity/critic/dormant_0.025",
+            "plasticity/actor/grama_0.01",
+            "plasticity/critic/active_fraction",
+        ):
             assert 0.0 <= float(r[k]) <= 1.0
         assert float(r["plasticity/critic/features/srank"]) >= 1
-    fractions = [float(r["plasticity/critic/reset_fraction"]) for r in rows if r.get("plasticity/critic/reset_fraction")]
+    fractions = [
+        float(r["plasticity/critic/reset_fraction"]) for r in rows if r.get("plasticity/critic/reset_fraction")
+    ]
     assert fractions and all(0.0 <= f <= 1.0 for f in fractions)
     assert np.all(np.isfinite(jax.tree.leaves(out["state"].critic_params)[0]))
 
@@ -207,9 +227,20 @@ def test_flags_work_on_ppo_and_least_is_refused(tmp_path):
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
     pcfg = PlasticityConfig(metrics_every=8, regrama=True, reset_every=8, sigreg_coef=0.2)
-    cfg = RunConfig(env="Pendulum-v1", total_steps=256, num_envs=2, eval_every=256, eval_episodes=1, log_every=64,
-                    checkpoint_every=256, progress=False, network=NetworkConfig(width=16), plasticity=pcfg,
-                    agent_name="ppo", agent=agent_cfg)
+    cfg = RunConfig(
+        env="Pendulum-v1",
+        total_steps=256,
+        num_envs=2,
+        eval_every=256,
+        eval_episodes=1,
+        log_every=64,
+        checkpoint_every=256,
+        progress=False,
+        network=NetworkConfig(width=16),
+        plasticity=pcfg,
+        agent_name="ppo",
+        agent=agent_cfg,
+    )
     train_onpolicy(cfg, ppo, tmp_path / "r")
     rows = [r for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv")) if r.get("plasticity/actor/dormant_0.0")]
     assert rows and all(0.0 <= float(r["plasticity/critic/grama_0.01"]) <= 1.0 for r in rows)
@@ -232,11 +263,11 @@ def _numpy_sigreg_grad(z, a, variant):
         dt = t[1] - t[0]
         w = np.full(17, 2 * dt)
         w[0] = w[-1] = dt
-        w = w * np.exp(-t**2 / 2) * n
+        w = w * np.exp(-(t**2) / 2) * n
     dy = np.zeros_like(y)
     for tt, wt in zip(t, w):
         re, im = np.cos(tt * y).mean(0), np.sin(tt * y).mean(0)
-        dy += wt / num_slices * (2 * tt / n) * (-(re - np.exp(-tt**2 / 2)) * np.sin(tt * y) + im * np.cos(tt * y))
+        dy += wt / num_slices * (2 * tt / n) * (-(re - np.exp(-(tt**2) / 2)) * np.sin(tt * y) + im * np.cos(tt * y))
     return dy @ an.T
 
 

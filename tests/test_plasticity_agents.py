@@ -2,6 +2,7 @@
 
 Tiny widths and few steps: each test is one short training run through the real loop.
 """
+
 import csv
 import dataclasses
 import importlib.util
@@ -36,11 +37,20 @@ def _masked_exactly(st, fields):
 def _mrq_cfg(plasticity, env="Pendulum-v1", total_steps=120, **agent):
     from plasticity_zoo.agents import mrq
 
-    agent_cfg = mrq.MRQConfig(batch_size=16, buffer_size=512, learning_starts=40, target_update_freq=10,
-                              **agent)
-    return RunConfig(env=env, total_steps=total_steps, eval_every=total_steps, eval_episodes=1, log_every=20,
-                     checkpoint_every=total_steps, progress=False, network=NetworkConfig(width=16, depth=1),
-                     plasticity=plasticity, agent_name="mrq", agent=agent_cfg)
+    agent_cfg = mrq.MRQConfig(batch_size=16, buffer_size=512, learning_starts=40, target_update_freq=10, **agent)
+    return RunConfig(
+        env=env,
+        total_steps=total_steps,
+        eval_every=total_steps,
+        eval_episodes=1,
+        log_every=20,
+        checkpoint_every=total_steps,
+        progress=False,
+        network=NetworkConfig(width=16, depth=1),
+        plasticity=plasticity,
+        agent_name="mrq",
+        agent=agent_cfg,
+    )
 
 
 @pytest.mark.slow
@@ -48,8 +58,16 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
     from plasticity_zoo.agents import mrq
     from plasticity_zoo.training.offpolicy import train
 
-    pcfg = PlasticityConfig(metrics_every=20, metrics_batch=32, sigreg_coef=0.2, least=True, least_max_len=5,
-                            least_window=8, least_warmup=0.0, least_noise_max=0.3)
+    pcfg = PlasticityConfig(
+        metrics_every=20,
+        metrics_batch=32,
+        sigreg_coef=0.2,
+        least=True,
+        least_max_len=5,
+        least_window=8,
+        least_warmup=0.0,
+        least_noise_max=0.3,
+    )
     out = train(_mrq_cfg(pcfg, env="ToyChain-v0", total_steps=160), mrq, tmp_path / "r")
     st = out["state"]
     assert _finite(mrq.plastic_params(st)) and int(st.encoder_updates[0]) > 0
@@ -70,20 +88,31 @@ def test_mrq_least_sigreg_and_metrics(tmp_path):
 @pytest.mark.slow
 def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
     from plasticity_zoo.agents import mrq
+    from plasticity_zoo.buffers.replay import Transition
     from plasticity_zoo.plasticity.api import StaticPlasticity
     from plasticity_zoo.plasticity.sigreg import SIGRegSpec
-    from plasticity_zoo.buffers.replay import Transition
 
     state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1))
     rng = np.random.default_rng(0)
-    tr = Transition(rng.normal(size=(4, 3)).astype(np.float32), rng.uniform(-1, 1, (4, 1)).astype(np.float32),
-                    rng.normal(size=4).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32),
-                    np.array([False, True, False, False]), np.zeros(4, bool))
+    tr = Transition(
+        rng.normal(size=(4, 3)).astype(np.float32),
+        rng.uniform(-1, 1, (4, 1)).astype(np.float32),
+        rng.normal(size=4).astype(np.float32),
+        rng.normal(size=(4, 3)).astype(np.float32),
+        np.array([False, True, False, False]),
+        np.zeros(4, bool),
+    )
     q, g = jax.jit(mrq.least_signals)(state, tr, jax.random.key(1))
     assert q.shape == (4,) and g.shape == (4,) and np.all(np.asarray(g) >= 0) and _finite((q, g))
     # SIGReg changes L_enc (and so the encoder step) only when switched on
-    win = mrq.lap.Window(tr.obs, tr.action[:, None].repeat(5, 1), tr.reward[:, None].repeat(5, 1),
-                         tr.next_obs[:, None].repeat(5, 1), np.zeros((4, 5), bool), np.zeros((4, 5), bool))
+    win = mrq.lap.Window(
+        tr.obs,
+        tr.action[:, None].repeat(5, 1),
+        tr.reward[:, None].repeat(5, 1),
+        tr.next_obs[:, None].repeat(5, 1),
+        np.zeros((4, 5), bool),
+        np.zeros((4, 5), bool),
+    )
     encoder_step = jax.jit(lambda s, w, k: mrq.encoder_update(s, w, 1.0, k))
     _, plain = encoder_step(state, win, jax.random.key(2))
     # the same jitted function: the SIGReg choice is a static field of the state, so it retraces
@@ -106,8 +135,7 @@ def test_mrq_regrama_and_ne(tmp_path):
     rows = _rows(tmp_path / "r", "plasticity/value/sparsity")
     assert rows and all(0.0 < float(r[f"plasticity/{n}/sparsity"]) < 0.8 + 1e-6 for r in rows for n in mrq.PLASTIC)
     resets = _rows(tmp_path / "r", "plasticity/value/reset_fraction")
-    assert resets and all(0.0 <= float(r[f"plasticity/{n}/reset_fraction"]) <= 1.0 for r in resets
-                          for n in mrq.PLASTIC)
+    assert resets and all(0.0 <= float(r[f"plasticity/{n}/reset_fraction"]) <= 1.0 for r in resets for n in mrq.PLASTIC)
 
 
 @pytest.mark.slow
@@ -117,21 +145,24 @@ def test_mrq_kron_with_ne_masks_one_encoder_and_rl_step():
     """Kron (+ NE masks) through MR.Q's optimizer chain: finite steps, LayerNorms stay frozen, pruned
     weights stay 0.  (Unit-level: a full loop run with Kron on MR.Q's four nets compiles for ~45 s.)"""
     from plasticity_zoo.agents import mrq
-
     from plasticity_zoo.plasticity.api import StaticPlasticity
 
     spec = optim.OptimSpec(kron=True, ne=optim.NESpec(), ne_networks=tuple(mrq.PLASTIC))
-    state = mrq.init(jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1),
-                     StaticPlasticity(optim=spec))
+    state = mrq.init(
+        jax.random.key(0), 3, 1, mrq.MRQConfig(), NetworkConfig(width=16, depth=1), StaticPlasticity(optim=spec)
+    )
     assert all(optim.find_masked(getattr(state, o)) is not None for _, o in mrq.PLASTIC.values())
     for p, o in mrq.PLASTIC.values():  # NE's sparse start (the hooks do this in the loop)
         state = state.replace(**{p: optim.apply_mask(getattr(state, o), getattr(state, p))})
     rng = np.random.default_rng(0)
-    win = mrq.lap.Window(rng.normal(size=(8, 3)).astype(np.float32),
-                         rng.uniform(-1, 1, (8, 5, 1)).astype(np.float32),
-                         rng.normal(size=(8, 5)).astype(np.float32),
-                         rng.normal(size=(8, 5, 3)).astype(np.float32), np.zeros((8, 5), bool),
-                         np.zeros((8, 5), bool))
+    win = mrq.lap.Window(
+        rng.normal(size=(8, 3)).astype(np.float32),
+        rng.uniform(-1, 1, (8, 5, 1)).astype(np.float32),
+        rng.normal(size=(8, 5)).astype(np.float32),
+        rng.normal(size=(8, 5, 3)).astype(np.float32),
+        np.zeros((8, 5), bool),
+        np.zeros((8, 5), bool),
+    )
 
     @jax.jit
     def step(state, key):
@@ -180,9 +211,20 @@ def test_ppo_ne_kron(tmp_path):
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
     pcfg = PlasticityConfig(metrics_every=8, ne=True, ne_every=8, kron=HAS_KRON, ne_review=False)  # PPO: no replay
-    cfg = RunConfig(env="Pendulum-v1", total_steps=384, num_envs=2, eval_every=384, eval_episodes=1, log_every=64,
-                    checkpoint_every=384, progress=False, network=NetworkConfig(width=16), plasticity=pcfg,
-                    agent_name="ppo", agent=agent_cfg)
+    cfg = RunConfig(
+        env="Pendulum-v1",
+        total_steps=384,
+        num_envs=2,
+        eval_every=384,
+        eval_episodes=1,
+        log_every=64,
+        checkpoint_every=384,
+        progress=False,
+        network=NetworkConfig(width=16),
+        plasticity=pcfg,
+        agent_name="ppo",
+        agent=agent_cfg,
+    )
     out = train(cfg, ppo, tmp_path / "r")
     st = out["state"]
     assert _finite(ppo.plastic_params(st))
@@ -190,5 +232,7 @@ def test_ppo_ne_kron(tmp_path):
     rows = _rows(tmp_path / "r", "plasticity/critic/sparsity")
     assert rows and all(0.0 < float(r[f"plasticity/{n}/sparsity"]) < 0.8 + 1e-6 for r in rows for n in ppo.PLASTIC)
     assert "plasticity/review_prob" not in rows[0]
-    assert all(0.0 <= float(r["plasticity/actor/dormant_0.0"]) <= 1.0
-               for r in _rows(tmp_path / "r", "plasticity/actor/dormant_0.0"))
+    assert all(
+        0.0 <= float(r["plasticity/actor/dormant_0.0"]) <= 1.0
+        for r in _rows(tmp_path / "r", "plasticity/actor/dormant_0.0")
+    )

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import sac
+from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.plasticity import metrics as M
 from plasticity_zoo.training.config import NetworkConfig
-from plasticity_zoo.buffers.replay import Transition
 
 WIDTH = 8
 
@@ -132,8 +132,9 @@ def test_network_metrics_totals_are_neuron_weighted():
     l1 = jnp.array([[0.0, 1.0], [0.0, 2.0]])  # 1 of 2 dormant
     acts = {"layer0": l0, "layer1": l1}
     grads = {"layer0": jnp.ones((2, 3)), "layer1": jnp.array([[0.0, 1.0], [0.0, 1.0]])}
-    out = M.network_metrics(acts, grads, {"w": jnp.ones(4)}, {"w": 2 * jnp.ones(4)}, {"w": jnp.zeros(4)},
-                            prefix="plasticity/x")
+    out = M.network_metrics(
+        acts, grads, {"w": jnp.ones(4)}, {"w": 2 * jnp.ones(4)}, {"w": jnp.zeros(4)}, prefix="plasticity/x"
+    )
     assert float(out["plasticity/x/layer0/dormant_0.0"]) == pytest.approx(1 / 3)
     assert float(out["plasticity/x/layer1/dormant_0.0"]) == pytest.approx(1 / 2)
     assert float(out["plasticity/x/dormant_0.0"]) == pytest.approx(2 / 5)
@@ -149,11 +150,14 @@ def test_network_metrics_totals_are_neuron_weighted():
 
 def _batch(n=16, obs_dim=3, act_dim=1, seed=0):
     rng = np.random.default_rng(seed)
-    return Transition(jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
-                      jnp.asarray(rng.uniform(-1, 1, (n, act_dim)), jnp.float32),
-                      jnp.asarray(rng.normal(size=n), jnp.float32),
-                      jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
-                      jnp.asarray(rng.random(n) < 0.3), jnp.asarray(rng.random(n) < 0.3))
+    return Transition(
+        jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
+        jnp.asarray(rng.uniform(-1, 1, (n, act_dim)), jnp.float32),
+        jnp.asarray(rng.normal(size=n), jnp.float32),
+        jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
+        jnp.asarray(rng.random(n) < 0.3),
+        jnp.asarray(rng.random(n) < 0.3),
+    )
 
 
 def _init(key):
@@ -170,8 +174,15 @@ _jit_metrics = jax.jit(_sac_metrics)  # one wrapper: calls with equal signatures
 def _check_values(out, with_init=True):
     for net in ("actor", "critic"):
         for layer in ("layer0", "layer1"):
-            for m in ("dormant_0.0", "dormant_0.025", "grama_0.01", "active_fraction",
-                      "srank", "effective_rank", "feature_rank"):
+            for m in (
+                "dormant_0.0",
+                "dormant_0.025",
+                "grama_0.01",
+                "active_fraction",
+                "srank",
+                "effective_rank",
+                "feature_rank",
+            ):
                 assert f"plasticity/{net}/{layer}/{m}" in out
         for m in ("dormant_0.0", "dormant_0.025", "grama_0.01", "active_fraction", "weight_norm", "grad_norm"):
             assert f"plasticity/{net}/{m}" in out
@@ -198,8 +209,11 @@ def test_compute_on_sac_under_jit(sac_setup):
     assert float(out["plasticity/critic/weight_norm_ratio"]) == pytest.approx(1.0)
     assert float(out["plasticity/critic/grad_norm"]) > 0
     # param grad norm equals that of an explicit jax.grad of the critic loss
-    g = jax.grad(lambda p: sac.critic_loss(p, state, state.actor_params, batch, jnp.exp(state.log_alpha),
-                                           jax.random.split(key)[1])[0])(state.critic_params)
+    g = jax.grad(
+        lambda p: sac.critic_loss(
+            p, state, state.actor_params, batch, jnp.exp(state.log_alpha), jax.random.split(key)[1]
+        )[0]
+    )(state.critic_params)
     assert float(out["plasticity/critic/grad_norm"]) == pytest.approx(float(M.grad_norm(g)), rel=1e-4)
 
 
@@ -210,15 +224,22 @@ def test_compute_under_vmap_over_seeds():
     keys = jax.random.split(jax.random.key(4), 2)
     out = jax.jit(jax.vmap(lambda s, k: _sac_metrics(s, batch, k)))(states, keys)
     _check_values(out, with_init=False)
-    for k in ("plasticity/critic/weight_norm", "plasticity/actor/weight_norm",
-              "plasticity/critic/grad_norm", "plasticity/critic/layer0/effective_rank"):
+    for k in (
+        "plasticity/critic/weight_norm",
+        "plasticity/actor/weight_norm",
+        "plasticity/critic/grad_norm",
+        "plasticity/critic/layer0/effective_rank",
+    ):
         v = np.asarray(out[k])
         assert v.shape == (2,) and v[0] != v[1], k
     # per-seed values equal those of each seed computed alone
     one = jax.tree.map(lambda x: x[1], states)
     single = _jit_metrics(one, batch, keys[1])
-    for k in ("plasticity/critic/weight_norm", "plasticity/critic/layer1/effective_rank",
-              "plasticity/actor/dormant_0.025"):
+    for k in (
+        "plasticity/critic/weight_norm",
+        "plasticity/critic/layer1/effective_rank",
+        "plasticity/actor/dormant_0.025",
+    ):
         assert float(out[k][1]) == pytest.approx(float(single[k]), rel=1e-4, abs=1e-6)
 
 
@@ -284,8 +305,14 @@ def mrq_hook():
     from plasticity_zoo.training.config import RunConfig
     from plasticity_zoo.training.offpolicy import init_state
 
-    cfg = RunConfig(env="dmc:cartpole-balance", seeds=1, agent_name="mrq", agent=mrq.MRQConfig(buffer_size=512),
-                    network=NetworkConfig(), plasticity=PlasticityConfig(metrics_every=1))
+    cfg = RunConfig(
+        env="dmc:cartpole-balance",
+        seeds=1,
+        agent_name="mrq",
+        agent=mrq.MRQConfig(buffer_size=512),
+        network=NetworkConfig(),
+        plasticity=PlasticityConfig(metrics_every=1),
+    )
     obs_dim, act_dim, envs = 5, 1, 32
     state, buffer, key = init_state(mrq, cfg, obs_dim, act_dim)
     assert state.value_params["trunk"]["layers"][0]["kernel"].shape[-1] == 512  # the paper's width
@@ -316,9 +343,19 @@ def test_metrics_hook_on_full_size_mrq(mrq_hook):
         assert out_state is state and len(rows) == 1
     row = rows[0]
     for net in mrq.PLASTIC:
-        for m in ("dormant_0.0", "dormant_0.025", "dormant_0.1", "grama_0.01", "active_fraction", "weight_norm",
-                  "weight_norm_ratio", "grad_norm", "features/srank", "features/effective_rank",
-                  "features/feature_rank"):
+        for m in (
+            "dormant_0.0",
+            "dormant_0.025",
+            "dormant_0.1",
+            "grama_0.01",
+            "active_fraction",
+            "weight_norm",
+            "weight_norm_ratio",
+            "grad_norm",
+            "features/srank",
+            "features/effective_rank",
+            "features/feature_rank",
+        ):
             assert f"plasticity/{net}/{m}" in row, (net, m)
         assert any(k.startswith(f"plasticity/{net}/layer") and k.endswith("/srank") for k in row), net
     for k, v in row.items():

@@ -141,8 +141,21 @@ def test_plot_end_to_end(tmp_path, capsys):
     sac = _write_run(tmp_path / "sac", "sac", offset=-500.0)
     td3 = _write_run(tmp_path / "td3", "td3", offset=-300.0)
     out = tmp_path / "figs" / "fig.png"
-    plot_cli.main([str(sac), str(td3), "--out", str(out), "--smooth", "2", "--title", "t",
-               "--metrics", "plasticity/critic/dormant*", "losses/*"])
+    plot_cli.main(
+        [
+            str(sac),
+            str(td3),
+            "--out",
+            str(out),
+            "--smooth",
+            "2",
+            "--title",
+            "t",
+            "--metrics",
+            "plasticity/critic/dormant*",
+            "losses/*",
+        ]
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     lines = printed.splitlines()
@@ -259,8 +272,12 @@ def test_the_refusal_exits_non_zero_from_the_command_line(tmp_path):
 
     a = _write_grid_run(tmp_path / "a", range(0, 10_001, 5000))
     b = _write_grid_run(tmp_path / "b", range(0, 10_001, 2000))
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot.py"), str(a), str(b), "--out",
-                           str(tmp_path / "fig.png")], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plot.py"), str(a), str(b), "--out", str(tmp_path / "fig.png")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert done.returncode != 0 and "evaluated at different steps" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "fig.png").exists()
 
@@ -368,15 +385,25 @@ def test_a_redo_run_is_not_pooled_with_plain_runs_of_the_same_agent(tmp_path, ca
 
 def test_run_labels_name_what_differs_and_keep_explicit_labels():
     sac = {"agent_name": "sac", "env": "Pendulum-v1"}
-    runs = [{**sac, "seed": 0, "run_dir": "x", "progress": True, **PLAIN},
-            {**sac, "seed": 3, "run_dir": "y", "progress": False, "wandb": True, **PLAIN},  # bookkeeping only
-            {**sac, **REDO, "agent": {"tau": 0.01}},
-            {**sac, **REDO, "label": "mine"},
-            {"agent_name": "ppo", "env": "Pendulum-v1", "agent": {"clip_coef": 0.2}}]
-    assert run_labels(runs) == ["sac plasticity.redo=false, tau=0.005", "sac plasticity.redo=false, tau=0.005",
-                                "sac plasticity.redo=true, tau=0.01", "mine", "ppo"]
+    runs = [
+        {**sac, "seed": 0, "run_dir": "x", "progress": True, **PLAIN},
+        {**sac, "seed": 3, "run_dir": "y", "progress": False, "wandb": True, **PLAIN},  # bookkeeping only
+        {**sac, **REDO, "agent": {"tau": 0.01}},
+        {**sac, **REDO, "label": "mine"},
+        {"agent_name": "ppo", "env": "Pendulum-v1", "agent": {"clip_coef": 0.2}},
+    ]
+    assert run_labels(runs) == [
+        "sac plasticity.redo=false, tau=0.005",
+        "sac plasticity.redo=false, tau=0.005",
+        "sac plasticity.redo=true, tau=0.01",
+        "mine",
+        "ppo",
+    ]
     # a setting that differs only between envs (each env's own) does not split a label across envs
-    per_env = [{**sac, "env": env, "action_repeat": repeat, **cfg}
-               for env, repeat in (("dmc:a-b", 2), ("Pendulum-v1", 1)) for cfg in (PLAIN, REDO)]
+    per_env = [
+        {**sac, "env": env, "action_repeat": repeat, **cfg}
+        for env, repeat in (("dmc:a-b", 2), ("Pendulum-v1", 1))
+        for cfg in (PLAIN, REDO)
+    ]
     assert run_labels(per_env) == ["sac plasticity.redo=false", "sac plasticity.redo=true"] * 2
     assert run_labels([sac, {**sac, "seed": 1}]) == ["sac", "sac"]  # old config.json files: the agent's name

@@ -19,9 +19,21 @@ from plasticity_zoo.training.onpolicy import init_state, make_fns, train
 def tiny(**kw):
     agent_kw = {k: kw.pop(k) for k in list(kw) if k in ppo.PPOConfig.__dataclass_fields__}
     agent = ppo.PPOConfig(**{"num_steps": 32, "num_minibatches": 4, "update_epochs": 2, **agent_kw})
-    return RunConfig(**{"env": "Pendulum-v1", "total_steps": 256, "eval_every": 128, "eval_episodes": 1,
-                        "log_every": 64, "checkpoint_every": 64, "progress": False,
-                        "network": NetworkConfig(width=16), "agent_name": "ppo", "agent": agent, **kw})
+    return RunConfig(
+        **{
+            "env": "Pendulum-v1",
+            "total_steps": 256,
+            "eval_every": 128,
+            "eval_episodes": 1,
+            "log_every": 64,
+            "checkpoint_every": 64,
+            "progress": False,
+            "network": NetworkConfig(width=16),
+            "agent_name": "ppo",
+            "agent": agent,
+            **kw,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,8 +64,8 @@ def test_gae_hand_computed_truncation_bootstraps_from_final_obs_and_cuts_the_tra
     term = jnp.zeros((3, 1), bool)
     final_v = jnp.array([[0.0], [100.0], [0.0]])
     adv, ret = ppo.gae(r, v, term, trunc, final_v, jnp.array([40.0]), g, lam)
-    d2 = 3 + g * 40 - 30          # last step bootstraps from last_value
-    d1 = 2 + g * 100 - 20         # truncated: V(final obs) = 100, not V(reset obs) = 30
+    d2 = 3 + g * 40 - 30  # last step bootstraps from last_value
+    d1 = 2 + g * 100 - 20  # truncated: V(final obs) = 100, not V(reset obs) = 30
     d0 = 1 + g * 20 - 10
     expected = [d0 + g * lam * d1, d1, d2]  # the trace stops at the truncation (d2 does not flow into d1)
     np.testing.assert_allclose(adv[:, 0], expected, rtol=1e-6)
@@ -73,8 +85,16 @@ def test_gae_matches_numpy_reference_with_terminations_and_truncations():
     term[7, 0] = trunc[7, 0] = True  # both: termination wins
     final_v = np.where(trunc, rng.normal(size=(T, E)), 0.0).astype(np.float32)
     last_v = rng.normal(size=E).astype(np.float32)
-    adv, ret = ppo.gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(term), jnp.asarray(trunc),
-                       jnp.asarray(final_v), jnp.asarray(last_v), 0.99, 0.95)
+    adv, ret = ppo.gae(
+        jnp.asarray(r),
+        jnp.asarray(v),
+        jnp.asarray(term),
+        jnp.asarray(trunc),
+        jnp.asarray(final_v),
+        jnp.asarray(last_v),
+        0.99,
+        0.95,
+    )
     for e in range(E):
         ref = gae_reference(r[:, e], v[:, e], term[:, e], trunc[:, e], final_v[:, e], last_v[e], 0.99, 0.95)
         np.testing.assert_allclose(adv[:, e], ref, rtol=1e-4, atol=1e-5)
@@ -116,7 +136,7 @@ def test_anchor_weights_sum_to_one_and_skip_unfilled_slots(mode):
     for count in range(0, 5):
         w = np.asarray(ppo.anchor_weights(jnp.int32(count), 4, mode, 0.5))
         assert w.sum() == pytest.approx(1.0) and np.all(w >= 0)
-        assert np.all(w[max(count, 1):] == 0)
+        assert np.all(w[max(count, 1) :] == 0)
     w = np.asarray(ppo.anchor_weights(jnp.int32(4), 4, mode, 0.5))
     expected = {"recency": np.array([8, 4, 2, 1]) / 15, "uniform": np.full(4, 0.25), "ema": np.array([1, 0, 0, 0])}
     np.testing.assert_allclose(w, expected[mode], rtol=1e-6)
@@ -144,15 +164,23 @@ def test_gtr_penalty_bounded_local_kl_and_redescending_force():
     assert f[0] == pytest.approx(beta / (2 * s2) * 0.01, rel=1e-2)  # = grad of the KL penalty
     peak = int(np.argmax(f))
     assert 0 < peak < len(xs) - 1  # rises, peaks near sigma (x ~ 0.14), then decays
-    assert f[-1] < 1e-6 * max(f)   # far from the anchor the penalty no longer resists
+    assert f[-1] < 1e-6 * max(f)  # far from the anchor the penalty no longer resists
 
 
 def _rollout(T=16, E=2, obs_dim=3, act_dim=2, seed=0):
     rng = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     term = jnp.asarray(rng.random((T, E)) < 0.1)
-    return ppo.Rollout(f(T + 1, E, obs_dim), f(T + 1, E, act_dim), f(T + 1, E) - 3.0, f(T + 1, E), f(T, E),
-                       term, jnp.asarray(rng.random((T, E)) < 0.1) & ~term, f(T, E))
+    return ppo.Rollout(
+        f(T + 1, E, obs_dim),
+        f(T + 1, E, act_dim),
+        f(T + 1, E) - 3.0,
+        f(T + 1, E),
+        f(T, E),
+        term,
+        jnp.asarray(rng.random((T, E)) < 0.1) & ~term,
+        f(T, E),
+    )
 
 
 def _update(cfg, n=2):
@@ -181,8 +209,13 @@ def test_gtr_with_zero_beta_is_plain_ppo_and_target_kl_stops_early():
         np.testing.assert_array_equal(a[1], b)
     assert np.isfinite(float(m0["gtr/kl_anchor1"])) and np.isnan(float(m0["gtr/kl_anchor2"]))
     assert float(m0["gtr/kl_anchor1"]) > float(m0["gtr/kl_anchor0"]) > 0  # the older anchor is further away
-    for name in ("diag/update_cosine", "diag/directional_efficiency", "charts/approx_kl", "charts/clipfrac",
-                 "charts/explained_variance"):
+    for name in (
+        "diag/update_cosine",
+        "diag/directional_efficiency",
+        "charts/approx_kl",
+        "charts/clipfrac",
+        "charts/explained_variance",
+    ):
         assert np.isfinite(float(m0[name])), name
     assert 0 < float(m0["diag/directional_efficiency"]) <= 1 + 1e-6
 
@@ -190,22 +223,37 @@ def test_gtr_with_zero_beta_is_plain_ppo_and_target_kl_stops_early():
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["kl", "logratio"])
 def test_actor_loss_adds_the_gtr_penalty_of_either_form(form):
-    cfg = ppo.PPOConfig(trust_region="gtr", gtr_form=form, gtr_beta=0.5, gtr_sigma2=0.02, gtr_logratio_sigma=0.3,
-                        clip=False)
+    cfg = ppo.PPOConfig(
+        trust_region="gtr", gtr_form=form, gtr_beta=0.5, gtr_sigma2=0.02, gtr_logratio_sigma=0.3, clip=False
+    )
     state = ppo.init(jax.random.key(0), 3, 2, cfg, NetworkConfig(width=16))
     rng = np.random.default_rng(1)
     f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     B, M = 8, 3
-    mb = ppo.Minibatch(f(B, 3), f(B, 2), f(B) - 3, f(B), f(B), f(B), anchor_mean=0.1 * f(B, M, 2),
-                       anchor_log_std=0.1 * f(B, M, 2), anchor_logp=f(B, M) - 3)
+    mb = ppo.Minibatch(
+        f(B, 3),
+        f(B, 2),
+        f(B) - 3,
+        f(B),
+        f(B),
+        f(B),
+        anchor_mean=0.1 * f(B, M, 2),
+        anchor_log_std=0.1 * f(B, M, 2),
+        anchor_logp=f(B, M) - 3,
+    )
     w = ppo.anchor_weights(jnp.int32(M), M, "recency", 0.8)
     loss, aux = ppo.actor_loss(state.actor_params, state, mb, w)
     plain, _ = ppo.actor_loss(state.actor_params, state.replace(cfg=ppo.PPOConfig(clip=False)), mb)
     mean, log_std = (np.asarray(x) for x in state.actor(state.actor_params, mb.obs))
     if form == "kl":  # KL(anchor || current), closed form, summed over action dims
         am, al = np.asarray(mb.anchor_mean), np.asarray(mb.anchor_log_std)
-        d = np.sum(log_std[:, None] - al + (np.exp(2 * al) + (am - mean[:, None]) ** 2)
-                   / (2 * np.exp(2 * log_std[:, None])) - 0.5, axis=-1)
+        d = np.sum(
+            log_std[:, None]
+            - al
+            + (np.exp(2 * al) + (am - mean[:, None]) ** 2) / (2 * np.exp(2 * log_std[:, None]))
+            - 0.5,
+            axis=-1,
+        )
         width2 = 0.02
     else:  # squared log-ratio against each anchor
         logp = np.asarray(ppo.gaussian_log_prob(mb.actions, mean, log_std))
@@ -237,8 +285,9 @@ def test_advantages_are_normalised_per_minibatch_inside_the_actor_loss():
     pg = np.maximum(-a * ratio, -a * np.clip(ratio, 1 - eps, 1 + eps)).mean()
     assert float(aux["losses/policy"]) == pytest.approx(pg, rel=1e-4)
     raw = state.replace(cfg=ppo.PPOConfig(norm_adv=False))  # the check can fail: without it the loss moves
-    assert float(ppo.actor_loss(state.actor_params, raw, mb._replace(advantages=5 * mb.advantages + 7))[0]) != \
-        pytest.approx(float(ppo.actor_loss(state.actor_params, raw, mb)[0]), rel=1e-3)
+    assert float(
+        ppo.actor_loss(state.actor_params, raw, mb._replace(advantages=5 * mb.advantages + 7))[0]
+    ) != pytest.approx(float(ppo.actor_loss(state.actor_params, raw, mb)[0]), rel=1e-3)
 
 
 def test_directional_efficiency_of_a_straight_and_a_zigzag_path():
@@ -288,14 +337,15 @@ def test_loop_step_writes_terminations_truncations_and_final_values():
     state, loop, _ = start(state, loop, obs(), key)
     term = np.zeros((3, 2, 2), bool)
     trunc = np.zeros((3, 2, 2), bool)
-    term[1, 0, 0] = True                      # seed 0 env 0 terminates at t = 1
-    trunc[2, 1, 1] = True                     # seed 1 env 1 is truncated at t = 2
-    term[2, 1, 0] = trunc[2, 1, 0] = True     # both at once: a termination
+    term[1, 0, 0] = True  # seed 0 env 0 terminates at t = 1
+    trunc[2, 1, 1] = True  # seed 1 env 1 is truncated at t = 2
+    term[2, 1, 0] = trunc[2, 1, 0] = True  # both at once: a termination
     for t in range(3):
         next_obs, new_obs = obs(), obs()
         ff, fm = step.flatten(state, loop)
-        fm, _ = step(ff, fm, np.int32(t), np.ones((2, 2), np.float32), term[t], trunc[t], next_obs, new_obs,
-                     jax.random.key(t))
+        fm, _ = step(
+            ff, fm, np.int32(t), np.ones((2, 2), np.float32), term[t], trunc[t], next_obs, new_obs, jax.random.key(t)
+        )
         state, loop = step.unflatten(fm)
         s1 = jax.tree.map(lambda x: x[1], state)
         if t == 2:
@@ -305,7 +355,7 @@ def test_loop_step_writes_terminations_truncations_and_final_values():
     np.testing.assert_array_equal(b.terminated[:, :3], term.transpose(1, 0, 2))
     np.testing.assert_array_equal(b.truncated[:, :3], trunc.transpose(1, 0, 2))
     assert b.final_values[1, 2, 1] == pytest.approx(final, rel=1e-5)  # V(true final obs) where truncated
-    assert np.count_nonzero(b.final_values) == 1                       # 0 elsewhere (terminated: unused)
+    assert np.count_nonzero(b.final_values) == 1  # 0 elsewhere (terminated: unused)
     assert float(state.obs_rms.count[0]) == pytest.approx(8, abs=1e-3)  # start + 3 steps, 2 envs each
     assert np.all(b.rewards[:, :3] > 0)
 
@@ -366,18 +416,27 @@ def test_ppo_clip_mode_stores_the_unclipped_sample_and_its_log_prob_and_sends_th
         sent.append(np.asarray(action)[0])
         new_obs, reward, term, trunc, next_obs = env.step(np.asarray(action)[0])
         ff, fm = step.flatten(state, loop)
-        fm, action = step(ff, fm, np.int32(t), reward[None], term[None], trunc[None], jnp.asarray(next_obs)[None],
-                          jnp.asarray(new_obs)[None], key)
+        fm, action = step(
+            ff,
+            fm,
+            np.int32(t),
+            reward[None],
+            term[None],
+            trunc[None],
+            jnp.asarray(next_obs)[None],
+            jnp.asarray(new_obs)[None],
+            key,
+        )
         state, loop = step.unflatten(fm)
-    sent = np.stack(sent)                                         # (T, E, 2) what the agent sampled
+    sent = np.stack(sent)  # (T, E, 2) what the agent sampled
     stored = np.asarray(loop.buffer.actions[0, :6])
-    np.testing.assert_array_equal(stored, sent)                   # the rollout keeps the unclipped sample
-    assert np.any(np.abs(stored[..., 0]) > 0.4)                   # (std 1 at init: clipping happens)
+    np.testing.assert_array_equal(stored, sent)  # the rollout keeps the unclipped sample
+    assert np.any(np.abs(stored[..., 0]) > 0.4)  # (std 1 at init: clipping happens)
     got = np.stack(ActionRecorder.received).reshape(6, 2, 2)
     np.testing.assert_array_equal(got, np.clip(stored, ActionRecorder.low, ActionRecorder.high))
     s0 = jax.tree.map(lambda x: x[0], state)
     mean, log_std = s0.actor(s0.actor_params, loop.buffer.obs[0, :6])
-    logp = gaussian_log_prob(jnp.asarray(stored), mean, log_std)   # of the unclipped sample
+    logp = gaussian_log_prob(jnp.asarray(stored), mean, log_std)  # of the unclipped sample
     np.testing.assert_allclose(np.asarray(loop.buffer.logp[0, :6]), np.asarray(logp), rtol=1e-5, atol=1e-5)
     clipped = gaussian_log_prob(jnp.asarray(got), mean, log_std)
     assert not np.allclose(np.asarray(clipped), np.asarray(logp))  # (the clipped action's would differ)
@@ -389,8 +448,9 @@ def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypa
 
     modes = []
     real_vec, real_eval = onpolicy.make_vector_env, onpolicy.Evaluator
-    monkeypatch.setattr(onpolicy, "make_vector_env",
-                        lambda *a, **k: modes.append(("train", k["action_mode"])) or real_vec(*a, **k))
+    monkeypatch.setattr(
+        onpolicy, "make_vector_env", lambda *a, **k: modes.append(("train", k["action_mode"])) or real_vec(*a, **k)
+    )
     monkeypatch.setattr(onpolicy, "Evaluator", lambda *a, **k: modes.append(("eval", a[5])) or real_eval(*a, **k))
     for mode in ("rescale", "clip"):
         train(tiny(total_steps=32, eval_every=32, action_mode=mode), ppo, tmp_path / mode)
@@ -410,8 +470,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_p
     resumed = train(cfg, ppo, tmp_path / "part", resume=True)
     assert resumed["step"] == 256
     for field in ("actor_params", "critic_params", "obs_rms", "ret_rms", "actor_opt"):
-        for x, y in zip(jax.tree.leaves(getattr(full["state"], field)),
-                        jax.tree.leaves(getattr(resumed["state"], field))):
+        for x, y in zip(
+            jax.tree.leaves(getattr(full["state"], field)), jax.tree.leaves(getattr(resumed["state"], field))
+        ):
             np.testing.assert_array_equal(x, y)
     assert_same_logs(tmp_path / "full", tmp_path / "part")
     # seeds differ
@@ -421,8 +482,14 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_p
 
 def test_nonstationary_switch_resets_the_normalizers(tmp_path):
     # the same shapes and config as the resume test: the loop's compilations are reused
-    cfg = tiny(env="ns:obs_permute:Pendulum-v1:every=96", seeds=2, num_envs=2, total_steps=256, eval_every=1000,
-               checkpoint_every=1000)
+    cfg = tiny(
+        env="ns:obs_permute:Pendulum-v1:every=96",
+        seeds=2,
+        num_envs=2,
+        total_steps=256,
+        eval_every=1000,
+        checkpoint_every=1000,
+    )
     out = train(cfg, ppo, tmp_path / "r")
     # the last switch is at step 192; the statistics since then hold the steps 192, 194, .., 256 (2 envs)
     assert float(out["state"].obs_rms.count[0]) == pytest.approx(66, abs=1e-3)
@@ -434,12 +501,37 @@ def test_cli_flags_reach_the_ppo_config():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import train as train_script
 
-    cfg = train_script.parse(["ppo", "--env", "HalfCheetah-v5", "--trust-region", "gtr", "--no-clip",
-                              "--gtr-beta", "0.1", "--gtr-form", "logratio", "--backend", "envpool",
-                              "--num-envs", "4", "--seeds", "2", "--num-steps", "512"])
+    cfg = train_script.parse(
+        [
+            "ppo",
+            "--env",
+            "HalfCheetah-v5",
+            "--trust-region",
+            "gtr",
+            "--no-clip",
+            "--gtr-beta",
+            "0.1",
+            "--gtr-form",
+            "logratio",
+            "--backend",
+            "envpool",
+            "--num-envs",
+            "4",
+            "--seeds",
+            "2",
+            "--num-steps",
+            "512",
+        ]
+    )
     a = cfg.agent
     assert (a.trust_region, a.clip, a.gtr_beta, a.gtr_form, a.backend, a.num_steps) == (
-        "gtr", False, 0.1, "logratio", "envpool", 512)
+        "gtr",
+        False,
+        0.1,
+        "logratio",
+        "envpool",
+        512,
+    )
     assert (cfg.num_envs, cfg.seeds) == (4, 2)
     with pytest.raises(ValueError, match="divisible by --num-minibatches"):
         train(tiny(num_steps=30), ppo, "/tmp/never")
@@ -464,8 +556,9 @@ def test_orthogonal_init_as_cleanrl():
     np.testing.assert_allclose(k0.T @ k0, 2.0 * np.eye(16), atol=1e-4)  # orthogonal, gain sqrt 2
     head = np.asarray(state.actor_params["out"]["kernel"][...])
     np.testing.assert_allclose(np.linalg.svd(head, compute_uv=False), 0.01, rtol=1e-4)
-    np.testing.assert_allclose(np.linalg.svd(np.asarray(state.critic_params["out"]["kernel"][...]),
-                                             compute_uv=False), 1.0, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.linalg.svd(np.asarray(state.critic_params["out"]["kernel"][...]), compute_uv=False), 1.0, rtol=1e-4
+    )
     assert np.all(np.asarray(state.actor_params["log_std"][...]) == 0)
 
 
@@ -473,9 +566,19 @@ def test_orthogonal_init_as_cleanrl():
 @pytest.mark.slow
 def test_ppo_learns_inverted_pendulum(tmp_path):
     # 2 vmapped seeds x 4 envs; PPO balances the pendulum (~800-1000 of 1000) within 10k steps; random ~ 20
-    cfg = RunConfig(env="InvertedPendulum-v5", seeds=2, num_envs=4, total_steps=10240, eval_every=10240,
-                    eval_episodes=2, log_every=2048, checkpoint_every=10240, progress=False, agent_name="ppo",
-                    agent=ppo.PPOConfig(num_steps=128, num_minibatches=16, learning_rate=1e-3))
+    cfg = RunConfig(
+        env="InvertedPendulum-v5",
+        seeds=2,
+        num_envs=4,
+        total_steps=10240,
+        eval_every=10240,
+        eval_episodes=2,
+        log_every=2048,
+        checkpoint_every=10240,
+        progress=False,
+        agent_name="ppo",
+        agent=ppo.PPOConfig(num_steps=128, num_minibatches=16, learning_rate=1e-3),
+    )
     train(cfg, ppo, tmp_path / "r")
     rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
     start = [float(r["return_mean"]) for r in rows if r["step"] == "0"]

@@ -1,4 +1,5 @@
 """--preset NAME: a paper's flags applied under the user's, stored in config.json, refused where they do not fit."""
+
 import json
 import sys
 from pathlib import Path
@@ -31,8 +32,12 @@ def _value(cfg, flag: str):
 def _env_args(preset, agent):
     if agent == "ravl":
         return ["--dataset", "unused.hdf5"]
-    return ["--env", {"dmc": "dmc:cartpole-balance", "playground": "playground:CartpoleBalance"}.get(
-        preset.env_family, "Pendulum-v1")]
+    return [
+        "--env",
+        {"dmc": "dmc:cartpole-balance", "playground": "playground:CartpoleBalance"}.get(
+            preset.env_family, "Pendulum-v1"
+        ),
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -56,8 +61,20 @@ def test_every_preset_parses_for_its_agents_and_sets_its_flags(name):
 
 
 def test_user_flags_win_over_the_preset_and_presets_compose_in_order():
-    cfg = parse(["mrq", "--env", "dmc:cartpole-balance", "--preset", "mrq-dmc", "--total-steps", "2000",
-                 "--preset=redo-sokar", "--plasticity.redo-tau", "0.1"])
+    cfg = parse(
+        [
+            "mrq",
+            "--env",
+            "dmc:cartpole-balance",
+            "--preset",
+            "mrq-dmc",
+            "--total-steps",
+            "2000",
+            "--preset=redo-sokar",
+            "--plasticity.redo-tau",
+            "0.1",
+        ]
+    )
     assert cfg.total_steps == 2000 and cfg.action_repeat == 2 and cfg.eval_episodes == 10  # user, preset, preset
     assert cfg.plasticity.redo and cfg.plasticity.redo_tau == 0.1 and cfg.plasticity.reset_every == 1000
     assert cfg.preset == "mrq-dmc,redo-sokar"
@@ -83,14 +100,20 @@ def test_no_preset_leaves_the_defaults_and_preset_none():
     assert config_lib.to_json(dataclasses.replace(undone, preset=None)) == config_lib.to_json(plain)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["sac", "--preset", "nope"], "unknown preset 'nope'; presets: mrq-gym"),
-    (["sac", "--preset"], "--preset needs a name"),
-    (["sac", "--preset", "mrq-gym"], "preset 'mrq-gym' is for mrq, not 'sac'"),
-    (["mrq", "--preset", "mrq-dmc", "--env", "Hopper-v5"], "is the DMC protocol; --env Hopper-v5 is not a dmc: env"),
-    (["mrq", "--preset", "mrq-gym", "--env", "dmc:cheetah-run"], "is not a Gymnasium env"),
-    (["ppo", "--preset", "ppo-playground", "--env", "dmc:cheetah-run"], "is not a playground: env"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sac", "--preset", "nope"], "unknown preset 'nope'; presets: mrq-gym"),
+        (["sac", "--preset"], "--preset needs a name"),
+        (["sac", "--preset", "mrq-gym"], "preset 'mrq-gym' is for mrq, not 'sac'"),
+        (
+            ["mrq", "--preset", "mrq-dmc", "--env", "Hopper-v5"],
+            "is the DMC protocol; --env Hopper-v5 is not a dmc: env",
+        ),
+        (["mrq", "--preset", "mrq-gym", "--env", "dmc:cheetah-run"], "is not a Gymnasium env"),
+        (["ppo", "--preset", "ppo-playground", "--env", "dmc:cheetah-run"], "is not a playground: env"),
+    ],
+)
 def test_a_preset_that_does_not_exist_or_fit_is_refused_with_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         train_script.cli(argv + ["--run-dir", str(tmp_path / "r")])

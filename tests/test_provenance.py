@@ -1,4 +1,5 @@
 """config.json names the code and versions a run ran with, and every resume (training/provenance.py)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ def test_provenance_names_the_commit_the_versions_and_the_device():
     assert p["argv"] == ["train.py", "sac"] and p["device"]["platform"] == "cpu" and p["device"]["count"] >= 1
     assert p["versions"]["jax"] == jax.__version__ and "numpy" in p["versions"] and "python" in p["versions"]
     if shutil.which("git") and (prov.ROOT / ".git").exists():
-        head = subprocess.run(["git", "-C", str(prov.ROOT), "rev-parse", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(prov.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
         assert p["git"]["commit"] == head and isinstance(p["git"]["dirty"], bool)
     assert prov.git_state(prov.ROOT / "no-such-dir") == {"commit": None, "dirty": None}
 
@@ -33,8 +35,10 @@ def test_config_json_keeps_the_start_and_appends_each_resume_and_still_reads_as_
     log.record_resume(config_lib.to_json(RunConfig(total_steps=3000, agent=sac.CONFIG())), 2000, {"time": "t2"})
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["total_steps"] == 3000 and saved["provenance"] == {"time": "t0", "git": {"commit": "abc"}}
-    assert saved["resumes"] == [{"step": 1500, "total_steps": 2000, "time": "t1"},
-                                {"step": 2000, "total_steps": 3000, "time": "t2"}]
+    assert saved["resumes"] == [
+        {"step": 1500, "total_steps": 2000, "time": "t1"},
+        {"step": 2000, "total_steps": 3000, "time": "t2"},
+    ]
     back = config_lib.from_json(saved, sac.CONFIG)
     assert back.total_steps == 3000 and back.agent == cfg.agent
     assert not list(tmp_path.glob(".*.tmp"))  # written whole, then moved into place
@@ -67,8 +71,17 @@ def test_wandb_offline_writes_one_run_per_seed_with_config_metrics_and_commit(ti
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # not the user's ~/.config/wandb
-    cfg = tiny_sac_config(total_steps=300, learning_starts=100, eval_every=300, eval_episodes=1, seeds=2,
-                          wandb=True, wandb_mode="offline", wandb_tags=("smoke",), run_dir=str(tmp_path / "r"))
+    cfg = tiny_sac_config(
+        total_steps=300,
+        learning_starts=100,
+        eval_every=300,
+        eval_episodes=1,
+        seeds=2,
+        wandb=True,
+        wandb_mode="offline",
+        wandb_tags=("smoke",),
+        run_dir=str(tmp_path / "r"),
+    )
     run(cfg)
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["wandb"] and saved["wandb_tags"] == ["smoke"]
@@ -79,13 +92,18 @@ def test_wandb_offline_writes_one_run_per_seed_with_config_metrics_and_commit(ti
         # offline, the config and the history are records of the run's .wandb file (`wandb sync` uploads it);
         # their keys and string values are stored as UTF-8 in it
         data = b"".join(p.read_bytes() for p in d.glob("*.wandb"))
-        for text in ("Pendulum-v1", "seed_index", "eval/return", "losses/critic", "smoke",
-                     saved["provenance"]["git"]["commit"] or "commit"):
+        for text in (
+            "Pendulum-v1",
+            "seed_index",
+            "eval/return",
+            "losses/critic",
+            "smoke",
+            saved["provenance"]["git"]["commit"] or "commit",
+        ):
             assert text.encode() in data, (d.name, text)
 
 
-def test_wandb_without_the_package_is_one_clear_line_before_anything_is_created(tiny_sac_config, tmp_path,
-                                                                                monkeypatch):
+def test_wandb_without_the_package_is_one_clear_line_before_anything_is_created(tiny_sac_config, tmp_path, monkeypatch):
     import importlib.util
 
     import pytest

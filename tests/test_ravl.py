@@ -1,6 +1,7 @@
 """RAVL: the model FIFO, the real/model batch mix, the offline loop and a short learning run."""
-import types
+
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,14 @@ from plasticity_zoo.buffers.replay import Transition
 
 def _transitions(n, obs_dim=3, act_dim=2, reward=0.0, start=0):
     obs = np.arange(start, start + n, dtype=np.float32)[:, None] * np.ones((1, obs_dim), np.float32)
-    return Transition(jnp.asarray(obs), jnp.zeros((n, act_dim)), jnp.full((n,), reward, jnp.float32),
-                      jnp.asarray(obs + 1), jnp.zeros(n, bool), jnp.zeros(n, bool))
+    return Transition(
+        jnp.asarray(obs),
+        jnp.zeros((n, act_dim)),
+        jnp.full((n,), reward, jnp.float32),
+        jnp.asarray(obs + 1),
+        jnp.zeros(n, bool),
+        jnp.zeros(n, bool),
+    )
 
 
 def test_add_masked_keeps_valid_rows_in_order_and_wraps():
@@ -67,13 +74,15 @@ def test_config_checks():
 
 # ----------------------------------------------------------------------------- the offline loop end to end
 
+
 def _toy_dataset(path, n=2000):
     """Uniform-random actions on ToyReach-v0, with reference returns (random 0-ish, 'expert' 30)."""
     from plasticity_zoo.envs import datasets
 
     rng = np.random.default_rng(0)
-    ds = datasets.collect("ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), n, 0, num_envs=4,
-                          record_state=False)
+    ds = datasets.collect(
+        "ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), n, 0, num_envs=4, record_state=False
+    )
     ds.metadata.update({"env_id": "ToyReach-v0", "kind": "random", "ref_min_score": 0.0, "ref_max_score": 30.0})
     datasets.save(path, ds)
     return ds
@@ -84,13 +93,35 @@ def _ravl_config(dataset, run_dir, total=2000, **kw):
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
 
     dyn = DynamicsConfig(members=3, elites=2, width=32, depth=2, min_epochs=15, max_epochs=30, batch_size=128)
-    agent_kw = {"dataset": str(dataset), "critics": 3, "eta": 1.0, "rollout_batch": 400, "horizon": 5,
-                "updates_per_epoch": 200, "batch_size": 64, "dataset_ratio": 0.25, "dynamics": dyn,
-                **{k: kw.pop(k) for k in list(kw) if k in ravl.RAVLConfig.__dataclass_fields__}}
+    agent_kw = {
+        "dataset": str(dataset),
+        "critics": 3,
+        "eta": 1.0,
+        "rollout_batch": 400,
+        "horizon": 5,
+        "updates_per_epoch": 200,
+        "batch_size": 64,
+        "dataset_ratio": 0.25,
+        "dynamics": dyn,
+        **{k: kw.pop(k) for k in list(kw) if k in ravl.RAVLConfig.__dataclass_fields__},
+    }
     agent = ravl.RAVLConfig(**agent_kw)
-    return RunConfig(**{"env": None, "total_steps": total, "eval_every": 1000, "eval_episodes": 4, "log_every": 200,
-                        "checkpoint_every": 1000, "progress": False, "run_dir": str(run_dir),
-                        "network": NetworkConfig(width=32), "agent_name": "ravl", "agent": agent, **kw})
+    return RunConfig(
+        **{
+            "env": None,
+            "total_steps": total,
+            "eval_every": 1000,
+            "eval_episodes": 4,
+            "log_every": 200,
+            "checkpoint_every": 1000,
+            "progress": False,
+            "run_dir": str(run_dir),
+            "network": NetworkConfig(width=32),
+            "agent_name": "ravl",
+            "agent": agent,
+            **kw,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +156,25 @@ def test_short_ravl_run_beats_its_untrained_policy(toy_dataset, tmp_path):
 def test_offline_resume_equals_uninterrupted(toy_dataset, tmp_path):
     from plasticity_zoo.training.run import run
 
-    full = run(_ravl_config(toy_dataset, tmp_path / "a", total=400, updates_per_epoch=100, checkpoint_every=200,
-                            eval_every=200))
-    run(_ravl_config(toy_dataset, tmp_path / "b", total=400, updates_per_epoch=100, checkpoint_every=200,
-                     eval_every=200), stop_at=200)
-    resumed = run(dataclasses.replace(_ravl_config(toy_dataset, tmp_path / "b", total=400, updates_per_epoch=100,
-                                                   checkpoint_every=200, eval_every=200), resume=str(tmp_path / "b")))
+    full = run(
+        _ravl_config(
+            toy_dataset, tmp_path / "a", total=400, updates_per_epoch=100, checkpoint_every=200, eval_every=200
+        )
+    )
+    run(
+        _ravl_config(
+            toy_dataset, tmp_path / "b", total=400, updates_per_epoch=100, checkpoint_every=200, eval_every=200
+        ),
+        stop_at=200,
+    )
+    resumed = run(
+        dataclasses.replace(
+            _ravl_config(
+                toy_dataset, tmp_path / "b", total=400, updates_per_epoch=100, checkpoint_every=200, eval_every=200
+            ),
+            resume=str(tmp_path / "b"),
+        )
+    )
     for x, y in zip(jax.tree.leaves(full["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     from plasticity_zoo.training.run import load_config  # what `train.py --resume DIR` reads
@@ -168,8 +212,9 @@ def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset,
     small = dynamics.DynamicsConfig(members=2, elites=1, width=8, depth=1)
     dynamics.save(path, dynamics.init_model(jax.random.key(0), 1, 1, small))
     cfg = ravl.RAVLConfig(dynamics=small)
-    model = ravl.prepare(jax.random.key(0), ds, tmp_path / "data.hdf5", dataclasses.replace(cfg, model=str(path)), 0,
-                         log=lambda *_: None)
+    model = ravl.prepare(
+        jax.random.key(0), ds, tmp_path / "data.hdf5", dataclasses.replace(cfg, model=str(path)), 0, log=lambda *_: None
+    )
     assert model.cfg == small
     # the default cache location holds a model trained with other settings -> refuse, say which
     dynamics.save(ravl.model_path(tmp_path / "data.hdf5", 0), dynamics.init_model(jax.random.key(0), 1, 1, small))
@@ -177,11 +222,18 @@ def test_cached_dynamics_model_must_match_the_settings_and_the_data(toy_dataset,
         ravl.prepare(jax.random.key(0), ds, tmp_path / "data.hdf5", ravl.RAVLConfig(), 0, log=lambda *_: None)
     dynamics.save(path, dynamics.init_model(jax.random.key(0), 3, 1, small))
     with pytest.raises(SystemExit, match="obs/act dims 3/1"):
-        ravl.prepare(jax.random.key(0), ds, tmp_path / "x.hdf5", dataclasses.replace(cfg, model=str(path)), 0,
-                     log=lambda *_: None)
+        ravl.prepare(
+            jax.random.key(0),
+            ds,
+            tmp_path / "x.hdf5",
+            dataclasses.replace(cfg, model=str(path)),
+            0,
+            log=lambda *_: None,
+        )
 
 
 # ----------------------------------------------------------------------------- diagnostics
+
 
 def test_returns_to_go_restart_at_episode_ends():
     from plasticity_zoo.analysis.offline_diagnostics import episode_ends, returns_to_go
@@ -201,8 +253,12 @@ def test_returns_to_go_restart_at_episode_ends():
 def test_episode_values_locate_the_peak_of_min_q():
     from plasticity_zoo.analysis.offline_diagnostics import episode_values
 
-    q = np.array([[1.0, 5.0, 9.0, 2.0],   # critic 0 along a 4-step episode
-                  [3.0, 4.0, 7.0, 8.0]])  # critic 1; min-Q per step: 1, 4, 7, 2
+    q = np.array(
+        [
+            [1.0, 5.0, 9.0, 2.0],  # critic 0 along a 4-step episode
+            [3.0, 4.0, 7.0, 8.0],
+        ]
+    )  # critic 1; min-Q per step: 1, 4, 7, 2
     e = episode_values(q)
     assert (e["q_min_first"], e["q_min_max"], e["q_min_max_at"], e["q_min_last"]) == (1.0, 7.0, 2, 2.0)
     np.testing.assert_allclose(e["q_std"], np.mean([1.0, 0.5, 1.0, 3.0]))
@@ -218,21 +274,28 @@ def test_nearest_distances_scale_chunk_and_skip_the_points_own_episode():
     # dimension 1 divided by 2: (3, 2) is 2 from (3, 0) and 3 from (0, 2)
     np.testing.assert_allclose(nearest_distances(points, reference, np.array([1.0, 2.0]), chunk=2), [0.0, 2.0])
     # reference episodes [0, 1, 1]: point 0 (episode 1) only sees row 0, point 1 (episode 0) only rows 1-2
-    np.testing.assert_allclose(nearest_distances(points, reference, np.ones(2), np.array([0, 1, 1]),
-                                                 np.array([1, 0]), chunk=1), [0.0, 3.0])
-    assert episode_coverage([0.5, 2.0, 1.0]) == {"data_distance_first": 0.5, "data_distance_max": 2.0,
-                                                 "data_distance_last": 1.0}
+    np.testing.assert_allclose(
+        nearest_distances(points, reference, np.ones(2), np.array([0, 1, 1]), np.array([1, 0]), chunk=1), [0.0, 3.0]
+    )
+    assert episode_coverage([0.5, 2.0, 1.0]) == {
+        "data_distance_first": 0.5,
+        "data_distance_max": 2.0,
+        "data_distance_last": 1.0,
+    }
 
 
 @pytest.mark.slow
 def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, tmp_path, capsys):
     import json
 
-    from scripts.diagnose_offline import main
     from plasticity_zoo.training.run import run
+    from scripts.diagnose_offline import main
 
-    run(_ravl_config(toy_dataset, tmp_path / "run", total=200, updates_per_epoch=100, checkpoint_every=200,
-                     eval_every=200))
+    run(
+        _ravl_config(
+            toy_dataset, tmp_path / "run", total=200, updates_per_epoch=100, checkpoint_every=200, eval_every=200
+        )
+    )
     d = main([str(tmp_path / "run"), "--episodes", "2", "--samples", "256"])
     assert "dataset discounted return-to-go" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "diagnostics.json").read_text()) == json.loads(json.dumps(d))
@@ -243,8 +306,9 @@ def test_offline_diagnostics_report_values_model_and_real_episodes(toy_dataset, 
     assert np.isfinite(s["drift_real"]) and np.isfinite(s["drift_model"])
     assert len(s["episodes"]) == 2 and all(e["length"] >= 1 and np.isfinite(e["model_error"]) for e in s["episodes"])
     assert all(0 <= e["q_min_max_at"] < e["length"] for e in s["episodes"])
-    assert d["data_distance"] > 0 and all(0 <= e["data_distance_first"] <= e["data_distance_max"] < np.inf
-                                          for e in s["episodes"])
+    assert d["data_distance"] > 0 and all(
+        0 <= e["data_distance_first"] <= e["data_distance_max"] < np.inf for e in s["episodes"]
+    )
     # ToyReach episodes are time-limited: the return-to-go is positive, the model's error on data is small
     assert d["mc_return"] != 0 and d["model_on_data"]["model_error"] < 1.0
     with pytest.raises(SystemExit, match="no checkpoint"):

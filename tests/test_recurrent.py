@@ -1,4 +1,5 @@
 """The LRU recurrent core (networks/recurrent.py) against a step-by-step numpy recurrence."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,8 +47,12 @@ def test_linear_recurrence_against_a_loop():
     for t in range(9):
         h = a[t] * h + b[t]
         hs.append(h)
-    np.testing.assert_allclose(np.asarray(linear_recurrence(jnp.asarray(a), jnp.asarray(b), jnp.asarray(h0))),
-                               np.stack(hs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(linear_recurrence(jnp.asarray(a), jnp.asarray(b), jnp.asarray(h0))),
+        np.stack(hs),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_eigenvalues_start_on_the_ring_and_stay_stable():
@@ -57,10 +62,10 @@ def test_eigenvalues_start_on_the_ring_and_stay_stable():
     assert modulus.min() >= 0.4 - 1e-6 and modulus.max() <= 0.9 + 1e-6
     assert modulus.min() < 0.45 and modulus.max() > 0.85  # spread over the ring, not a point
     # |lambda|^2 is uniform on [r_min^2, r_max^2]: its mean is the interval's midpoint
-    assert abs(np.mean(modulus ** 2) - (0.16 + 0.81) / 2) < 0.01
+    assert abs(np.mean(modulus**2) - (0.16 + 0.81) / 2) < 0.01
     phase = np.angle(np.asarray(unit.eigenvalues()))
     assert phase.min() < -3.0 and phase.max() > 3.0  # phases cover the circle (max_phase 2 pi)
-    np.testing.assert_allclose(np.exp(np.asarray(unit.gamma_log[...])), np.sqrt(1 - modulus ** 2), rtol=1e-4)
+    np.testing.assert_allclose(np.exp(np.asarray(unit.gamma_log[...])), np.sqrt(1 - modulus**2), rtol=1e-4)
     # the exponential parameterisation keeps |lambda| <= 1 for any nu (here far outside the init range)
     unit.nu_log[...] = jnp.linspace(-20.0, 5.0, 4096)
     assert np.abs(np.asarray(unit.eigenvalues())).max() <= 1.0 + 1e-6  # (float32 cos / sin rounding)
@@ -121,7 +126,7 @@ def test_the_core_reports_its_layers_and_takes_gradients():
 
     def loss(params):
         y, _ = net(params, x, net.initial_state((4,)), start)
-        return jnp.mean(y ** 2)
+        return jnp.mean(y**2)
 
     grads = jax.grad(loss)(params)
     norms = {jax.tree_util.keystr(k): float(jnp.linalg.norm(g)) for k, g in jax.tree_util.tree_leaves_with_path(grads)}
@@ -136,8 +141,9 @@ def test_the_core_reports_its_layers_and_takes_gradients():
     # one side of the probes: the same taps, the core's own tap named "pre" included
     _, pre_grads = instrument.activation_grads(lambda: loss(params), ["core"], at="pre")
     assert sorted(pre_grads["core"]) == ["layer0", "layer1", "pre"]
-    np.testing.assert_allclose(np.asarray(pre_grads["core"]["pre"]), np.asarray(act_grads["core"]["pre"]["pre"]),
-                               rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(
+        np.asarray(pre_grads["core"]["pre"]), np.asarray(act_grads["core"]["pre"]["pre"]), rtol=1e-5, atol=1e-8
+    )
     feats = instrument.features(lambda: loss(params), ["core"])
     np.testing.assert_allclose(np.asarray(feats["core"]), np.asarray(ys).reshape(24, -1), rtol=1e-6)
 

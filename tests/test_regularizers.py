@@ -3,6 +3,7 @@
 The added gradients are checked three ways: the hand formula in numpy, ``jax.grad`` of the regulariser
 written out here (Parseval in the authors' torch layout, W = K^T), and the transformation itself.
 """
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -24,8 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _net(ensemble=0, layer_norm=True, key=0):
-    return build("critic", lambda r: MLPHead(3, 2, TrunkSpec(4, 2, layer_norm=layer_norm), rngs=r),
-                 jax.random.key(key), ensemble=ensemble)
+    return build(
+        "critic",
+        lambda r: MLPHead(3, 2, TrunkSpec(4, 2, layer_norm=layer_norm), rngs=r),
+        jax.random.key(key),
+        ensemble=ensemble,
+    )
 
 
 def _named(params):
@@ -73,8 +78,9 @@ def test_the_factory_puts_the_regulariser_before_the_base_optimizer():
     g = _jiggle(jax.tree.map(jnp.zeros_like, theta0), seed=2)
     tx = optim.optimizer(0.5, "critic", make=optax.sgd, spec=optim.OptimSpec(reg=R.RegSpec(l2_init=0.25)))
     u, state = tx.update(g, tx.init(theta0), theta)
-    for k, (uk, gk, tk, t0k) in {k: (v, _named(g)[k], _named(theta)[k], _named(theta0)[k])
-                                 for k, v in _named(u).items()}.items():
+    for k, (uk, gk, tk, t0k) in {
+        k: (v, _named(g)[k], _named(theta)[k], _named(theta0)[k]) for k, v in _named(u).items()
+    }.items():
         np.testing.assert_allclose(uk, -0.5 * (gk + 0.5 * (tk - t0k)), rtol=1e-5, atol=1e-7, err_msg=k)
     # theta_0 is in the optimizer state, unchanged by the update, and not param-shaped (tuple of leaves)
     reg = R.find(state, R.RegState)
@@ -132,8 +138,9 @@ def test_parseval_adds_the_gradient_of_its_penalty_on_hidden_kernels_only():
     spec = R.RegSpec(parseval=1e-3, parseval_scale=2.0)
     got = _named(_added(spec, theta, theta))
     want = _named(jax.grad(_parseval_torch_layout)(theta, 1e-3, 2.0))
-    np.testing.assert_allclose(float(R.penalty(spec, theta)), float(_parseval_torch_layout(theta, 1e-3, 2.0)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(R.penalty(spec, theta)), float(_parseval_torch_layout(theta, 1e-3, 2.0)), rtol=1e-5
+    )
     assert set(k for k, v in got.items() if np.any(v != 0)) == {"trunk/layers/0/kernel", "trunk/layers/1/kernel"}
     for k in got:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-8, err_msg=k)
@@ -196,7 +203,8 @@ def test_nap_rescaling_a_layer_that_feeds_a_layernorm_leaves_the_function_unchan
     """The layer's kernel and bias are scaled together: LN(c (W x + b)) = LN(W x + b)."""
     net, theta0 = _net()
     grown = jax.tree_util.tree_map_with_path(
-        lambda p, x: x * (3.0 if path_names(p)[1:2] == ("layers",) else 1.0), theta0)
+        lambda p, x: x * (3.0 if path_names(p)[1:2] == ("layers",) else 1.0), theta0
+    )
     back = R.project(grown, R.initial_norms(theta0))
     x = jax.random.normal(jax.random.key(5), (16, 3))
     np.testing.assert_allclose(net(back, x), net(theta0, x), rtol=1e-4, atol=1e-5)
@@ -235,8 +243,9 @@ def test_with_ne_masks_pruned_weights_get_no_regulariser_gradient_and_stay_zero(
             np.testing.assert_array_equal(np.asarray(x)[~np.asarray(m)], 0.0)
             np.testing.assert_array_equal(np.asarray(mu)[~np.asarray(m)], 0.0)  # no moment either
             pruned += int((~np.asarray(m)).sum())
-    assert pruned > 0 and any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(jax.tree.leaves(new),
-                                                                                     jax.tree.leaves(theta)))
+    assert pruned > 0 and any(
+        np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(theta))
+    )
 
 
 @pytest.mark.slow
@@ -272,12 +281,20 @@ def test_neubay_and_agents_that_ignore_the_factory_refuse_the_regularisers():
 
     from plasticity_zoo import agents
 
-    with pytest.raises(ValueError, match=r"^--plasticity.l2-init, --plasticity.nap does not apply to agent 'neubay': "
-                                         r"its networks take plasticity metrics only"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--plasticity.l2-init, --plasticity.nap does not apply to agent 'neubay': "
+        r"its networks take plasticity metrics only",
+    ):
         check_optimizers(PlasticityConfig(l2_init=0.1, nap=True), agents.get("neubay"), "neubay", None)
     _, params = _net()
-    bare = types.SimpleNamespace(PLASTIC={"critic": ("critic_params", "critic_opt")}, SIGREG_NETWORKS=(),
-                                 plastic_params=print, plastic_nets=print, plastic_losses=print)
+    bare = types.SimpleNamespace(
+        PLASTIC={"critic": ("critic_params", "critic_opt")},
+        SIGREG_NETWORKS=(),
+        plastic_params=print,
+        plastic_nets=print,
+        plastic_losses=print,
+    )
     state = types.SimpleNamespace(critic_params=params, critic_opt=optax.adam(1e-3).init(params))
     with pytest.raises(ValueError, match="the optimizers of critic are not built with plasticity.optim.optimizer"):
         check_optimizers(PlasticityConfig(parseval=1e-3), bare, "bare", state)
@@ -289,10 +306,13 @@ def test_nap_without_layer_norm_is_one_error_line(capsys, tmp_path, monkeypatch)
 
     monkeypatch.delenv("RLZOO_DEBUG", raising=False)
     for argv, message in (
-            (["ppo", "--plasticity.nap"],
-             "error: --plasticity.nap needs a LayerNorm before each nonlinearity, and the networks actor, critic of "
-             "agent 'ppo' have none: add --network.layer-norm"),
-            (["sac", "--plasticity.l2-init", "-1"], "error: --plasticity.l2-init must be >= 0, got -1.0")):
+        (
+            ["ppo", "--plasticity.nap"],
+            "error: --plasticity.nap needs a LayerNorm before each nonlinearity, and the networks actor, critic of "
+            "agent 'ppo' have none: add --network.layer-norm",
+        ),
+        (["sac", "--plasticity.l2-init", "-1"], "error: --plasticity.l2-init must be >= 0, got -1.0"),
+    ):
         with pytest.raises(SystemExit) as stop:
             train_script.cli([*argv, "--env", "Pendulum-v1", "--run-dir", str(tmp_path / "run")])
         err = capsys.readouterr().err.strip().splitlines()
@@ -329,15 +349,25 @@ def test_a_sac_update_with_every_flag():
 
     cfg = _spec()
     # lr 1e-2: without NaP one step moves the layer norms by ~1e-2 (at the default 3e-4, by ~1e-4)
-    state = sac.init(jax.random.key(0), 3, 1, sac.SACConfig(actor_lr=1e-2, critic_lr=1e-2),
-                     NetworkConfig(width=16, layer_norm=True),
-                     static_plasticity(cfg, sac))
+    state = sac.init(
+        jax.random.key(0),
+        3,
+        1,
+        sac.SACConfig(actor_lr=1e-2, critic_lr=1e-2),
+        NetworkConfig(width=16, layer_norm=True),
+        static_plasticity(cfg, sac),
+    )
     check_optimizers(cfg, sac, "sac", state)
     theta0 = jax.tree.leaves(state.critic_params)
     rng = np.random.default_rng(0)
-    batch = Transition(rng.normal(size=(8, 3)).astype(np.float32), rng.uniform(-1, 1, (8, 1)).astype(np.float32),
-                       rng.normal(size=8).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32),
-                       np.zeros(8, bool), np.zeros(8, bool))
+    batch = Transition(
+        rng.normal(size=(8, 3)).astype(np.float32),
+        rng.uniform(-1, 1, (8, 1)).astype(np.float32),
+        rng.normal(size=8).astype(np.float32),
+        rng.normal(size=(8, 3)).astype(np.float32),
+        np.zeros(8, bool),
+        np.zeros(8, bool),
+    )
     new, metrics = jax.jit(sac.update)(state, batch, jax.random.key(1))
     assert np.isfinite(float(metrics["losses/critic"]))
     _check_after_step(new, sac.PLASTIC, sac, "sac")
@@ -356,16 +386,26 @@ def test_a_ppo_update_with_every_flag():
     from plasticity_zoo.plasticity.hooks import static_plasticity
 
     cfg = _spec()
-    agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=8, num_minibatches=2, update_epochs=1,
-                                    learning_rate=1e-2)
-    state = ppo.init(jax.random.key(0), 3, 1, agent_cfg, NetworkConfig(width=16, layer_norm=True),
-                     static_plasticity(cfg, ppo))
+    agent_cfg = dataclasses.replace(
+        ppo.PPOConfig(), num_steps=8, num_minibatches=2, update_epochs=1, learning_rate=1e-2
+    )
+    state = ppo.init(
+        jax.random.key(0), 3, 1, agent_cfg, NetworkConfig(width=16, layer_norm=True), static_plasticity(cfg, ppo)
+    )
     check_optimizers(cfg, ppo, "ppo", state)
     T, E = 8, 2
     rng = np.random.default_rng(0)
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    batch = ppo.Rollout(f(T + 1, E, 3), f(T + 1, E, 1), f(T + 1, E), f(T + 1, E), f(T, E),
-                        np.zeros((T, E), bool), np.zeros((T, E), bool), f(T, E))
+    batch = ppo.Rollout(
+        f(T + 1, E, 3),
+        f(T + 1, E, 1),
+        f(T + 1, E),
+        f(T + 1, E),
+        f(T, E),
+        np.zeros((T, E), bool),
+        np.zeros((T, E), bool),
+        f(T, E),
+    )
     new, metrics = jax.jit(ppo.update)(state, batch, jax.random.key(1))
     assert np.isfinite(float(metrics["losses/total"]))
     _check_after_step(new, ppo.PLASTIC, ppo, "ppo")

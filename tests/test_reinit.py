@@ -4,6 +4,7 @@ MR.Q declares Xavier-uniform x sqrt(2) with zero biases (``agents.mrq.initialize
 of an MR.Q network must draw its incoming weights from that, not from Flax's default (LeCun
 normal), which SAC keeps.
 """
+
 import math
 
 import jax
@@ -33,8 +34,10 @@ def _reset_each_layer(net, params, opt, key):
     layout = resets.neuron_layout(net, params)
     shapes = {tap: _leaf(params, *paths["incoming"], "kernel").shape for tap, paths in layout.items()}
     reset = jax.jit(lambda p, o, m, k: resets.reset_neurons(net, p, o, m, k))
-    return {tap: reset(params, opt, {t: jnp.full(s[:-2] + s[-1:], t == tap) for t, s in shapes.items()}, key)[0]
-            for tap in layout}, layout
+    return {
+        tap: reset(params, opt, {t: jnp.full(s[:-2] + s[-1:], t == tap) for t, s in shapes.items()}, key)[0]
+        for tap in layout
+    }, layout
 
 
 def _incoming(params, paths):
@@ -61,7 +64,7 @@ def test_mrq_reset_draws_from_xavier_uniform_times_sqrt2(mrq_state, name):
         assert np.abs(k).max() <= limit  # uniform support
         assert np.abs(k).max() > 0.99 * limit
         # Var U(-l, l) = l^2 / 3 (Flax's LeCun normal would give 1 / fan_in)
-        np.testing.assert_allclose(k.var(), limit ** 2 / 3, rtol=0.05, err_msg=f"{name}/{tap}")
+        np.testing.assert_allclose(k.var(), limit**2 / 3, rtol=0.05, err_msg=f"{name}/{tap}")
         assert abs(k.var() - 1.0 / fan_in) > 0.2 * k.var()
         assert abs(k.mean()) < 0.05 * math.sqrt(k.var())
 

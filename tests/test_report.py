@@ -1,5 +1,6 @@
 """Aggregate statistics (Agarwal et al. 2021) against hand values and brute force, analysis/report.py and its
 command line, scripts/report.py, end to end."""
+
 import csv
 import importlib.util
 import itertools
@@ -15,8 +16,9 @@ from plasticity_zoo.analysis import report, stats
 
 def _load_report_cli():
     """Import scripts/report.py by path (scripts/ is not a package): the command line over analysis.report."""
-    spec = importlib.util.spec_from_file_location("report_script", Path(__file__).resolve().parents[1] / "scripts"
-                                                  / "report.py")
+    spec = importlib.util.spec_from_file_location(
+        "report_script", Path(__file__).resolve().parents[1] / "scripts" / "report.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -27,9 +29,9 @@ report_cli = _load_report_cli()
 
 def test_iqm_mean_median_and_optimality_gap_match_hand_values():
     # IQM pools run-task scores: 1..8 sorted, int(0.25 * 8) = 2 cut from each end -> mean(3, 4, 5, 6) = 4.5
-    assert stats.iqm_of([np.array([[1, 2, 3, 4.]]), np.array([[5, 6, 7, 8.]])]) == pytest.approx([4.5])
+    assert stats.iqm_of([np.array([[1, 2, 3, 4.0]]), np.array([[5, 6, 7, 8.0]])]) == pytest.approx([4.5])
     # mean and median are over the per-task means: tasks [1, 3], [2, 2], [10, 0] -> means 2, 2, 5
-    tasks = [np.array([[1, 3.]]), np.array([[2, 2.]]), np.array([[10, 0.]])]
+    tasks = [np.array([[1, 3.0]]), np.array([[2, 2.0]]), np.array([[10, 0.0]])]
     assert stats.mean_of(tasks) == pytest.approx([3.0]) and stats.median_of(tasks) == pytest.approx([2.0])
     # optimality gap: task 1 max(1 - [0.5, 1.2], 0) = [0.5, 0] -> 0.25; task 2 [0.1, 0.9] -> 0.5; mean 0.375
     assert stats.optimality_gap_of([np.array([[0.5, 1.2]]), np.array([[0.9, 0.1]])]) == pytest.approx([0.375])
@@ -59,8 +61,12 @@ def test_probability_of_improvement_is_the_mann_whitney_statistic_averaged_over_
     rng = np.random.default_rng(1)
     xs = [rng.integers(0, 4, size=n).astype(float) for n in (3, 5)]  # ties on purpose, ragged tasks
     ys = [rng.integers(0, 4, size=n).astype(float) for n in (4, 2)]
-    brute = np.mean([np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in itertools.product(x, y)])
-                     for x, y in zip(xs, ys)])
+    brute = np.mean(
+        [
+            np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in itertools.product(x, y)])
+            for x, y in zip(xs, ys)
+        ]
+    )
     p, low, high = stats.probability_of_improvement(xs, ys, n_boot=500, rng=0)
     assert p == pytest.approx(brute) and low <= p <= high
     # X vs Y and Y vs X add up to 1 (ties counted half to each)
@@ -75,8 +81,9 @@ def test_the_stratified_bootstrap_resamples_runs_within_their_task():
     assert stats.stratified_interval(tasks, stats.iqm_of, n_boot=300, rng=0) == pytest.approx((1 / 3,) * 3)
     # and with spread within tasks the interval is a real interval that holds the point
     rng = np.random.default_rng(2)
-    point, low, high = stats.stratified_interval([rng.normal(size=6), rng.normal(1, 1, size=4)], stats.iqm_of,
-                                                 n_boot=1000, rng=0)
+    point, low, high = stats.stratified_interval(
+        [rng.normal(size=6), rng.normal(1, 1, size=4)], stats.iqm_of, n_boot=1000, rng=0
+    )
     assert low < point < high
 
 
@@ -84,13 +91,17 @@ def test_against_rliable_where_it_imports():
     rly_metrics = pytest.importorskip("rliable.metrics")
     scores = np.random.default_rng(3).uniform(0, 1.3, size=(10, 5))
     tasks = [scores[:, j] for j in range(5)]
-    for ours, theirs in [(stats.iqm_of, rly_metrics.aggregate_iqm), (stats.mean_of, rly_metrics.aggregate_mean),
-                         (stats.median_of, rly_metrics.aggregate_median),
-                         (stats.optimality_gap_of, rly_metrics.aggregate_optimality_gap)]:
+    for ours, theirs in [
+        (stats.iqm_of, rly_metrics.aggregate_iqm),
+        (stats.mean_of, rly_metrics.aggregate_mean),
+        (stats.median_of, rly_metrics.aggregate_median),
+        (stats.optimality_gap_of, rly_metrics.aggregate_optimality_gap),
+    ]:
         assert stats.stratified_interval(tasks, ours, n_boot=10, rng=0)[0] == pytest.approx(float(theirs(scores)))
     other = np.random.default_rng(4).uniform(0, 1.3, size=(10, 5))
-    assert stats.probability_of_improvement(tasks, [other[:, j] for j in range(5)], n_boot=10, rng=0)[0] == \
-        pytest.approx(float(rly_metrics.probability_of_improvement(scores, other)))
+    assert stats.probability_of_improvement(tasks, [other[:, j] for j in range(5)], n_boot=10, rng=0)[
+        0
+    ] == pytest.approx(float(rly_metrics.probability_of_improvement(scores, other)))
     from rliable.library import create_performance_profile
 
     taus = np.linspace(0, 1.3, 14)
@@ -140,11 +151,31 @@ def sweep(tmp_path):
 
 @pytest.mark.slow
 def test_report_over_a_sweep_writes_figures_and_tables_with_the_hand_computed_numbers(sweep, tmp_path):
-    out = report_cli.main([str(sweep), "--out", str(tmp_path / "rep"), "--norm", "Pendulum-v1=-1000:0",
-                           "--metrics", "plasticity/critic/dormant*"])
+    out = report_cli.main(
+        [
+            str(sweep),
+            "--out",
+            str(tmp_path / "rep"),
+            "--norm",
+            "Pendulum-v1=-1000:0",
+            "--metrics",
+            "plasticity/critic/dormant*",
+        ]
+    )
     rep = tmp_path / "rep"
-    for name in ("report.md", "per_env.csv", "aggregate.csv", "improvement.csv", "curves.png", "curves.pdf",
-                 "metrics.png", "aggregate.png", "aggregate.pdf", "profiles.png", "improvement.png"):
+    for name in (
+        "report.md",
+        "per_env.csv",
+        "aggregate.csv",
+        "improvement.csv",
+        "curves.png",
+        "curves.pdf",
+        "metrics.png",
+        "aggregate.png",
+        "aggregate.pdf",
+        "profiles.png",
+        "improvement.png",
+    ):
         assert (rep / name).is_file(), name
     rows = {r["label"]: r for r in csv.DictReader(open(rep / "aggregate.csv"))}
     # none: dmc 100..300 / 1000 = .1 .2 .3, Pendulum (-900..-700 + 1000) / 1000 = .1 .2 .3: IQM of
@@ -174,14 +205,17 @@ def test_without_a_reference_an_env_is_left_out_of_the_aggregates_and_says_so(sw
     assert "Pendulum-v1=LOW:HIGH" in (tmp_path / "rep" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["{tmp}/nothing"], "no such file or directory"),
-    (["{tmp}"], "no run directory (config.json and eval.csv)"),
-    (["{sweep}", "--baseline", "nope"], "--baseline 'nope' is not a label of these runs; labels: none, redo"),
-    (["{sweep}", "--norm", "Pendulum-v1"], "write ENV=LOW:HIGH"),
-    (["{sweep}", "--norm", "Pendulum-v1=3:3"], "LOW and HIGH must be finite and differ"),
-    (["{sweep}", "--y", "score_d4rl"], "has no column 'score_d4rl'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}/nothing"], "no such file or directory"),
+        (["{tmp}"], "no run directory (config.json and eval.csv)"),
+        (["{sweep}", "--baseline", "nope"], "--baseline 'nope' is not a label of these runs; labels: none, redo"),
+        (["{sweep}", "--norm", "Pendulum-v1"], "write ENV=LOW:HIGH"),
+        (["{sweep}", "--norm", "Pendulum-v1=3:3"], "LOW and HIGH must be finite and differ"),
+        (["{sweep}", "--y", "score_d4rl"], "has no column 'score_d4rl'"),
+    ],
+)
 def test_mistakes_are_one_error_line(sweep, tmp_path, capsys, args, message):
     (tmp_path / "empty").mkdir()
     args = [a.format(tmp=tmp_path / "empty", sweep=sweep) for a in args]
@@ -207,11 +241,13 @@ def _full_run(root: Path, name, agent_name, total_steps, eval_steps, seed=0, **a
     agent_cfg = agents.get(agent_name).CONFIG(**agent_flags)
     d = root / name
     d.mkdir(parents=True)
-    cfg = RunConfig(env="Pendulum-v1", total_steps=total_steps, seed=seed, run_dir=str(d), agent_name=agent_name,
-                    agent=agent_cfg)
+    cfg = RunConfig(
+        env="Pendulum-v1", total_steps=total_steps, seed=seed, run_dir=str(d), agent_name=agent_name, agent=agent_cfg
+    )
     (d / "config.json").write_text(json.dumps(to_json(cfg)))
-    lines = ["step,seed,return_mean,return_std,episode_returns"] + [f"{s},0,{-1000 + s / 200},0.0,{-1000 + s / 200}"
-                                                                    for s in eval_steps]
+    lines = ["step,seed,return_mean,return_std,episode_returns"] + [
+        f"{s},0,{-1000 + s / 200},0.0,{-1000 + s / 200}" for s in eval_steps
+    ]
     (d / "eval.csv").write_text("\n".join(lines) + "\n")
     return d
 
@@ -231,9 +267,13 @@ def test_a_run_stopped_before_its_last_step_is_marked_in_the_report(tmp_path, ca
     sac = next(r for r in out["per_env"] if r["label"] == "sac")
     assert sac["seeds"] == 2 and sac["mean"] == pytest.approx((-500 + -785) / 2)  # kept, and said so
     warning = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
-    assert warning == ["warning: Pendulum-v1 sac: cut stopped at 43k of 100k (kept: its score is its last "
-                       "evaluation; marked in report.md and per_env.csv)"]
+    assert warning == [
+        "warning: Pendulum-v1 sac: cut stopped at 43k of 100k (kept: its score is its last "
+        "evaluation; marked in report.md and per_env.csv)"
+    ]
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| note |" in md and "| cut stopped at 43k of 100k |" in md
-    assert {r["label"]: r["note"] for r in csv.DictReader(open(tmp_path / "rep" / "per_env.csv"))} == \
-        {"sac": "cut stopped at 43k of 100k", "ppo": ""}
+    assert {r["label"]: r["note"] for r in csv.DictReader(open(tmp_path / "rep" / "per_env.csv"))} == {
+        "sac": "cut stopped at 43k of 100k",
+        "ppo": "",
+    }

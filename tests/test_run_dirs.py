@@ -7,6 +7,7 @@ before its first one; ``--overwrite`` starts over after moving the old files, un
 Then: Ctrl-C twice stops at once and keeps the last periodic checkpoint; the progress bar's last
 line shows the final evaluation.
 """
+
 import csv
 import json
 import os
@@ -25,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _snapshot(d: Path) -> dict:
     """Bytes (None for a folder) and modification time of ``d`` and of everything under it."""
-    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
-            for p in [d, *sorted(d.rglob("*"))]}
+    return {
+        str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+        for p in [d, *sorted(d.rglob("*"))]
+    }
 
 
 def _old_run(d: Path, checkpoint_too=False) -> Path:
@@ -49,9 +52,11 @@ def test_a_rerun_into_logs_without_a_checkpoint_is_refused_and_changes_no_file(t
     with pytest.raises(SystemExit) as refused:
         run(tiny_sac_config(run_dir=str(d)), check=check)
     message = str(refused.value.code)
-    assert message.startswith(f"run directory {d} already holds a run that stopped before its first checkpoint "
-                               "(config.json, metrics.csv, eval.csv; nothing to resume): pass --overwrite to move "
-                               f"its files into {d}/.replaced-<time>/ and start a new run there"), message
+    assert message.startswith(
+        f"run directory {d} already holds a run that stopped before its first checkpoint "
+        "(config.json, metrics.csv, eval.csv; nothing to resume): pass --overwrite to move "
+        f"its files into {d}/.replaced-<time>/ and start a new run there"
+    ), message
     assert _snapshot(d) == before
 
 
@@ -70,8 +75,13 @@ def test_the_command_line_refuses_with_one_line_and_exit_2(tmp_path):
 
     d = _old_run(tmp_path / "r")
     before = _snapshot(d)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "sac", "--run-dir", str(d)],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "sac", "--run-dir", str(d)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: run directory") and "--overwrite" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert _snapshot(d) == before
@@ -85,15 +95,41 @@ def test_overwrite_moves_the_old_run_aside_unchanged_and_starts_a_clean_one(tmp_
     (d / ".replaced-20000101-000000").mkdir()  # an earlier --overwrite: stays where it is
     (d / ".replaced-20000101-000000" / "eval.csv").write_text("step\n")
     old = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
-    out = main(["sac", "--run-dir", str(d), "--overwrite", "--total-steps", "200", "--learning-starts", "100",
-                "--eval-every", "100", "--eval-episodes", "1", "--log-every", "100", "--checkpoint-every", "200",
-                "--network.width", "16", "--buffer-size", "500", "--batch-size", "16", "--no-progress"])
+    out = main(
+        [
+            "sac",
+            "--run-dir",
+            str(d),
+            "--overwrite",
+            "--total-steps",
+            "200",
+            "--learning-starts",
+            "100",
+            "--eval-every",
+            "100",
+            "--eval-episodes",
+            "1",
+            "--log-every",
+            "100",
+            "--checkpoint-every",
+            "200",
+            "--network.width",
+            "16",
+            "--buffer-size",
+            "500",
+            "--batch-size",
+            "16",
+            "--no-progress",
+        ]
+    )
     assert out["step"] == 200
     moved = [p for p in d.iterdir() if p.name.startswith(".replaced-") and p.name != ".replaced-20000101-000000"]
     assert len(moved) == 1
     assert {p.name: p.read_bytes() for p in moved[0].iterdir()} == old  # every old file, byte for byte
-    assert f"--overwrite: moved the previous run's files (config.json, eval.csv, metrics.csv, notes.txt) into " \
-           f"{moved[0]}/" in capsys.readouterr().out
+    assert (
+        f"--overwrite: moved the previous run's files (config.json, eval.csv, metrics.csv, notes.txt) into "
+        f"{moved[0]}/" in capsys.readouterr().out
+    )
     assert (d / ".replaced-20000101-000000" / "eval.csv").read_text() == "step\n"
     rows = list(csv.DictReader(open(d / "eval.csv")))
     assert [r["step"] for r in rows] == ["0", "100", "200"]  # one run's rows, not two
@@ -121,7 +157,8 @@ def test_a_run_claims_its_directory_and_the_default_one_steps_aside(tiny_sac_con
 
 
 def test_a_user_error_in_the_loop_after_overwrite_keeps_the_moved_run_and_drops_the_empty_new_one(
-        tiny_sac_config, tmp_path, monkeypatch):
+    tiny_sac_config, tmp_path, monkeypatch
+):
     from plasticity_zoo.training import offpolicy
     from plasticity_zoo.training.logger import RunLogger
 
@@ -141,16 +178,22 @@ def test_an_offline_run_without_env_is_named_after_its_dataset(tmp_path, monkeyp
     """train.py passes env None for an offline agent without --env: the default run directory (and the
     config.json written when it is claimed) name the dataset's env, not RunConfig's Pendulum-v1 default."""
     from plasticity_zoo.envs import datasets
-    from scripts.train import parse
     from plasticity_zoo.training import offline
+    from scripts.train import parse
 
     rng = np.random.default_rng(0)
-    ds = datasets.collect("MountainCarContinuous-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0,
-                          record_state=False)
+    ds = datasets.collect(
+        "MountainCarContinuous-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0, record_state=False
+    )
     datasets.save(tmp_path / "car.hdf5", ds)
     seen = {}
-    monkeypatch.setattr(offline, "train", lambda cfg, agent, run_dir, resume, stop_at: seen.update(
-        env=cfg.env, run_dir=run_dir, config=json.loads((run_dir / "config.json").read_text())))
+    monkeypatch.setattr(
+        offline,
+        "train",
+        lambda cfg, agent, run_dir, resume, stop_at: seen.update(
+            env=cfg.env, run_dir=run_dir, config=json.loads((run_dir / "config.json").read_text())
+        ),
+    )
     monkeypatch.chdir(tmp_path)
     cfg = parse(["ravl", "--dataset", str(tmp_path / "car.hdf5"), "--no-progress"])
     assert cfg.env is None
@@ -210,7 +253,8 @@ def test_one_ctrl_c_checkpoints_at_the_end_of_the_iteration(tiny_sac_config, tmp
 
 
 def test_a_second_ctrl_c_within_the_iteration_stops_at_once_keeping_the_periodic_checkpoint(
-        tiny_sac_config, tmp_path, capsys):
+    tiny_sac_config, tmp_path, capsys
+):
     cfg = tiny_sac_config(total_steps=20, checkpoint_every=5)
     out = _interrupted(cfg, tmp_path / "r", _Counting({7: 2}), capsys)
     assert checkpoint.latest(tmp_path / "r").name == "step_000000000005"
@@ -218,7 +262,8 @@ def test_a_second_ctrl_c_within_the_iteration_stops_at_once_keeping_the_periodic
 
 
 def test_a_second_ctrl_c_during_the_stop_checkpoint_abandons_it_and_keeps_the_periodic_one(
-        tiny_sac_config, tmp_path, capsys):
+    tiny_sac_config, tmp_path, capsys
+):
     """What a second Ctrl-C meets in practice: one env step ends long before a person presses again, so
     it lands in the save that the first one asked for.  That save is atomic; the last periodic one stays."""
     cfg = tiny_sac_config(total_steps=20, checkpoint_every=5)

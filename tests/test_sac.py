@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import sac
-from plasticity_zoo.training.config import NetworkConfig
 from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.training.config import NetworkConfig
 
 
 def test_td_target_hand_computed():
@@ -25,11 +25,14 @@ def _state(critics=3, eta=0.0, obs_dim=3, act_dim=2):
 
 def _batch(n=8, obs_dim=3, act_dim=2, seed=0):
     rng = np.random.default_rng(seed)
-    return Transition(jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
-                      jnp.asarray(rng.uniform(-1, 1, (n, act_dim)), jnp.float32),
-                      jnp.asarray(rng.normal(size=n), jnp.float32),
-                      jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
-                      jnp.asarray(rng.random(n) < 0.3), jnp.asarray(rng.random(n) < 0.3))
+    return Transition(
+        jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
+        jnp.asarray(rng.uniform(-1, 1, (n, act_dim)), jnp.float32),
+        jnp.asarray(rng.normal(size=n), jnp.float32),
+        jnp.asarray(rng.normal(size=(n, obs_dim)), jnp.float32),
+        jnp.asarray(rng.random(n) < 0.3),
+        jnp.asarray(rng.random(n) < 0.3),
+    )
 
 
 @pytest.mark.slow

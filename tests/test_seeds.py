@@ -1,4 +1,5 @@
 """training.seeds.over_seeds: one seed runs unmapped, more seeds through vmap, same results."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +44,7 @@ def test_several_seeds_are_vmapped_and_each_seed_equals_its_own_one_seed_run():
     args = _args(3)
     got = jax.jit(over_seeds(_update, in_axes=(0, 0, 0, None)))(*args)
     for j in range(3):
-        one = jax.tree.map(lambda a: a[j:j + 1], args[:3]) + (args[3],)
+        one = jax.tree.map(lambda a: a[j : j + 1], args[:3]) + (args[3],)
         alone = over_seeds(_update, in_axes=(0, 0, 0, None))(*one)
         for g, a in zip(jax.tree.leaves(got), jax.tree.leaves(alone)):
             np.testing.assert_allclose(np.asarray(g[j]), np.asarray(a[0]), rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 """The tape buffer (buffers/tapes.py): whole trajectories back to back, sampled as tapes of uniformly
 drawn episodes; constructed cases for the layout, the sampling, eviction and the previous-step inputs."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +19,14 @@ def _episodes(lengths, first_id=0, horizon=4):
     terminated = np.zeros((b, horizon), bool)
     real = np.zeros((b, horizon), bool)
     real[:, 0] = True
-    return (jnp.asarray(obs), jnp.asarray(action), jnp.asarray(reward), jnp.asarray(terminated), jnp.asarray(real),
-            jnp.asarray(lengths, jnp.int32))
+    return (
+        jnp.asarray(obs),
+        jnp.asarray(action),
+        jnp.asarray(reward),
+        jnp.asarray(terminated),
+        jnp.asarray(real),
+        jnp.asarray(lengths, jnp.int32),
+    )
 
 
 def test_episodes_are_laid_back_to_back_with_their_final_state():

@@ -138,6 +138,7 @@ def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
     train(cfg, sac, tmp_path / "r")
     path = checkpoint.latest(tmp_path / "r")
     from plasticity_zoo.training.offpolicy import init_state
+
     other = init_state(sac, tiny_sac_config(critics=4), 3, 1)
     with pytest.raises(ValueError, match="config"):
         checkpoint.load(path, other)
@@ -174,9 +175,18 @@ def test_sac_learns_to_swing_up_pendulum(tiny_sac_config, tmp_path):
 
     # 64-wide networks (a quarter of the paper's 256, 3x faster here; seeds 0-3 end at -96 to -219),
     # 2 vmapped seeds; SAC swings Pendulum up within ~4-6k steps
-    cfg = tiny_sac_config(seeds=2, total_steps=6000, eval_every=6000, eval_episodes=5, log_every=1000,
-                          checkpoint_every=6000, network=NetworkConfig(width=64),
-                          buffer_size=10_000, batch_size=256, learning_starts=1000)
+    cfg = tiny_sac_config(
+        seeds=2,
+        total_steps=6000,
+        eval_every=6000,
+        eval_episodes=5,
+        log_every=1000,
+        checkpoint_every=6000,
+        network=NetworkConfig(width=64),
+        buffer_size=10_000,
+        batch_size=256,
+        learning_starts=1000,
+    )
     out = train(cfg, sac, tmp_path / "r")
     rows = list(csv.DictReader(open(tmp_path / "r" / "eval.csv")))
     start = [float(r["return_mean"]) for r in rows if r["step"] == "0"]
@@ -214,14 +224,20 @@ def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(case):
         cfg = RunConfig(env="Pendulum-v1", agent=a, agent_name=name, network=NetworkConfig(width=16, depth=1))
         state, buffer, _ = offpolicy.init_state(agent, cfg, 3, 1)
         step = offpolicy.make_step_fn(agent, a, 1, 1)
-        transition = replay.Transition(np.zeros((1, 3), np.float32), np.zeros((1, 1), np.float32),
-                                       np.zeros(1, np.float32), np.zeros((1, 3), np.float32),
-                                       np.zeros(1, bool), np.zeros(1, bool))
+        transition = replay.Transition(
+            np.zeros((1, 3), np.float32),
+            np.zeros((1, 1), np.float32),
+            np.zeros(1, np.float32),
+            np.zeros((1, 3), np.float32),
+            np.zeros(1, bool),
+            np.zeros(1, bool),
+        )
         obs = np.zeros((1, 1, 3), np.float32)
         review = case == "sac_ne_review_and_half_batch"
         control = ReplayControl(jnp.full((1,), 0.5, jnp.float32), jnp.ones((1,), bool)) if review else None
-        learn = step.learn_and_act.lower(state, buffer, obs, jax.random.key(0), random_actions=False, train=True,
-                                         replay_control=control).compile()
+        learn = step.learn_and_act.lower(
+            state, buffer, obs, jax.random.key(0), random_actions=False, train=True, replay_control=control
+        ).compile()
         store = step.store.lower(buffer, transition, obs).compile()
         temps.append((learn.memory_analysis().temp_size_in_bytes, store.memory_analysis().temp_size_in_bytes))
     # LAP's sum trees are log2(capacity) levels deep, and the paths its add rewrites grow with that

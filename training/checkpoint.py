@@ -33,6 +33,7 @@ matching manifest, and ``host.pkl`` is a pickle, so resume only run directories 
 Checkpoints written before manifests existed are refused with a message; ``python -m
 training.checkpoint trust PATH`` adds a manifest to them (for run directories you trust).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -167,7 +168,8 @@ def array_names(tree) -> list[str]:
     """The name of each leaf of ``tree`` in leaf order: its path (``path_name``); names that still
     coincide (a dict with keys ``1`` and ``"1"``) get ``~2``, ``~3``, ... in leaf order (``~`` is
     escaped in parts, so a suffixed name is no other leaf's)."""
-    names, seen = [], {}
+    names: list[str] = []
+    seen: dict[str, int] = {}
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = path_name(path)
         seen[name] = seen.get(name, 0) + 1
@@ -198,12 +200,23 @@ def _mismatch(path, want: list[str], have: list[str]) -> str | None:
     unknown = [n for n in have if n not in want_set]
     if not missing and not unknown:
         return None
-    parts = ([f"it has no array {missing[0]}" + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")]
-             if missing else [])
-    parts += ([f"its array {unknown[0]} is not in this config" + (f" (nor {len(unknown) - 1} more)"
-                                                                   if len(unknown) > 1 else "")] if unknown else [])
-    return (f"checkpoint {path} does not fit this config: {'; '.join(parts)}: was it written with another "
-            "agent or network config?")
+    parts = (
+        [f"it has no array {missing[0]}" + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")]
+        if missing
+        else []
+    )
+    parts += (
+        [
+            f"its array {unknown[0]} is not in this config"
+            + (f" (nor {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+        ]
+        if unknown
+        else []
+    )
+    return (
+        f"checkpoint {path} does not fit this config: {'; '.join(parts)}: was it written with another "
+        "agent or network config?"
+    )
 
 
 # ------------------------------------------------------------------------------------------- manifest
@@ -238,9 +251,12 @@ def verify(path) -> dict:
         except (OSError, ValueError, TypeError):
             legacy = False
         if legacy:
-            raise Unverified(path, "it was written before checkpoints carried a manifest.json, so host.pkl "
-                                   "(a pickle) cannot be verified before it is loaded; if you trust this run "
-                                   f"directory, add one with: python -m plasticity_zoo.training.checkpoint trust {path}")
+            raise Unverified(
+                path,
+                "it was written before checkpoints carried a manifest.json, so host.pkl "
+                "(a pickle) cannot be verified before it is loaded; if you trust this run "
+                f"directory, add one with: python -m plasticity_zoo.training.checkpoint trust {path}",
+            )
         raise Damaged(path, "manifest.json missing (an incomplete or damaged checkpoint)")
     manifest = _read_json(path, "manifest.json")
     files = manifest.get("files")
@@ -252,8 +268,9 @@ def verify(path) -> dict:
             raise Damaged(path, f"{name} missing")
         size = file.stat().st_size
         if size != want.get("bytes"):
-            raise Damaged(path, f"{name} is {size} bytes, manifest.json says {want.get('bytes')} "
-                                "(truncated or damaged)")
+            raise Damaged(
+                path, f"{name} is {size} bytes, manifest.json says {want.get('bytes')} (truncated or damaged)"
+            )
         if _sha256(file) != want.get("sha256"):
             raise Damaged(path, f"{name} sha256 mismatch (damaged)")
     return manifest
@@ -282,8 +299,18 @@ def save(run_dir, step: int, tree, host: dict, meta: dict | None = None, keep: i
     with open(tmp / "host.pkl", "wb") as f:
         pickle.dump(host, f, protocol=pickle.HIGHEST_PROTOCOL)
     with open(tmp / "meta.json", "w") as f:
-        json.dump({"format": FORMAT, "step": step, "leaves": len(leaves), "arrays": names, "trimmed": trimmed,
-                   **(meta or {})}, f, indent=2)
+        json.dump(
+            {
+                "format": FORMAT,
+                "step": step,
+                "leaves": len(leaves),
+                "arrays": names,
+                "trimmed": trimmed,
+                **(meta or {}),
+            },
+            f,
+            indent=2,
+        )
     _write_manifest(tmp, step)  # last: a checkpoint with a valid manifest is complete
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -336,9 +363,11 @@ def load(path, template):
             raise CheckpointError(why)
         keys = names
     elif count != len(leaves):
-        raise CheckpointError(f"checkpoint {path} (format {meta.get('format', 1)}: arrays by leaf index) holds "
-                              f"{count} arrays but this config expects {len(leaves)}: was it written with another "
-                              "agent or network config?")
+        raise CheckpointError(
+            f"checkpoint {path} (format {meta.get('format', 1)}: arrays by leaf index) holds "
+            f"{count} arrays but this config expects {len(leaves)}: was it written with another "
+            "agent or network config?"
+        )
     else:
         keys = [_leaf_key(i) for i in range(len(leaves))]
     restored = []
@@ -352,10 +381,13 @@ def load(path, template):
         ref_np = _to_numpy(ref)
         if x.shape != ref_np.shape or x.dtype != ref_np.dtype:
             where = name if by_path else f"{i} ({name} in this config)"
-            raise CheckpointError(f"checkpoint {path} array {where} is {x.dtype}{x.shape}, expected "
-                                  f"{ref_np.dtype}{ref_np.shape}: config mismatch")
-        restored.append(jax.random.wrap_key_data(jnp.asarray(x), impl=jax.random.key_impl(ref))
-                        if _is_key(ref) else jnp.asarray(x))
+            raise CheckpointError(
+                f"checkpoint {path} array {where} is {x.dtype}{x.shape}, expected "
+                f"{ref_np.dtype}{ref_np.shape}: config mismatch"
+            )
+        restored.append(
+            jax.random.wrap_key_data(jnp.asarray(x), impl=jax.random.key_impl(ref)) if _is_key(ref) else jnp.asarray(x)
+        )
     return jax.tree.unflatten(treedef, restored), host, meta
 
 
@@ -377,10 +409,10 @@ def load_latest(run_dir, template, warn=None):
         except Unusable as e:
             skipped.append(e)
             continue
-        for e in skipped:
-            warn(f"warning: skipping checkpoint {e.path}: {e.reason}; resuming from {path}")
+        for bad in skipped:
+            warn(f"warning: skipping checkpoint {bad.path}: {bad.reason}; resuming from {path}")
         return tree, host, meta, path
-    faults = "; ".join(f"{e.path.name}: {e.reason}" for e in skipped)
+    faults = "; ".join(f"{bad.path.name}: {bad.reason}" for bad in skipped)
     raise CheckpointError(f"no usable checkpoint in {root}: {faults}")
 
 
@@ -401,15 +433,18 @@ def trust(path) -> list[Path]:
         missing = [name for name in FILES if not (d / name).is_file()]
         if missing:
             raise Damaged(d, f"{', '.join(missing)} missing")
-        _write_manifest(d, int(meta["step"]), fmt=1,
-                        trusted="added by `python -m plasticity_zoo.training.checkpoint trust`")
+        _write_manifest(
+            d, int(meta["step"]), fmt=1, trusted="added by `python -m plasticity_zoo.training.checkpoint trust`"
+        )
         done.append(d)
     return done
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m plasticity_zoo.training.checkpoint",
-                                     description="Add manifests to checkpoints written before manifests existed.")
+    parser = argparse.ArgumentParser(
+        prog="python -m plasticity_zoo.training.checkpoint",
+        description="Add manifests to checkpoints written before manifests existed.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trust", help="add manifest.json to the old checkpoints of trusted run directories")
     p.add_argument("paths", nargs="+", help="run directories or checkpoint directories")
@@ -419,8 +454,7 @@ def main(argv=None):
             done = trust(path)
         except CheckpointError as e:
             raise SystemExit(f"error: {e}") from e
-        print(f"{path}: added manifest.json to {len(done)} checkpoint(s)" +
-              "".join(f"\n  {d}" for d in done))
+        print(f"{path}: added manifest.json to {len(done)} checkpoint(s)" + "".join(f"\n  {d}" for d in done))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 run-config dataclass.  ``--preset NAME`` (repeatable; ``training/presets.py``) puts a paper's flags
 before the user's, so the user's own flags win; ``--preset list`` prints the presets and exits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,12 @@ from plasticity_zoo.training import presets as presets_lib
 from plasticity_zoo.training.run import is_user_error, load_config, protocol_defaults
 
 USAGE = "usage: train.py AGENT [--env ID] [FLAGS...]  |  train.py --resume RUN_DIR [FLAGS...]"
-DESCRIPTION = ("Besides the flags below: --preset NAME (repeatable) applies a paper's flags before yours, so "
-               "yours win (--preset list shows the presets); --overwrite starts a new run in a --run-dir that "
-               "already holds one, moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback "
-               "of an error.")
+DESCRIPTION = (
+    "Besides the flags below: --preset NAME (repeatable) applies a paper's flags before yours, so "
+    "yours win (--preset list shows the presets); --overwrite starts a new run in a --run-dir that "
+    "already holds one, moving its files into RUN_DIR/.replaced-<time>/; --debug shows the traceback "
+    "of an error."
+)
 
 
 def _agents() -> str:
@@ -72,16 +75,17 @@ def parse(argv: list[str]):
         print(presets_lib.listing())
         raise SystemExit(0)
     if argv and argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\nagents: {_agents()}\n`train.py AGENT --help` lists the agent's flags; "
-              "`--preset list` the named presets.")
+        print(
+            f"{USAGE}\n\nagents: {_agents()}\n`train.py AGENT --help` lists the agent's flags; "
+            "`--preset list` the named presets."
+        )
         raise SystemExit(0)
     if not argv:
         raise SystemExit(f"no agent given; {USAGE}; agents: {_agents()}")
     resume = _resume_dir(argv)
     if argv[0].startswith("-"):
         if resume is None:
-            raise SystemExit(f"the first argument must be an agent ({_agents()}) or --resume RUN_DIR, "
-                             f"not {argv[0]!r}")
+            raise SystemExit(f"the first argument must be an agent ({_agents()}) or --resume RUN_DIR, not {argv[0]!r}")
         saved = load_config(resume)
         name, rest = saved.agent_name, argv
     else:
@@ -96,8 +100,13 @@ def parse(argv: list[str]):
     agent = agents.get(name)
     cls = config_lib.cli_type(name, agent.CONFIG)
     if agent.KIND == "offline":  # --env not given is None, not RunConfig's default: that may be given too
-        env = Annotated[Optional[str], tyro.conf.arg(help="the env to evaluate on (default: the dataset's own; "
-                                                          "with --kind: the env whose cached dataset to use)")]
+        env = Annotated[
+            Optional[str],
+            tyro.conf.arg(
+                help="the env to evaluate on (default: the dataset's own; "
+                "with --kind: the env whose cached dataset to use)"
+            ),
+        ]
         cls = dataclasses.make_dataclass(cls.__name__, [("env", env, dataclasses.field(default=None))], bases=(cls,))
     if saved is None:
         if not preset_names:
@@ -108,8 +117,9 @@ def parse(argv: list[str]):
         presets_lib.check_env(preset_names, cfg.env)
         return _one_env_per_task(dataclasses.replace(cfg, preset=",".join(preset_names)), [*flags, *rest])
     if preset_names:
-        raise SystemExit(f"--resume cannot apply --preset {','.join(preset_names)}: the run's config.json "
-                         "fixes its flags")
+        raise SystemExit(
+            f"--resume cannot apply --preset {','.join(preset_names)}: the run's config.json fixes its flags"
+        )
     default = cls(**{f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)})
     cfg = tyro.cli(cls, args=rest, default=default, prog=f"train.py {name}", description=DESCRIPTION)
     changed = [name for name in _changed(cfg, saved) if name not in config_lib.RESUME_MUTABLE]

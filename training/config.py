@@ -1,4 +1,5 @@
 """Typed run configuration shared by every agent (parsed by tyro in scripts/train.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,22 +102,47 @@ def cli_type(agent_name: str, agent_cls):
 
     return dataclasses.make_dataclass(
         f"{agent_name.upper()}Run",
-        [("agent_name", tyro.conf.Suppress[str], field(default=agent_name)),
-         ("preset", tyro.conf.Suppress[Optional[str]], field(default=None)),  # type: ignore[misc]  # tyro's Suppress marker
-         ("agent", Annotated[agent_cls, tyro.conf.arg(name="")], field(default_factory=agent_cls))],
-        bases=(RunConfig,))
+        [
+            ("agent_name", tyro.conf.Suppress[str], field(default=agent_name)),
+            ("preset", tyro.conf.Suppress[Optional[str]], field(default=None)),  # type: ignore[misc]  # tyro's Suppress marker
+            ("agent", Annotated[agent_cls, tyro.conf.arg(name="")], field(default_factory=agent_cls)),
+        ],
+        bases=(RunConfig,),
+    )
 
 
 # What `train.py --resume` may change: none of these alters the training trajectory (the metrics
 # hook only reads the state, with keys of its own; the device loop's chunking only decides where
 # the host looks in), so an extended or rescued run stays exact.
-RESUME_MUTABLE = {"total_steps", "progress", "resume", "run_dir", "tensorboard", "plasticity.metrics_every",
-                  "keep_checkpoints", "device_chunk", "wandb", "wandb_mode", "wandb_tags"}
+RESUME_MUTABLE = {
+    "total_steps",
+    "progress",
+    "resume",
+    "run_dir",
+    "tensorboard",
+    "plasticity.metrics_every",
+    "keep_checkpoints",
+    "device_chunk",
+    "wandb",
+    "wandb_mode",
+    "wandb_tags",
+}
 
 # What does not make a run another experiment: the seed, the run's name and label, and where it is
 # written, how it is watched and how often it is measured (evaluations step envs of their own with a
 # deterministic policy; logs and checkpoints only read the state), besides what --resume may change.
 # Plots and reports pool the seeds of runs whose configs differ only in these
 # (``analysis.aggregate.run_labels``).
-NOT_THE_EXPERIMENT = RESUME_MUTABLE | {"seed", "seeds", "label", "preset", "eval_every", "eval_episodes", "log_every",
-                                       "checkpoint_every", "wandb_project", "wandb_entity", "wandb_group"}
+NOT_THE_EXPERIMENT = RESUME_MUTABLE | {
+    "seed",
+    "seeds",
+    "label",
+    "preset",
+    "eval_every",
+    "eval_episodes",
+    "log_every",
+    "checkpoint_every",
+    "wandb_project",
+    "wandb_entity",
+    "wandb_group",
+}

@@ -28,6 +28,7 @@ from the host) and non-stationary (``ns:``) envs do not run on the device.  Trai
 reported as per-seed totals since the last chunk.  Evaluation steps its envs from the host
 (``PlaygroundVectorEnv``, one jitted call per step).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,15 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from plasticity_zoo.buffers import replay
 from plasticity_zoo.envs import playground
+from plasticity_zoo.plasticity.hooks import Hooks
+from plasticity_zoo.training import offpolicy, onpolicy
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.seeds import add_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity_zoo.training import offpolicy, onpolicy
 from plasticity_zoo.training.onpolicy import seed_fns
-from plasticity_zoo.buffers import replay
-from plasticity_zoo.plasticity.hooks import Hooks
+from plasticity_zoo.training.seeds import add_over_seeds, over_seeds
 
 KINDS = ("onpolicy", "offpolicy")  # agent kinds with a device loop
 
@@ -64,22 +65,28 @@ def uses_device_loop(cfg: RunConfig, agent) -> bool:
 def check(cfg: RunConfig, agent=None):
     """The device loop's settings (before any run directory exists), then the kind's own checks."""
     if not playground.is_playground(cfg.env):
-        raise ValueError(f"--loop device needs an env that steps on the device (playground:<Name>), got "
-                         f"{cfg.env!r}; use --loop host")
+        raise ValueError(
+            f"--loop device needs an env that steps on the device (playground:<Name>), got {cfg.env!r}; use --loop host"
+        )
     kind = "onpolicy" if agent is None else agent.KIND
     if kind not in KINDS:
-        raise ValueError(f"--loop device runs on-policy (PPO) and off-policy (SAC, MR.Q) agents; "
-                         f"{agent.__name__.split('.')[-1]} is {kind}")
+        raise ValueError(
+            f"--loop device runs on-policy (PPO) and off-policy (SAC, MR.Q) agents; "
+            f"{agent.__name__.split('.')[-1]} is {kind}"
+        )
     if cfg.device_chunk < 0:
         raise ValueError(f"--device-chunk must be >= 0, got {cfg.device_chunk}")
     if kind == "offpolicy":
         if cfg.plasticity.least:
-            raise ValueError("--plasticity.least cuts episodes from the host; it does not run in the device loop: "
-                             "pass --loop host")
+            raise ValueError(
+                "--plasticity.least cuts episodes from the host; it does not run in the device loop: pass --loop host"
+            )
         return offpolicy.check(cfg)
     if cfg.agent.backend not in ("sync", "gymnasium"):
-        raise ValueError(f"--backend {cfg.agent.backend} steps envs on the host; the device loop steps "
-                         "playground: envs itself (leave --backend at its default)")
+        raise ValueError(
+            f"--backend {cfg.agent.backend} steps envs on the host; the device loop steps "
+            "playground: envs itself (leave --backend at its default)"
+        )
     return onpolicy.check(cfg)
 
 
@@ -105,8 +112,11 @@ def _add_episodes(totals, out: playground.Step, S: int, E: int):
     """Per seed: summed returns, lengths and count of the episodes that ended in this env step."""
     r_sum, l_sum, count = totals
     per_seed = lambda x: x.reshape(S, E).sum(1)  # noqa: E731
-    return (r_sum + per_seed(out.ep_return), l_sum + per_seed(out.ep_length),
-            count + per_seed((out.terminated | out.truncated).astype(jnp.int32)))
+    return (
+        r_sum + per_seed(out.ep_return),
+        l_sum + per_seed(out.ep_length),
+        count + per_seed((out.terminated | out.truncated).astype(jnp.int32)),
+    )
 
 
 def _zeros_like_shapes(shapes):
@@ -144,8 +154,9 @@ def initial_tree(cfg: RunConfig, agent):
     if agent.KIND == "onpolicy":
         env = playground.make(cfg.env, cfg.action_repeat, cfg.agent.action_mode, cfg.env_impl)
         state, loop, key = onpolicy.init_state(agent, cfg, env.obs_dim, env.act_dim)
-        return _onpolicy_start(agent, env, OnPolicyCarry(state, loop, None, None, key), _env_keys(cfg), S, E,
-                               cfg.agent.num_steps)
+        return _onpolicy_start(
+            agent, env, OnPolicyCarry(state, loop, None, None, key), _env_keys(cfg), S, E, cfg.agent.num_steps
+        )
     env = playground.make(cfg.env, cfg.action_repeat, "rescale", cfg.env_impl)
     state, buffer, key = offpolicy.init_state(agent, cfg, env.obs_dim, env.act_dim)
     return _offpolicy_start(env, OffPolicyCarry(state, buffer, None, None, None, key), _env_keys(cfg), S, E)
@@ -165,8 +176,13 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     iteration.begin(driver, resume)
     end = last_step if stop_at is None else min(stop_at, last_step)
     last_eval = driver.run(iteration, end, last_step)
-    return {"state": iteration.carry.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
-            "metrics": iteration.metrics}
+    return {
+        "state": iteration.carry.state,
+        "step": driver.step,
+        "last_eval": last_eval,
+        "run_dir": str(run_dir),
+        "metrics": iteration.metrics,
+    }
 
 
 class _DeviceIteration:
@@ -203,8 +219,15 @@ class _DeviceIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = cfg.seeds, cfg.num_envs
         self.env = playground.make(cfg.env, cfg.action_repeat, action_mode, cfg.env_impl)
-        self.evaluator = Evaluator(cfg.env, self.S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)
+        self.evaluator = Evaluator(
+            cfg.env,
+            self.S,
+            cfg.eval_episodes,
+            eval_base_seed(cfg),
+            cfg.action_repeat,
+            eval_action_mode(cfg, agent),
+            env_impl=cfg.env_impl,
+        )
         self.metrics, self.updates_done = None, 0
 
     def begin(self, driver, resume: bool):
@@ -225,8 +248,10 @@ class _DeviceIteration:
         self.metrics = None if metrics is None else {k: jnp.asarray(v) for k, v in metrics.items()}
 
     def host(self) -> dict:
-        return {"updates_done": self.updates_done,
-                "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()}}
+        return {
+            "updates_done": self.updates_done,
+            "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()},
+        }
 
     def eval_state(self):
         return self.carry.state
@@ -254,13 +279,21 @@ class _DeviceIteration:
         drv.advance(n * self.steps_per_iteration * self.S)
         if bool(report.learned):
             self.metrics = report.metrics
-            drv.stop_if_non_finite(report.finite, {k: v for k, v in report.metrics.items()
-                                                   if k.startswith("losses/")} or report.metrics, drv.step)
+            drv.stop_if_non_finite(
+                report.finite,
+                {k: v for k, v in report.metrics.items() if k.startswith("losses/")} or report.metrics,
+                drv.step,
+            )
         drv.episode_totals(report.return_sum, report.length_sum, report.episodes)
         if updates:
             before, self.updates_done = self.updates_done, self.updates_done + updates
-            state = drv.plasticity(before, self.updates_done, self.carry.state, self._plasticity_data(),
-                                   jax.random.fold_in(report.last_key, 1))
+            state = drv.plasticity(
+                before,
+                self.updates_done,
+                self.carry.state,
+                self._plasticity_data(),
+                jax.random.fold_in(report.last_key, 1),
+            )
             self.carry = self.carry._replace(state=state)
         drv.log_if_due(drv.step, self.metrics, last=self._last_log())
 
@@ -269,12 +302,11 @@ class _DeviceIteration:
 # On-policy: whole PPO iterations
 # ----------------------------------------------------------------------------------------------
 class OnPolicyCarry(NamedTuple):
-    state: object      # the agents (leading seed axis S)
-    loop: object       # training.onpolicy.LoopState per seed
-    env: object        # envs.playground.EnvState of S * E envs (None before the first reset)
-    action: Any        # (S, E, act_dim): the actions the envs take next (None before the first reset)
+    state: object  # the agents (leading seed axis S)
+    loop: object  # training.onpolicy.LoopState per seed
+    env: object  # envs.playground.EnvState of S * E envs (None before the first reset)
+    action: Any  # (S, E, act_dim): the actions the envs take next (None before the first reset)
     key: jax.Array
-
 
 
 @functools.lru_cache(maxsize=8)
@@ -291,12 +323,22 @@ def make_chunk(agent, env: playground.Playground, S: int, E: int, T: int):
         def env_step(c, t):
             state, loop, env_state, action, totals = c
             env_state, out = env.step(env_state, action.reshape(S * E, -1))
-            state, loop, action = step_all(state, loop, t, shaped(out.reward), shaped(out.terminated),
-                                           shaped(out.truncated), shaped(out.next_obs), shaped(out.obs), k_roll)
+            state, loop, action = step_all(
+                state,
+                loop,
+                t,
+                shaped(out.reward),
+                shaped(out.terminated),
+                shaped(out.truncated),
+                shaped(out.next_obs),
+                shaped(out.obs),
+                k_roll,
+            )
             return (state, loop, env_state, action, _add_episodes(totals, out, S, E)), None
 
         (state, loop, env_state, action, totals), _ = jax.lax.scan(
-            env_step, (carry.state, carry.loop, carry.env, carry.action, totals), jnp.arange(T, dtype=jnp.int32))
+            env_step, (carry.state, carry.loop, carry.env, carry.action, totals), jnp.arange(T, dtype=jnp.int32)
+        )
         key, k = jax.random.split(key)
         state, loop, action, metrics, finite = iterate_all(state, loop, k)
         return OnPolicyCarry(state, loop, env_state, action, key), totals, metrics, finite, k
@@ -310,7 +352,8 @@ def make_chunk(agent, env: playground.Playground, S: int, E: int, T: int):
             return carry, totals, metrics, finite & ok, k
 
         carry, totals, metrics, finite, k = jax.lax.fori_loop(
-            0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key))
+            0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key)
+        )
         return_sum, length_sum, episodes = totals
         return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, jnp.bool_(True))
 
@@ -341,8 +384,9 @@ class DeviceOnPolicyIteration(_DeviceIteration):
         self.steps_per_iteration = self.T * self.E
         state, loop, key = onpolicy.init_state(agent, cfg, self.env.obs_dim, self.env.act_dim)
         self.updates_per_iteration = a.update_epochs * a.num_minibatches
-        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
-                           total_updates=num_iterations * self.updates_per_iteration)
+        self.hooks = Hooks(
+            cfg.plasticity, agent, cfg.agent_name, total_updates=num_iterations * self.updates_per_iteration
+        )
         state = self.hooks.start(state)
         self.carry = OnPolicyCarry(state, loop, None, None, key)
         self.chunk_fn = make_chunk(agent, self.env, self.S, self.E, self.T)
@@ -371,16 +415,15 @@ class DeviceOnPolicyIteration(_DeviceIteration):
         return None
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Off-policy: env step, replay add, updates
 # ----------------------------------------------------------------------------------------------
 class OffPolicyCarry(NamedTuple):
-    state: object      # the agents (leading seed axis S)
-    buffer: object     # each seed's replay, on the device
-    env: object        # envs.playground.EnvState of S * E envs
-    obs: Any           # (S, E, obs_dim): the observations to act on (None before the first reset)
-    action: Any        # (S, E, act_dim): the actions the envs take next (None before the first reset)
+    state: object  # the agents (leading seed axis S)
+    buffer: object  # each seed's replay, on the device
+    env: object  # envs.playground.EnvState of S * E envs
+    obs: Any  # (S, E, obs_dim): the observations to act on (None before the first reset)
+    action: Any  # (S, E, act_dim): the actions the envs take next (None before the first reset)
     key: jax.Array
 
 
@@ -396,8 +439,14 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
     def iteration(carry: OffPolicyCarry, i, step0, replay_control, totals):
         env_state, out = env.step(carry.env, carry.action.reshape(S * E, -1))
         per_seed = lambda x: x.reshape(S, E, *x.shape[1:])  # noqa: E731
-        transition = replay.Transition(carry.obs, carry.action, per_seed(out.reward), per_seed(out.next_obs),
-                                       per_seed(out.terminated), per_seed(out.truncated))
+        transition = replay.Transition(
+            carry.obs,
+            carry.action,
+            per_seed(out.reward),
+            per_seed(out.next_obs),
+            per_seed(out.terminated),
+            per_seed(out.truncated),
+        )
         buffer = add_over_seeds(agent.buffer_add)(carry.buffer, transition)
         obs = per_seed(out.obs)
         key, k = jax.random.split(carry.key)
@@ -415,11 +464,20 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
         state, buffer, metrics = jax.lax.cond(learning, train, wait, (carry.state, buffer))
         action = jax.lax.cond(
             learning,
-            lambda: over_seeds(lambda s, o, kk: agent.act(s, o, kk, explore=True))(state, obs, jax.random.split(k_act, S)),
-            lambda: jax.random.uniform(k_act, (S, E, act_dim), minval=-1.0, maxval=1.0))
+            lambda: over_seeds(lambda s, o, kk: agent.act(s, o, kk, explore=True))(
+                state, obs, jax.random.split(k_act, S)
+            ),
+            lambda: jax.random.uniform(k_act, (S, E, act_dim), minval=-1.0, maxval=1.0),
+        )
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
-        return (OffPolicyCarry(state, buffer, env_state, obs, action, key), _add_episodes(totals, out, S, E),
-                metrics, finite, k, learning)
+        return (
+            OffPolicyCarry(state, buffer, env_state, obs, action, key),
+            _add_episodes(totals, out, S, E),
+            metrics,
+            finite,
+            k,
+            learning,
+        )
 
     def chunk(carry: OffPolicyCarry, n, step0, replay_control=None):
         shapes = jax.eval_shape(iteration, carry, jnp.int32(0), step0, replay_control, _zero_totals(S))
@@ -432,7 +490,8 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
             return carry, totals, metrics, finite & ok, k, learned | learning
 
         carry, totals, metrics, finite, k, learned = jax.lax.fori_loop(
-            0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key, jnp.bool_(False)))
+            0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key, jnp.bool_(False))
+        )
         return_sum, length_sum, episodes = totals
         return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, learned)
 
@@ -449,8 +508,9 @@ class DeviceOffPolicyIteration(_DeviceIteration):
         self.updates_per_iteration = a.updates_per_step * self.E
         state, buffer, key = offpolicy.init_state(agent, cfg, self.env.obs_dim, self.env.act_dim)
         learning_iters = cfg.total_steps // self.E - max(0, -(-a.learning_starts // self.E) - 1)
-        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
-                           total_updates=max(1, learning_iters * self.updates_per_iteration))
+        self.hooks = Hooks(
+            cfg.plasticity, agent, cfg.agent_name, total_updates=max(1, learning_iters * self.updates_per_iteration)
+        )
         state = self.hooks.start(state)
         self.carry = OffPolicyCarry(state, buffer, None, None, None, key)
         self.chunk_fn = make_offpolicy_chunk(agent, a, self.env, self.S, self.E)

@@ -23,6 +23,7 @@ An iteration object provides:
 Host work (logs, evaluation, checkpoints) happens only at those points, so an iteration whose
 whole body runs on the device (a later, accelerator-side env) fits the same driver.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,16 @@ import numpy as np
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.config import RunConfig, to_json
 from plasticity_zoo.training.evaluation import policy_maker
-from plasticity_zoo.training.logger import task_results
-from plasticity_zoo.training.logger import RunLogger, wandb_settings
-from plasticity_zoo.training.loop import CompileNotices, Schedule, StopAtIterationEnd, finish, progress, raise_non_finite, restore
+from plasticity_zoo.training.logger import RunLogger, task_results, wandb_settings
+from plasticity_zoo.training.loop import (
+    CompileNotices,
+    Schedule,
+    StopAtIterationEnd,
+    finish,
+    progress,
+    raise_non_finite,
+    restore,
+)
 from plasticity_zoo.training.provenance import provenance
 
 
@@ -50,8 +58,20 @@ class Driver:
     scores); ``on_eval(step, state, returns)``: called right after each evaluation.
     """
 
-    def __init__(self, cfg: RunConfig, agent, run_dir, hooks, evaluator, *, unit: str = "env step",
-                 speed_key: str = "perf/sps", episodes: bool = True, eval_extras=None, on_eval=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        agent,
+        run_dir,
+        hooks,
+        evaluator,
+        *,
+        unit: str = "env step",
+        speed_key: str = "perf/sps",
+        episodes: bool = True,
+        eval_extras=None,
+        on_eval=None,
+    ):
         self.cfg, self.run_dir, self.hooks, self.evaluator = cfg, Path(run_dir), hooks, evaluator
         self.unit, self.speed_key, self.eval_extras, self.on_eval = unit, speed_key, eval_extras, on_eval
         self.seeds = cfg.seeds
@@ -69,8 +89,9 @@ class Driver:
         """Start a new run (config.json, ``iteration.fresh()``, ``on_fresh()``) or resume the last checkpoint."""
         host = None
         if resume:
-            tree, host, _ = restore(self.run_dir, iteration.tree(), self.logger,
-                                    unit="update" if self.unit == "update" else "step")
+            tree, host, _ = restore(
+                self.run_dir, iteration.tree(), self.logger, unit="update" if self.unit == "update" else "step"
+            )
             iteration.load(tree, host)
             self.step, self.pending = host["step"], host.get("pending")
             if self.episode_log is not None:
@@ -178,10 +199,17 @@ class Driver:
 
     # ------------------------------------------------------------------------- the loop
     def save(self, iteration, step: int) -> Path:
-        host = {"step": step, **self.schedule.host(), "plasticity": self.hooks.host_state(), "pending": self.pending,
-                **({"episode_log": self.episode_log} if self.episode_log is not None else {}), **iteration.host()}
-        return checkpoint.save(self.run_dir, step, iteration.tree(), host, {"config": to_json(self.cfg)},
-                               keep=self.cfg.keep_checkpoints)
+        host = {
+            "step": step,
+            **self.schedule.host(),
+            "plasticity": self.hooks.host_state(),
+            "pending": self.pending,
+            **({"episode_log": self.episode_log} if self.episode_log is not None else {}),
+            **iteration.host(),
+        }
+        return checkpoint.save(
+            self.run_dir, step, iteration.tree(), host, {"config": to_json(self.cfg)}, keep=self.cfg.keep_checkpoints
+        )
 
     def run(self, iteration, end: int, last: int) -> float:
         """Iterate until ``step >= end`` (``last``: the run's final step, for the final evaluation)
@@ -191,16 +219,25 @@ class Driver:
         save = lambda step: self.save(iteration, step)  # noqa: E731
         import jax
 
-        with CompileNotices(self.bar, lambda: self.step, jax.config.values["jax_compilation_cache_dir"]), \
-                StopAtIterationEnd(save, self.run_dir, self.bar, self.logger, self.step) as stop:
+        with (
+            CompileNotices(self.bar, lambda: self.step, jax.config.values["jax_compilation_cache_dir"]),
+            StopAtIterationEnd(save, self.run_dir, self.bar, self.logger, self.step) as stop,
+        ):
             while self.step < end:
                 stop.begin()
                 iteration.run_one(self)
                 if self.schedule.checkpoint_due(self.step, end):
                     save(self.step)
                 stop.end(self.step)
-        return finish(self.schedule, self.step, last, lambda step: self.evaluate(step, iteration.eval_state()),
-                      self.last_eval, self.bar, self.logger)
+        return finish(
+            self.schedule,
+            self.step,
+            last,
+            lambda step: self.evaluate(step, iteration.eval_state()),
+            self.last_eval,
+            self.bar,
+            self.logger,
+        )
 
 
 def _means(entries) -> tuple[float, float]:

@@ -8,19 +8,16 @@ repeat is the run's and the action mode the loop's (``eval_action_mode``).  For 
 them per task.  ``SeedPolicy`` acts as ``Driver.evaluate`` does; ``analysis/restore.py`` loads a finished
 run's checkpoint for it, so ``scripts/evaluate.py`` reproduces a run's own evaluations.
 """
-from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from plasticity_zoo.envs import make_vector_env
-from plasticity_zoo.networks.runtime import cached_per_config
 from plasticity_zoo.envs.multitask import is_multitask, member_ids
+from plasticity_zoo.networks.runtime import cached_per_config
 
 EVAL_SEED_OFFSET = 5_000  # evaluation env seeds: cfg.seed * 10_000 + 5_000 + i (training envs: cfg.seed * 10_000 + i)
 
@@ -41,12 +38,22 @@ class Evaluator:
     (seeds, self.episodes).  Returns per seed the list of episode returns, in episode order.
     """
 
-    def __init__(self, env_id: str, seeds: int, episodes: int, base_seed: int, action_repeat=None,
-                 action_mode: str = "rescale", stride: int | None = None, env_impl: str = "jax"):
+    def __init__(
+        self,
+        env_id: str,
+        seeds: int,
+        episodes: int,
+        base_seed: int,
+        action_repeat=None,
+        action_mode: str = "rescale",
+        stride: int | None = None,
+        env_impl: str = "jax",
+    ):
         self.tasks = member_ids(env_id) if is_multitask(env_id) else None
         self.seeds, self.episodes = seeds, episodes * (len(self.tasks) if self.tasks else 1)
-        self.env = make_vector_env(env_id, seeds * self.episodes, base_seed, action_repeat, action_mode=action_mode,
-                                   env_impl=env_impl)
+        self.env = make_vector_env(
+            env_id, seeds * self.episodes, base_seed, action_repeat, action_mode=action_mode, env_impl=env_impl
+        )
         stride = self.episodes if stride is None else stride
         self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(self.episodes)]
 
@@ -83,8 +90,9 @@ def eval_action_mode(cfg, agent) -> str:
     return cfg.agent.action_mode if agent.KIND == "onpolicy" else "rescale"
 
 
-def run_evaluator(cfg, agent, env_id: str | None = None, episodes: int | None = None, seeds: int | None = None,
-                  first_seed: int = 0) -> Evaluator:
+def run_evaluator(
+    cfg, agent, env_id: str | None = None, episodes: int | None = None, seeds: int | None = None, first_seed: int = 0
+) -> Evaluator:
     """The evaluator of a run (``cfg``, ``agent``): on ``env_id`` (default ``cfg.env``), ``episodes``
     per seed (per task and seed on an ``mt:`` env; default ``cfg.eval_episodes``), for ``seeds`` seeds
     (default ``cfg.seeds``) starting at seed index ``first_seed``.  Seed ``j``'s episode ``k`` resets
@@ -93,9 +101,16 @@ def run_evaluator(cfg, agent, env_id: str | None = None, episodes: int | None = 
     episodes = cfg.eval_episodes if episodes is None else episodes
     seeds = cfg.seeds if seeds is None else seeds
     block = eval_block(cfg)
-    return Evaluator(cfg.env if env_id is None else env_id, seeds, episodes,
-                     eval_base_seed(cfg) + first_seed * block, cfg.action_repeat,
-                     eval_action_mode(cfg, agent), stride=block, env_impl=env_impl(cfg))
+    return Evaluator(
+        cfg.env if env_id is None else env_id,
+        seeds,
+        episodes,
+        eval_base_seed(cfg) + first_seed * block,
+        cfg.action_repeat,
+        eval_action_mode(cfg, agent),
+        stride=block,
+        env_impl=env_impl(cfg),
+    )
 
 
 def env_impl(cfg) -> str:
@@ -146,8 +161,9 @@ class RecurrentPolicy:
             self.memory = self._memory(self.state, obs.shape[1])
             self.prev_action = jnp.zeros(self._action_shape(self.state, obs).shape, jnp.float32)
             self.prev_reward = jnp.zeros(obs.shape[:2], jnp.float32)
-        action, self.memory = self._step(self.state, self.memory, obs, self.prev_action, self.prev_reward,
-                                         jnp.full(obs.shape[:2], start))
+        action, self.memory = self._step(
+            self.state, self.memory, obs, self.prev_action, self.prev_reward, jnp.full(obs.shape[:2], start)
+        )
         self.prev_action = action
         return action
 
@@ -162,7 +178,7 @@ def policy_maker(agent):
         fns = recurrent_fns(agent)
         return lambda state: RecurrentPolicy(state, fns)
     act = deterministic_act(agent)
-    return lambda state: (lambda obs: act(state, jnp.asarray(obs)))
+    return lambda state: lambda obs: act(state, jnp.asarray(obs))
 
 
 class SeedPolicy:
@@ -183,7 +199,7 @@ class SeedPolicy:
         make = policy_maker(agent)
         self.recurrent = is_recurrent(agent)
         self._make = lambda: make(state)  # noqa: E731
-        self.parts = {}  # one policy per block of episodes (a recurrent one carries its episodes' memory)
+        self.parts: dict = {}  # one policy per block of episodes (a recurrent one carries its episodes' memory)
 
     def reset(self):
         self.parts = {}
@@ -194,7 +210,7 @@ class SeedPolicy:
 
     def _full(self, x, block):
         full = np.zeros((self.total, block) + x.shape[2:], np.float32)
-        full[self.seeds, :x.shape[1]] = x
+        full[self.seeds, : x.shape[1]] = x
         return full
 
     def __call__(self, obs):
@@ -203,7 +219,7 @@ class SeedPolicy:
         for start, end, block in self._blocks(obs.shape[1]):
             policy = self.parts.setdefault(start, self._make())
             actions = np.asarray(policy(jnp.asarray(self._full(obs[:, start:end], block))))
-            out.append(actions[self.seeds, :end - start])
+            out.append(actions[self.seeds, : end - start])
         return np.concatenate(out, axis=1)
 
     def observe(self, reward):

@@ -10,6 +10,7 @@ over tasks of the per-task means and of the per-task scores, all the seed's epis
 metrics file is rewritten with the wider header, so no row is ever lost.  ``truncate_after`` drops
 the rows a resumed run will write again.
 """
+
 from __future__ import annotations
 
 import csv
@@ -77,8 +78,9 @@ class CSVTable:
 class RunLogger:
     """``multitask``: the run's env is an ``mt:`` id (eval.csv gets ``MT_EVAL_COLUMNS``, per-task rows)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False, multitask: bool = False,
-                 wandb: dict | None = None):
+    def __init__(
+        self, run_dir: str | Path, tensorboard: bool = False, multitask: bool = False, wandb: dict | None = None
+    ):
         """``wandb``: ``wandb.init``'s project / entity / group / tags / mode (``wandb_settings``), or None."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -111,8 +113,9 @@ class RunLogger:
         ``--total-steps``), the start's provenance kept, and this resume appended to ``resumes``."""
         path = self.dir / "config.json"
         old = json.loads(path.read_text()) if path.is_file() else {}
-        resumes = list(old.get("resumes", [])) + [{"step": step, "total_steps": config.get("total_steps"),
-                                                   **provenance}]
+        resumes = list(old.get("resumes", [])) + [
+            {"step": step, "total_steps": config.get("total_steps"), **provenance}
+        ]
         kept = {"provenance": old["provenance"]} if "provenance" in old else {}
         self.config, self.provenance = config, old.get("provenance", provenance)
         self._write_json("config.json", {**config, **kept, "resumes": resumes})
@@ -146,15 +149,27 @@ class RunLogger:
         rows = []
         for j, r in enumerate(returns):
             r = np.asarray(r, float)
-            rows.append({"step": step, "seed": j, "return_mean": _fmt(r.mean()), "return_std": _fmt(r.std()),
-                         "episode_returns": " ".join(_fmt(x) for x in r),
-                         **{k: _fmt(v) for k, v in (extra[j] if extra else {}).items()}})
+            rows.append(
+                {
+                    "step": step,
+                    "seed": j,
+                    "return_mean": _fmt(r.mean()),
+                    "return_std": _fmt(r.std()),
+                    "episode_returns": " ".join(_fmt(x) for x in r),
+                    **{k: _fmt(v) for k, v in (extra[j] if extra else {}).items()},
+                }
+            )
             self.last_eval[j] = float(r.mean())
             if self.tb is not None:
                 self.tb[j].add_scalar("eval/return", float(r.mean()), step)
             if self.wb is not None:
-                self.wb[j].log({"eval/return": float(r.mean()), **{f"eval/{k}": float(v) for k, v in
-                                                                  (extra[j] if extra else {}).items()}}, step=step)
+                self.wb[j].log(
+                    {
+                        "eval/return": float(r.mean()),
+                        **{f"eval/{k}": float(v) for k, v in (extra[j] if extra else {}).items()},
+                    },
+                    step=step,
+                )
         self.evals.append(rows)
 
     def _log_task_eval(self, step: int, returns, extra, tasks):
@@ -162,11 +177,18 @@ class RunLogger:
         for j, r in enumerate(returns):
             for res in task_results(r, tasks):
                 aggregate = res["task"] == AGGREGATE_TASK
-                rows.append({"step": step, "seed": j, "task": res["task"], "return_mean": _fmt(res["return_mean"]),
-                             "return_std": _fmt(res["return_std"]),
-                             "episode_returns": " ".join(_fmt(x) for x in res["returns"]),
-                             "score": "" if res["score"] is None else _fmt(res["score"]),
-                             **{k: _fmt(v) for k, v in (extra[j] if extra and aggregate else {}).items()}})
+                rows.append(
+                    {
+                        "step": step,
+                        "seed": j,
+                        "task": res["task"],
+                        "return_mean": _fmt(res["return_mean"]),
+                        "return_std": _fmt(res["return_std"]),
+                        "episode_returns": " ".join(_fmt(x) for x in res["returns"]),
+                        "score": "" if res["score"] is None else _fmt(res["score"]),
+                        **{k: _fmt(v) for k, v in (extra[j] if extra and aggregate else {}).items()},
+                    }
+                )
                 if aggregate:
                     self.last_eval[j] = float(res["return_mean"])
                 if self.tb is not None:
@@ -177,8 +199,13 @@ class RunLogger:
                         self.tb[j].add_scalar(f"{tag}/score", res["score"], step)
                 if self.wb is not None:
                     key = "eval" if aggregate else f"eval_tasks/{res['task']}"
-                    self.wb[j].log({f"{key}/return": res["return_mean"],
-                                    **({f"{key}/score": res["score"]} if res["score"] is not None else {})}, step=step)
+                    self.wb[j].log(
+                        {
+                            f"{key}/return": res["return_mean"],
+                            **({f"{key}/score": res["score"]} if res["score"] is not None else {}),
+                        },
+                        step=step,
+                    )
         self.evals.append(rows)
 
     def truncate_after(self, step: int, evals_before: int | None = None):
@@ -196,10 +223,8 @@ class RunLogger:
             return
         for j, writer in self.tb.items():
             if self.config is not None and j in self.last_eval:
-                writer.add_hparams(hparams(self.config), {"hparams/last_eval_return": self.last_eval[j]},
-                                   name=".")
+                writer.add_hparams(hparams(self.config), {"hparams/last_eval_return": self.last_eval[j]}, name=".")
             writer.close()
-
 
     def _wandb_run(self, j: int):
         """Seed ``j``'s W&B run: its id is fixed by the run directory and the seed, so a ``--resume``
@@ -209,17 +234,32 @@ class RunLogger:
         s = self.wb_settings
         rid = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16] + f"-seed{j}"
         config = {**(self.config or {}), "seed_index": j, "provenance": self.provenance}
-        return wandb.init(project=s["project"], entity=s["entity"], group=s["group"] or self.dir.name,
-                          tags=list(s["tags"]) or None, mode=s["mode"], dir=str(self.dir), id=rid,
-                          name=f"{self.dir.name}/seed{j}", resume="allow", reinit="create_new", config=config)
+        return wandb.init(
+            project=s["project"],
+            entity=s["entity"],
+            group=s["group"] or self.dir.name,
+            tags=list(s["tags"]) or None,
+            mode=s["mode"],
+            dir=str(self.dir),
+            id=rid,
+            name=f"{self.dir.name}/seed{j}",
+            resume="allow",
+            reinit="create_new",
+            config=config,
+        )
 
 
 def wandb_settings(cfg) -> dict | None:
     """``RunLogger``'s ``wandb`` argument from a ``RunConfig`` (None without ``--wandb``)."""
     if not cfg.wandb:
         return None
-    return {"project": cfg.wandb_project, "entity": cfg.wandb_entity, "group": cfg.wandb_group,
-            "tags": tuple(cfg.wandb_tags), "mode": cfg.wandb_mode}
+    return {
+        "project": cfg.wandb_project,
+        "entity": cfg.wandb_entity,
+        "group": cfg.wandb_group,
+        "tags": tuple(cfg.wandb_tags),
+        "mode": cfg.wandb_mode,
+    }
 
 
 def require_wandb():
@@ -281,10 +321,24 @@ def task_results(returns, tasks) -> list[dict]:
     for t, name in enumerate(tasks):
         own, top = r[t::T], task_max_return(name)
         mean = float(own.mean())
-        rows.append({"task": name, "returns": own.tolist(), "return_mean": mean, "return_std": float(own.std()),
-                     "score": None if top is None else mean / top})
+        rows.append(
+            {
+                "task": name,
+                "returns": own.tolist(),
+                "return_mean": mean,
+                "return_std": float(own.std()),
+                "score": None if top is None else mean / top,
+            }
+        )
     scores = [row["score"] for row in rows]
     mean = float(np.mean([row["return_mean"] for row in rows]))
-    rows.append({"task": AGGREGATE_TASK, "returns": r.tolist(), "return_mean": mean, "return_std": float(r.std()),
-                 "score": None if None in scores else float(np.mean(scores))})
+    rows.append(
+        {
+            "task": AGGREGATE_TASK,
+            "returns": r.tolist(),
+            "return_mean": mean,
+            "return_std": float(r.std()),
+            "score": None if None in scores else float(np.mean(scores)),
+        }
+    )
     return rows

@@ -4,6 +4,7 @@ cadence, resuming from the last checkpoint, NaN stops, Ctrl-C / SIGTERM and the 
 The loops (``offpolicy``, ``onpolicy``, ``offline``) count time in their own unit (env steps
 per seed, or gradient updates); everything here works in that unit.
 """
+
 from __future__ import annotations
 
 import signal
@@ -51,8 +52,19 @@ def agent_config(agent, cfg):
 
 def run_counts(cfg) -> dict:
     """The RunConfig counts every loop needs to be positive."""
-    return {name: getattr(cfg, name) for name in ("seeds", "num_envs", "total_steps", "eval_every", "log_every",
-                                                  "checkpoint_every", "eval_episodes", "keep_checkpoints")}
+    return {
+        name: getattr(cfg, name)
+        for name in (
+            "seeds",
+            "num_envs",
+            "total_steps",
+            "eval_every",
+            "log_every",
+            "checkpoint_every",
+            "eval_episodes",
+            "keep_checkpoints",
+        )
+    }
 
 
 class Schedule:
@@ -135,6 +147,7 @@ class StopSignals:
     checkpoint.  ``install()`` works in the main thread only (elsewhere it does nothing);
     ``restore()`` puts the previous handlers back.
     """
+
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
@@ -158,8 +171,11 @@ class StopSignals:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt(name)  # the second Ctrl-C: stop now
         if self.requested is None:
-            print(f"\n{name}: stopping at the end of this iteration with a checkpoint "
-                  "(Ctrl-C again to stop now, keeping the last periodic checkpoint)", flush=True)
+            print(
+                f"\n{name}: stopping at the end of this iteration with a checkpoint "
+                "(Ctrl-C again to stop now, keeping the last periodic checkpoint)",
+                flush=True,
+            )
         self.requested = name
 
     def check(self):
@@ -224,8 +240,10 @@ def report_interrupt(consistent: bool, save, step: int, run_dir, bar, logger):
     bar(None)
     logger.close()
     if where is None:
-        print(f"\ninterrupted before the first checkpoint of {run_dir}: nothing to resume; start the run again "
-              "with --overwrite (its files move aside) or in another --run-dir")
+        print(
+            f"\ninterrupted before the first checkpoint of {run_dir}: nothing to resume; start the run again "
+            "with --overwrite (its files move aside) or in another --run-dir"
+        )
     else:
         print(f"\ninterrupted; {where}; continue with: python scripts/train.py --resume {run_dir}")
 
@@ -242,8 +260,7 @@ def raise_non_finite(metrics, step, run_dir, unit: str = "env step"):
     last = checkpoint.latest(run_dir)
     kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
     also = f"also non-finite: {', '.join(bad[1:])}; " if len(bad) > 1 else ""
-    raise NonFiniteLossError(f"non-finite {bad[0] if bad else 'loss'} at {unit} {step}; {also}"
-                             f"training stopped, {kept}")
+    raise NonFiniteLossError(f"non-finite {bad[0] if bad else 'loss'} at {unit} {step}; {also}training stopped, {kept}")
 
 
 # tqdm's default format, without its own rate (an average of its updates) and the time left drawn from it
@@ -260,14 +277,17 @@ def progress(cfg, start: int, unit: str = "step"):
     beside the numbers at once (``status=""`` clears it); ``bar.write(line)`` prints a line above the
     bar (``print`` without one)."""
     if not cfg.progress:
+
         def quiet(*a, **k):
             return None
+
         setattr(quiet, "write", print)  # noqa: B010  (the bar's line printer)
         return quiet
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.total_steps, initial=start, unit=unit, dynamic_ncols=True, mininterval=1.0,
-               bar_format=BAR_FORMAT)
+    bar = tqdm(
+        total=cfg.total_steps, initial=start, unit=unit, dynamic_ncols=True, mininterval=1.0, bar_format=BAR_FORMAT
+    )
     pos, shown = [start], {}
 
     def update(step, rate=None, ret=None, ev=None, status=None):
@@ -288,8 +308,10 @@ def progress(cfg, start: int, unit: str = "step"):
             shown.pop("status", None)
             if status:
                 shown["status"] = status
-        bar.set_postfix_str(", ".join(shown[k] for k in ("rate", "left", "return", "eval", "status") if k in shown),
-                            refresh=status is not None)
+        bar.set_postfix_str(
+            ", ".join(shown[k] for k in ("rate", "left", "return", "eval", "status") if k in shown),
+            refresh=status is not None,
+        )
 
     setattr(update, "write", tqdm.write)  # noqa: B010
     return update
@@ -329,8 +351,11 @@ class CompileNotices:
             where = ""
             if not hit and self.cache_dir and not any(s >= SAY_COMPILES_FROM_SECS for _, s, h in self.compiles[:-1]):
                 where = f" (kept in {self.cache_dir}: later runs load it)"
-            self.bar.write(f"loaded {name} from the compilation cache in {secs:.1f} s" if hit
-                           else f"compiled {name} in {secs:.1f} s{where}")
+            self.bar.write(
+                f"loaded {name} from the compilation cache in {secs:.1f} s"
+                if hit
+                else f"compiled {name} in {secs:.1f} s{where}"
+            )
 
     def __enter__(self):
         import jax.monitoring as monitoring

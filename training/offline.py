@@ -21,6 +21,7 @@ re-read and checked against a fingerprint on resume) and the rng, so ``--resume`
 Evaluation rows carry normalised scores: ``score_d4rl`` (D4RL constants, hopper / halfcheetah /
 walker2d) and ``score_dataset`` (the dataset's own random / expert references), when known.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,14 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from plasticity_zoo.envs import datasets
+from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library_fusion
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library_fusion
-from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
-
+from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 
 
 def resolve_dataset(cfg: RunConfig):
@@ -56,16 +56,26 @@ def resolve_dataset(cfg: RunConfig):
             raise SystemExit("--kind needs --env (e.g. --env hopper --kind medium) to find the dataset in the cache")
         path = datasets.find(datasets.gymnasium_id(cfg.env), a.kind, a.dataset_root)
     else:
-        raise SystemExit(f"agent {cfg.agent_name!r} is offline: give --dataset PATH or --env ENV --kind KIND "
-                         f"(kinds: {', '.join(datasets.KINDS)}; make one with scripts/make_dataset.py)")
+        raise SystemExit(
+            f"agent {cfg.agent_name!r} is offline: give --dataset PATH or --env ENV --kind KIND "
+            f"(kinds: {', '.join(datasets.KINDS)}; make one with scripts/make_dataset.py)"
+        )
     if not path.exists():
         raise SystemExit(f"--dataset {path}: no such file")
     stored = datasets.load(path, validate=False).env_id
     given = cfg.env  # None: not given (train.py's default for offline agents; env=None in code)
-    if stored and given and given != stored and not (  # hopper / Hopper-v4 match Hopper-v5
-            datasets.d4rl_name(given) is not None and datasets.d4rl_name(given) == datasets.d4rl_name(stored)):
-        raise SystemExit(f"--env {given} does not match the dataset's env {stored} ({path}); leave --env out "
-                         "to evaluate on the dataset's env (in code: RunConfig(env=None, ...))")
+    if (
+        stored
+        and given
+        and given != stored
+        and not (  # hopper / Hopper-v4 match Hopper-v5
+            datasets.d4rl_name(given) is not None and datasets.d4rl_name(given) == datasets.d4rl_name(stored)
+        )
+    ):
+        raise SystemExit(
+            f"--env {given} does not match the dataset's env {stored} ({path}); leave --env out "
+            "to evaluate on the dataset's env (in code: RunConfig(env=None, ...))"
+        )
     env_id = stored or (datasets.gymnasium_id(given) if given else None)
     if env_id is None:
         raise SystemExit(f"{path} does not record its environment: pass --env (e.g. Hopper-v5)")
@@ -79,8 +89,9 @@ def dataset_config(cfg: RunConfig, agent, dataset, env_id: str) -> RunConfig:
     where the agent defines it: e.g. NeuBay's per-task presets) -- what config.json records."""
     cfg = dataclasses.replace(cfg, env=env_id)
     if hasattr(agent, "with_dataset"):
-        cfg = dataclasses.replace(cfg, agent=agent.with_dataset(cfg.agent, env_id, dict(dataset.metadata),
-                                                                 cfg.total_steps))
+        cfg = dataclasses.replace(
+            cfg, agent=agent.with_dataset(cfg.agent, env_id, dict(dataset.metadata), cfg.total_steps)
+        )
     return cfg
 
 
@@ -89,16 +100,20 @@ def scores(returns, env_id: str, metadata: dict) -> dict:
     out = {}
     for ref in ("d4rl", "dataset"):
         try:
-            out[f"score_{ref}"] = float(datasets.normalized_score(returns, env_id=env_id, metadata=metadata,
-                                                                  reference=ref))
+            out[f"score_{ref}"] = float(
+                datasets.normalized_score(returns, env_id=env_id, metadata=metadata, reference=ref)
+            )
         except (ValueError, KeyError):
             pass
     return out
 
 
 def fingerprint(dataset) -> dict:
-    return {"rows": len(dataset), "reward_sum": float(np.sum(dataset.rewards, dtype=np.float64)),
-            "obs_sum": float(np.sum(dataset.observations, dtype=np.float64))}
+    return {
+        "rows": len(dataset),
+        "reward_sum": float(np.sum(dataset.rewards, dtype=np.float64)),
+        "obs_sum": float(np.sum(dataset.observations, dtype=np.float64)),
+    }
 
 
 @cached_per_config
@@ -107,8 +122,11 @@ def epoch_program(agent, agent_cfg, env_id: str):
 
     On CPU it is compiled with single-dot library fusions (``networks.runtime.dots_only_library_fusion``):
     the offline agents' updates on long batches reduce large arrays over their leading axis."""
-    return jax.jit(over_seeds(agent.make_epoch(agent_cfg, env_id), in_axes=(0, 0, None, 0)), donate_argnums=(0, 1),
-                   compiler_options=dots_only_library_fusion())
+    return jax.jit(
+        over_seeds(agent.make_epoch(agent_cfg, env_id), in_axes=(0, 0, None, 0)),
+        donate_argnums=(0, 1),
+        compiler_options=dots_only_library_fusion(),
+    )
 
 
 def initial_state(cfg: RunConfig, agent, dataset, init_keys):
@@ -127,18 +145,36 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     path, dataset, env_id = resolve_dataset(cfg)
     cfg = dataset_config(cfg, agent, dataset, env_id)  # config.json (and plots) name the env evaluated on
     iteration = OfflineIteration(cfg, agent, path, dataset, env_id)
-    driver = Driver(cfg, agent, run_dir, iteration.hooks, iteration.evaluator, unit="update",
-                    speed_key="perf/updates_per_s", episodes=False,
-                    eval_extras=lambda returns: [scores(np.mean(r), env_id, dataset.metadata) for r in returns])
-    host = driver.begin(iteration, resume, on_fresh=lambda: (Path(run_dir) / "dataset.json").write_text(
-        json.dumps(iteration.meta, indent=2)))
+    driver = Driver(
+        cfg,
+        agent,
+        run_dir,
+        iteration.hooks,
+        iteration.evaluator,
+        unit="update",
+        speed_key="perf/updates_per_s",
+        episodes=False,
+        eval_extras=lambda returns: [scores(np.mean(r), env_id, dataset.metadata) for r in returns],
+    )
+    host = driver.begin(
+        iteration,
+        resume,
+        on_fresh=lambda: (Path(run_dir) / "dataset.json").write_text(json.dumps(iteration.meta, indent=2)),
+    )
     if host is not None and host["dataset"] != iteration.meta["fingerprint"]:
-        raise SystemExit(f"--resume {run_dir}: the dataset {path} changed since the run started "
-                         f"({host['dataset']} != {iteration.meta['fingerprint']})")
+        raise SystemExit(
+            f"--resume {run_dir}: the dataset {path} changed since the run started "
+            f"({host['dataset']} != {iteration.meta['fingerprint']})"
+        )
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
     last_eval = driver.run(iteration, end, cfg.total_steps)
-    return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
-            "env_id": env_id}
+    return {
+        "state": iteration.state,
+        "step": driver.step,
+        "last_eval": last_eval,
+        "run_dir": str(run_dir),
+        "env_id": env_id,
+    }
 
 
 def check(cfg: RunConfig):
@@ -146,13 +182,15 @@ def check(cfg: RunConfig):
     a = cfg.agent
     check_positive(**run_counts(cfg))
     if cfg.total_steps % a.updates_per_epoch:
-        raise ValueError(f"--total-steps ({cfg.total_steps}) must be a multiple of --updates-per-epoch "
-                         f"({a.updates_per_epoch})")
+        raise ValueError(
+            f"--total-steps ({cfg.total_steps}) must be a multiple of --updates-per-epoch ({a.updates_per_epoch})"
+        )
     if cfg.num_envs != 1:
         raise ValueError("--num-envs does not apply to offline agents (they collect no data)")
     if cfg.plasticity.least:
-        raise ValueError(f"--plasticity.least does not apply to agent {cfg.agent_name!r}: offline agents "
-                         "collect no episodes to stop")
+        raise ValueError(
+            f"--plasticity.least does not apply to agent {cfg.agent_name!r}: offline agents collect no episodes to stop"
+        )
 
 
 class OfflineIteration:
@@ -161,8 +199,9 @@ class OfflineIteration:
     def __init__(self, cfg: RunConfig, agent, path, dataset, env_id: str):
         a = cfg.agent
         self.cfg, self.U, S = cfg, a.updates_per_epoch, cfg.seeds
-        self.evaluator = Evaluator(env_id, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent))
+        self.evaluator = Evaluator(
+            env_id, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat, eval_action_mode(cfg, agent)
+        )
         keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
         k_prepare, self.key = keys[0], keys[1]
         self.aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
@@ -191,8 +230,9 @@ class OfflineIteration:
     def run_one(self, drv: Driver):
         drv.evaluate_if_due(drv.step, self.eval_state)
         self.key, k = jax.random.split(self.key)
-        self.state, self.data, metrics = self.epoch_fn(self.state, self.data, self.aux,
-                                                       jax.random.split(k, self.cfg.seeds))
+        self.state, self.data, metrics = self.epoch_fn(
+            self.state, self.data, self.aux, jax.random.split(k, self.cfg.seeds)
+        )
         finite = all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics))
         drv.stop_if_non_finite(finite, metrics, drv.step + self.U)
         self.state = drv.plasticity(drv.step, drv.step + self.U, self.state, self.data, jax.random.fold_in(k, 1))

@@ -6,6 +6,7 @@ Per env step the host makes two jitted calls: ``store`` writes the transitions i
 returns the next action; everything seed-specific is vmapped over a leading seed axis.  The
 iteration (``OffPolicyIteration``) runs inside the one loop driver (``training/driver.py``).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -15,24 +16,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from plasticity_zoo.buffers import replay
 from plasticity_zoo.envs import make_vector_env, nonstationary
 from plasticity_zoo.networks.runtime import cached_per_config
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.plasticity.least import LEAST
-from plasticity_zoo.buffers import replay
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.seeds import add_over_seeds, init_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity_zoo.training.loop import NonFiniteLossError, RunTree, agent_config, check_positive, run_counts
+from plasticity_zoo.training.seeds import add_over_seeds, init_over_seeds, over_seeds
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
 
 
 def make_train_block(agent, cfg, num_updates: int):
-    """``agent.train_block`` with ``num_updates`` bound: ``(state, buffer, key, replay_control=None) -> (state, buffer, metrics)``."""
-    return lambda state, buffer, key, replay_control=None: agent.train_block(state, buffer, key, num_updates,
-                                                                             replay_control)
+    """``agent.train_block`` with ``num_updates`` bound:
+    ``(state, buffer, key, replay_control=None) -> (state, buffer, metrics)``."""
+    return lambda state, buffer, key, replay_control=None: agent.train_block(
+        state, buffer, key, num_updates, replay_control
+    )
 
 
 def buffer_fns(agent):
@@ -78,7 +81,9 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
 
     def step(state, buffer, transition, obs, key, random_actions: bool, train: bool, replay_control=None):
         buffer = store(buffer, transition, obs)
-        return learn_and_act(state, buffer, obs, key, random_actions=random_actions, train=train, replay_control=replay_control)
+        return learn_and_act(
+            state, buffer, obs, key, random_actions=random_actions, train=train, replay_control=replay_control
+        )
 
     for name, fn in (("store", store), ("learn_and_act", learn_and_act)):  # for the donation regression test
         setattr(step, name, fn)
@@ -92,7 +97,9 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     agent_cfg = agent_config(agent, cfg)  # a multitask agent's config carries the env's task layout
     state = init_over_seeds(agent, keys[1:], obs_dim, act_dim, agent_cfg, cfg.network, static)
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
-    buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim, cfg.agent))(jnp.arange(cfg.seeds))
+    buffer = jax.vmap(lambda _: agent.buffer_init(cfg.agent.buffer_size, obs_dim, act_dim, cfg.agent))(
+        jnp.arange(cfg.seeds)
+    )
     return RunTree(state, buffer, keys[0])
 
 
@@ -101,8 +108,7 @@ def seed_slice(tree, j: int):
     return jax.tree.map(lambda x: x[j], tree)
 
 
-def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None,
-          on_eval=None) -> dict:
+def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: int | None = None, on_eval=None) -> dict:
     """Train (or resume) a run.  ``stop_at`` ends early at that step, as an interruption would.
 
     Steps count env steps per seed (each loop iteration steps ``num_envs`` envs per seed).
@@ -124,8 +130,10 @@ def check(cfg: RunConfig):
     check_positive(**run_counts(cfg))
     pc, batch = cfg.plasticity, getattr(cfg.agent, "batch_size", 2)
     if pc.ne and pc.ne_auto_batch != "off" and batch % 2:
-        raise ValueError(f"NE's auto batch halves the batch: --batch-size must be even (got {batch}), "
-                         "or pass --plasticity.ne-auto-batch off")
+        raise ValueError(
+            f"NE's auto batch halves the batch: --batch-size must be even (got {batch}), "
+            "or pass --plasticity.ne-auto-batch off"
+        )
 
 
 class OffPolicyIteration:
@@ -136,19 +144,30 @@ class OffPolicyIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = S, E = cfg.seeds, cfg.num_envs
         self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, env_impl=cfg.env_impl)
-        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)
+        self.evaluator = Evaluator(
+            cfg.env,
+            S,
+            cfg.eval_episodes,
+            eval_base_seed(cfg),
+            cfg.action_repeat,
+            eval_action_mode(cfg, agent),
+            env_impl=cfg.env_impl,
+        )
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.buffer, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.num_updates = a.updates_per_step * E
         learning_iters = cfg.total_steps // E - max(0, -(-a.learning_starts // E) - 1)  # iterations that learn
-        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
-                           total_updates=max(1, learning_iters * self.num_updates))
+        self.hooks = Hooks(
+            cfg.plasticity, agent, cfg.agent_name, total_updates=max(1, learning_iters * self.num_updates)
+        )
         self.state = self.hooks.start(self.state)
         self.step_fn = make_step_fn(agent, a, self.num_updates, self.act_dim)
         pc = cfg.plasticity
-        self.least = (LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps),
-                            coef=pc.least_coef) if pc.least else None)
+        self.least = (
+            LEAST(S, E, pc.least_window, pc.least_max_len, int(pc.least_warmup * cfg.total_steps), coef=pc.least_coef)
+            if pc.least
+            else None
+        )
         self.least_signals = jax.jit(jax.vmap(agent.least_signals)) if pc.least else None
         self.set_noise = jax.jit(jax.vmap(agent.with_exploration_noise)) if pc.least_noise_max > 0 else None
         self.metrics, self.updates_done = None, 0
@@ -174,8 +193,13 @@ class OffPolicyIteration:
         self.updates_done, self.least = host["updates_done"], host["least"]
 
     def host(self) -> dict:
-        return {"env": self.env, "obs": self.obs, "action": np.asarray(self.action),
-                "updates_done": self.updates_done, "least": self.least}
+        return {
+            "env": self.env,
+            "obs": self.obs,
+            "action": np.asarray(self.action),
+            "updates_done": self.updates_done,
+            "least": self.least,
+        }
 
     def eval_state(self):
         return self.state
@@ -187,16 +211,33 @@ class OffPolicyIteration:
         new_obs, reward, terminated, truncated, next_obs = env.step(action)
         transition = replay.Transition(self.obs, action, reward, next_obs, terminated, truncated)
         if self.least is not None and drv.step >= a.learning_starts:
-            transition, new_obs = _least_step(self.least, self.least_signals, self.state, transition, new_obs, env,
-                                              drv.step, jax.random.fold_in(self.key, 2), S, E)
+            transition, new_obs = _least_step(
+                self.least,
+                self.least_signals,
+                self.state,
+                transition,
+                new_obs,
+                env,
+                drv.step,
+                jax.random.fold_in(self.key, 2),
+                S,
+                E,
+            )
         drv.step += E
         drv.advance(E * S)
         self.obs = new_obs
         self.key, k = jax.random.split(self.key)
         learning = drv.step >= a.learning_starts
         self.state, self.buffer, self.action, new_metrics, finite = self.step_fn(
-            self.state, self.buffer, transition, self.obs.reshape(S, E, self.obs_dim), k,
-            random_actions=not learning, train=learning, replay_control=self.hooks.replay_control)
+            self.state,
+            self.buffer,
+            transition,
+            self.obs.reshape(S, E, self.obs_dim),
+            k,
+            random_actions=not learning,
+            train=learning,
+            replay_control=self.hooks.replay_control,
+        )
         if learning:
             self.metrics = new_metrics
             drv.stop_if_non_finite(finite, new_metrics, drv.step)

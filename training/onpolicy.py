@@ -23,6 +23,7 @@ Steps count env steps per seed (each vector step adds ``num_envs``); a run does
 ``total_steps // (num_steps * num_envs)`` full iterations (CleanRL's ``num_iterations``), which also
 sets the learning-rate annealing horizon.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,25 +34,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from plasticity_zoo.envs import make_vector_env
-from plasticity_zoo.envs import nonstationary
+from plasticity_zoo.envs import make_vector_env, nonstationary
+from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 from plasticity_zoo.training.driver import Driver
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
+from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 
 
 class LoopState(NamedTuple):
-    buffer: object       # agent.Rollout, (T + 1 | T, E, ...) per seed
-    returns: jax.Array   # (E,) discounted returns of the reward normaliser
+    buffer: object  # agent.Rollout, (T + 1 | T, E, ...) per seed
+    returns: jax.Array  # (E,) discounted returns of the reward normaliser
 
 
 def empty_loop(agent, T: int, E: int, obs_dim: int, act_dim: int) -> LoopState:
     z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
-    b = agent.Rollout(z(T + 1, E, obs_dim), z(T + 1, E, act_dim), z(T + 1, E), z(T + 1, E), z(T, E),
-                      jnp.zeros((T, E), bool), jnp.zeros((T, E), bool), z(T, E))
+    b = agent.Rollout(
+        z(T + 1, E, obs_dim),
+        z(T + 1, E, act_dim),
+        z(T + 1, E),
+        z(T + 1, E),
+        z(T, E),
+        jnp.zeros((T, E), bool),
+        jnp.zeros((T, E), bool),
+        z(T, E),
+    )
     return LoopState(b, z(E))
 
 
@@ -61,13 +69,18 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     state = init_over_seeds(agent, keys[1:], obs_dim, act_dim, cfg.agent, cfg.network, static)
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
     loop = jax.vmap(lambda _: empty_loop(agent, cfg.agent.num_steps, cfg.num_envs, obs_dim, act_dim))(
-        jnp.arange(cfg.seeds))
+        jnp.arange(cfg.seeds)
+    )
     return RunTree(state, loop, keys[0])
 
 
 def _write_policy_slot(buffer, i, obs_n, action, logp, value):
-    return buffer._replace(obs=buffer.obs.at[i].set(obs_n), actions=buffer.actions.at[i].set(action),
-                           logp=buffer.logp.at[i].set(logp), values=buffer.values.at[i].set(value))
+    return buffer._replace(
+        obs=buffer.obs.at[i].set(obs_n),
+        actions=buffer.actions.at[i].set(action),
+        logp=buffer.logp.at[i].set(logp),
+        values=buffer.values.at[i].set(value),
+    )
 
 
 def seed_fns(agent, T: int):
@@ -92,9 +105,12 @@ def seed_fns(agent, T: int):
         state, obs_n = agent.observe(state, new_obs)
         final_v = agent.value(state, agent.normalize_obs(state, next_obs))
         b = loop.buffer
-        b = b._replace(rewards=b.rewards.at[t].set(r), terminated=b.terminated.at[t].set(terminated),
-                       truncated=b.truncated.at[t].set(truncated),
-                       final_values=b.final_values.at[t].set(jnp.where(truncated & ~terminated, final_v, 0.0)))
+        b = b._replace(
+            rewards=b.rewards.at[t].set(r),
+            terminated=b.terminated.at[t].set(terminated),
+            truncated=b.truncated.at[t].set(truncated),
+            final_values=b.final_values.at[t].set(jnp.where(truncated & ~terminated, final_v, 0.0)),
+        )
         action, logp, v = agent.sample_action(state, obs_n, key)
         return state, LoopState(_write_policy_slot(b, t + 1, obs_n, action, logp, v), returns), action
 
@@ -111,7 +127,8 @@ def seed_fns(agent, T: int):
     def step_all(state, loop, t, reward, terminated, truncated, next_obs, new_obs, key):
         keys = jax.random.split(jax.random.fold_in(key, t), reward.shape[0])
         return jax.vmap(step, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))(
-            state, loop, t, reward, terminated, truncated, next_obs, new_obs, keys)
+            state, loop, t, reward, terminated, truncated, next_obs, new_obs, keys
+        )
 
     def iterate_all(state, loop, key):
         seeds = loop.returns.shape[0]
@@ -137,8 +154,13 @@ def make_fns(agent, T: int):
         return agent.reset_normalizers(state), loop._replace(returns=jnp.zeros_like(loop.returns))
 
     eval_act = jax.jit(jax.vmap(lambda s, o: agent.act(s, o, None, explore=False)))
-    return (jax.jit(start_all, donate_argnums=(0, 1)), FlatStep(agent, step_all),
-            jax.jit(iterate_all, donate_argnums=(0, 1)), jax.jit(jax.vmap(reset_norm)), eval_act)
+    return (
+        jax.jit(start_all, donate_argnums=(0, 1)),
+        FlatStep(agent, step_all),
+        jax.jit(iterate_all, donate_argnums=(0, 1)),
+        jax.jit(jax.vmap(reset_norm)),
+        eval_act,
+    )
 
 
 class FlatStep:
@@ -170,6 +192,7 @@ class FlatStep:
         fm, tm = jax.tree.flatten((mutable, loop))
         key = (tf, tm, jax.tree.structure(skeleton))
         if key not in self._compiled:
+
             def flat(ff, fm, *args):
                 mut, lp = jax.tree.unflatten(tm, fm)
                 st = agent.rollout_join(skeleton, jax.tree.unflatten(tf, ff), mut)
@@ -191,15 +214,20 @@ class FlatStep:
 
 def check(cfg: RunConfig):
     a = cfg.agent
-    check_positive(**run_counts(cfg), num_steps=a.num_steps, num_minibatches=a.num_minibatches,
-                   update_epochs=a.update_epochs)
+    check_positive(
+        **run_counts(cfg), num_steps=a.num_steps, num_minibatches=a.num_minibatches, update_epochs=a.update_epochs
+    )
     batch = a.num_steps * cfg.num_envs
     if batch % a.num_minibatches:
-        raise ValueError(f"the batch (--num-steps {a.num_steps} x --num-envs {cfg.num_envs} = {batch}) must be "
-                         f"divisible by --num-minibatches {a.num_minibatches}")
+        raise ValueError(
+            f"the batch (--num-steps {a.num_steps} x --num-envs {cfg.num_envs} = {batch}) must be "
+            f"divisible by --num-minibatches {a.num_minibatches}"
+        )
     if cfg.total_steps < batch:
-        raise ValueError(f"--total-steps {cfg.total_steps} is less than one rollout (--num-steps {a.num_steps} x "
-                         f"--num-envs {cfg.num_envs} = {batch} env steps per seed)")
+        raise ValueError(
+            f"--total-steps {cfg.total_steps} is less than one rollout (--num-steps {a.num_steps} x "
+            f"--num-envs {cfg.num_envs} = {batch} env steps per seed)"
+        )
     return batch, cfg.total_steps // batch
 
 
@@ -212,8 +240,13 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     last_step = num_iterations * batch
     end = last_step if stop_at is None else min(stop_at, last_step)
     last_eval = driver.run(iteration, end, last_step)
-    return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir),
-            "metrics": iteration.metrics}
+    return {
+        "state": iteration.state,
+        "step": driver.step,
+        "last_eval": last_eval,
+        "run_dir": str(run_dir),
+        "metrics": iteration.metrics,
+    }
 
 
 class OnPolicyIteration:
@@ -223,17 +256,32 @@ class OnPolicyIteration:
         a = cfg.agent
         self.cfg, self.agent, self.num_iterations = cfg, agent, num_iterations
         self.S, self.E, self.T = S, E, T = cfg.seeds, cfg.num_envs, a.num_steps
-        self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, backend=a.backend,
-                                   action_mode=a.action_mode, env_impl=cfg.env_impl)
-        self.evaluator = Evaluator(cfg.env, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat,
-                                   eval_action_mode(cfg, agent), env_impl=cfg.env_impl)  # --action-mode
+        self.env = make_vector_env(
+            cfg.env,
+            S * E,
+            cfg.seed * 10_000,
+            cfg.action_repeat,
+            backend=a.backend,
+            action_mode=a.action_mode,
+            env_impl=cfg.env_impl,
+        )
+        self.evaluator = Evaluator(
+            cfg.env,
+            S,
+            cfg.eval_episodes,
+            eval_base_seed(cfg),
+            cfg.action_repeat,
+            eval_action_mode(cfg, agent),
+            env_impl=cfg.env_impl,
+        )  # --action-mode
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)
         # plasticity metrics, resets and NE events on samples of the latest rollout; periods count gradient updates
         self.updates_per_iteration = a.update_epochs * a.num_minibatches
-        self.hooks = Hooks(cfg.plasticity, agent, cfg.agent_name,
-                           total_updates=num_iterations * self.updates_per_iteration)
+        self.hooks = Hooks(
+            cfg.plasticity, agent, cfg.agent_name, total_updates=num_iterations * self.updates_per_iteration
+        )
         self.state = self.hooks.start(self.state)
         self.metrics: dict | None = None  # the last iteration's (set by each iteration; None before the first)
         self.updates_done, self.phase = 0, 0
@@ -269,9 +317,13 @@ class OnPolicyIteration:
         self.metrics = None if metrics is None else {k: jnp.asarray(v) for k, v in metrics.items()}
 
     def host(self) -> dict:
-        return {"env": self.env, "action": np.asarray(self.action), "phase": self.phase,
-                "updates_done": self.updates_done,
-                "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()}}
+        return {
+            "env": self.env,
+            "action": np.asarray(self.action),
+            "phase": self.phase,
+            "updates_done": self.updates_done,
+            "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()},
+        }
 
     def eval_state(self):
         return self.state
@@ -291,8 +343,17 @@ class OnPolicyIteration:
                     self.state, self.loop = self.reset_norm_fn(*step_fn.unflatten(fm))
                     ff, fm = step_fn.flatten(self.state, self.loop)
                 self.phase = now
-            fm, self.action = step_fn(ff, fm, np.int32(t), shaped(reward), shaped(terminated), shaped(truncated),
-                                      shaped(next_obs), shaped(new_obs), k_roll)
+            fm, self.action = step_fn(
+                ff,
+                fm,
+                np.int32(t),
+                shaped(reward),
+                shaped(terminated),
+                shaped(truncated),
+                shaped(next_obs),
+                shaped(new_obs),
+                k_roll,
+            )
             drv.episodes(env, E)
             drv.log_if_due(drv.step, self.metrics, self._task_rows)
         self.state, self.loop = step_fn.unflatten(fm)
@@ -307,5 +368,7 @@ class OnPolicyIteration:
         if not hasattr(self.env, "task_ids"):
             return None
         tasks, E = self.env.task_ids(), self.E
-        return [{"ns/task_id": float(np.mean(tasks[j * E:(j + 1) * E])), "ns/phase": self.env.global_phase()}
-                for j in range(self.S)]
+        return [
+            {"ns/task_id": float(np.mean(tasks[j * E : (j + 1) * E])), "ns/phase": self.env.global_phase()}
+            for j in range(self.S)
+        ]

@@ -11,6 +11,7 @@ plasticity presets) and, where the protocol is for one env family, the env ids i
 Values below are the papers' own; where a paper leaves one open, the preset leaves it at the
 zoo's default and says so.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,109 +30,264 @@ class Preset:
     note: str = ""
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    # MR.Q's benchmark protocols: one hyperparameter set (the agent's defaults, Table 3); the
-    # benchmarks differ in steps, action repeat and evaluation.
-    Preset("mrq-gym", ("--total-steps", "1000000", "--action-repeat", "1", "--eval-every", "5000",
-                       "--eval-episodes", "10"),
-           "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: Gymnasium MuJoCo, 1M env steps, no preprocessing, "
-           "10 deterministic episodes every 5k steps", agents=("mrq",), env_family="gym"),
-    Preset("mrq-dmc", ("--total-steps", "500000", "--action-repeat", "2", "--eval-every", "5000",
-                       "--eval-episodes", "10"),
-           "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: DMC proprioceptive, action repeat 2, 500k agent steps "
-           "(1M frames), 10 deterministic episodes every 5k agent steps", agents=("mrq",), env_family="dmc"),
-    # Multitask MR.Q: ScaleMRL's README command for agent=mrq (its config.py defaults otherwise).
-    Preset("mrq-mt-scalemrl", ("--total-steps", "10000000", "--horizon", "5", "--model-size", "L",
-                               "--eval-episodes", "2"),
-           "Obando-Ceron et al. 2026 (ScaleMRL, arXiv 2606.05555), the code's README command for agent=mrq "
-           "(use_demos=false, steps=10000000, horizon=5) and config.py defaults: model size L, batch 1024, "
-           "UTD 0.075, one env per task, 2 evaluation episodes per task",
-           agents=("mrq-mt",),
-           note="learning starts after 5 random episodes per env and evaluation comes every 20 episodes per env "
-                "(agents.mrq_mt.protocol; 52,500 and 210,000 steps on mt:dmc21), filled in for the env's tasks; "
-                "task embeddings are learned (ScaleMRL conditions on frozen CLIP text vectors)"),
-    # PPO: the CleanRL 1M-step MuJoCo protocol (the zoo's defaults, spelled out) and SB3/SBX's defaults.
-    Preset("ppo-cleanrl", ("--total-steps", "1000000", "--num-envs", "1", "--num-steps", "2048",
-                           "--num-minibatches", "32", "--update-epochs", "10", "--learning-rate", "3e-4",
-                           "--anneal-lr", "--gamma", "0.99", "--gae-lambda", "0.95", "--clip-coef", "0.2",
-                           "--ent-coef", "0.0", "--vf-coef", "0.5", "--max-grad-norm", "0.5", "--norm-obs",
-                           "--norm-reward", "--action-mode", "clip"),
-           "Huang et al. 2022 (CleanRL), ppo_continuous_action.py defaults: the 1M-step MuJoCo protocol",
-           agents=("ppo",)),
-    Preset("ppo-playground", ("--total-steps", "60000000", "--num-envs", "2048", "--num-steps", "30",
-                              "--num-minibatches", "32", "--update-epochs", "16", "--learning-rate", "1e-3",
-                              "--gamma", "0.995", "--ent-coef", "0.01", "--norm-obs"),
-           "Zakka et al. 2025 (MuJoCo Playground, arXiv 2502.08844), the DM Control Suite PPO settings "
-           "(dm_control_suite_params.py): 60M steps, 2048 envs, unroll 30, 32 minibatches, 16 updates per batch, "
-           "lr 1e-3, discount 0.995, entropy cost 1e-2, observation normalisation",
-           agents=("ppo",), env_family="playground",
-           note="Brax gathers 16 unrolls of the 2048 envs per update batch (1024 x 32 trajectories of 30 steps); here "
-                "one 30-step rollout of 2048 envs is one iteration's batch.  Brax scales rewards by 10, the zoo "
-                "normalises them by the return's std.  Brax's networks are not reproduced.  Playground uses "
-                "discount 0.95 for BallInCup and FingerSpin and 100M steps for AcrobotSwingup, SwimmerSwimmer6 and "
-                "WalkerRun: add --gamma 0.95 / --total-steps 100000000"),
-    Preset("ppo-sb3", ("--num-steps", "2048", "--num-minibatches", "32", "--update-epochs", "10",
-                       "--learning-rate", "3e-4", "--no-anneal-lr", "--no-norm-obs", "--no-norm-reward"),
-           "Raffin et al. 2021 (Stable-Baselines3) PPO defaults: n_steps 2048, batch 64 (32 minibatches of one "
-           "env's 2048 steps), 10 epochs, constant lr 3e-4, no VecNormalize",
-           agents=("ppo",), note="SB3's default network (64-64 tanh, no orthogonal init) is not reproduced: "
-                                 "the zoo's PPO network keeps CleanRL's orthogonal init"),
-    # RAVL: the one setting the reference code's README gives (the paper's per-task table is an image).
-    Preset("ravl-halfcheetah-medium", ("--critics", "10", "--eta", "1.0", "--horizon", "5",
-                                       "--dataset-ratio", "0.05", "--total-steps", "3000000",
-                                       "--updates-per-epoch", "1000"),
-           "Sims et al. 2024 (RAVL, NeurIPS), the training loop and the reference code's README example for halfcheetah-medium: "
-           "N = 10, eta = 1, k = 5, r = 0.05; 3000 epochs x 1000 updates",
-           agents=("ravl",), note="the paper's per-task values for the other datasets are published only as "
-                                  "an image and are not transcribed"),
-    Preset("ravl-hopper", ("--critics", "10", "--eta", "1.0", "--horizon", "20", "--dataset-ratio", "0.05"),
-           "the zoo's own measurement, not the paper's: on Hopper-v5 medium and medium-replay, k = 20 reaches the "
-           "falls 5-step rollouts miss and beats the behaviour policy on every seed (docs/benchmarks.md)",
-           agents=("ravl",), note="Sims et al. 2024 tune k per task; their hopper values are not transcribed"),
-    # Plasticity interventions at their papers' settings (any agent that takes them).
-    Preset("redo-sokar", ("--plasticity.redo", "--plasticity.redo-tau", "0.025", "--plasticity.reset-every", "1000"),
-           "Sokar et al. 2023 (ReDo, ICML), the default setting: tau = 0.025, recycle every 1000 gradient steps"),
-    Preset("regrama-bro", ("--plasticity.regrama", "--plasticity.regrama-tau", "0.01",
-                           "--plasticity.reset-every", "1000"),
-           "Liu et al. 2025 (GraMa / ReGraMa, NeurIPS), App. A: tau = 0.01, reset every 1000 steps (BRO-net on DMC)"),
-    Preset("regrama-sac", ("--plasticity.regrama", "--plasticity.regrama-tau", "0.0", "--plasticity.reset-every",
-                           "1000", "--plasticity.reset-max-fraction", "0.05"),
-           "Liu et al. 2025 (GraMa / ReGraMa), App. A: CleanRL SAC, tau = 0, every 1000 steps, at most 5% of "
-           "neurons per event"),
-    Preset("sigreg-rl", ("--plasticity.sigreg-coef", "0.2", "--plasticity.sigreg-variant", "rl",
-                         "--plasticity.sigreg-slices", "16"),
-           "Saheb et al., arXiv 2602.19373 (SIGReg in deep RL), the reference scripts: the RL variant, 16 slices, lambda = 0.2 (the smaller "
-           "of the scripts' two non-zero values)"),
-    Preset("ne-reference", ("--plasticity.ne",),
-           "Liu et al. 2025 (Neuroplastic Expansion, ICLR), the reference code's defaults: an event every 100 updates, "
-           "uniform growth, magnitude pruning, review off, auto batch (the zoo's --plasticity.ne-* defaults)"),
-    Preset("sp-plasticine", ("--plasticity.shrink-perturb", "--plasticity.sp-every", "1", "--plasticity.sp-shrink",
-                             "0.999999", "--plasticity.sp-perturb", "0.000001"),
-           "Yuan et al. 2025 (Plasticine, arXiv 2504.17490), standard/td3_dmc_snp.py: theta <- 0.999999 theta + 1e-6 "
-           "x a fresh initialisation after every (policy) update; the rule is Ash & Adams 2020 (NeurIPS), section 4"),
-    Preset("reset-primacy", ("--plasticity.layer-reset", "--plasticity.layer-reset-every", "200000",
-                             "--plasticity.layer-reset-layers", "0"),
-           "Nikishin et al. 2022 (The primacy bias in deep RL, ICML), section 4 and appendix: SAC on DMC resets every "
-           "network (and its targets) every 2e5 updates",
-           note="the zoo keeps SAC's temperature across a reset; the paper's agent starts it over too"),
-    Preset("l2-init", ("--plasticity.l2-init", "0.01"),
-           "Kumar, Marklund, Van Roy 2023 (L2 Init, arXiv 2308.11958), section 3: loss + lambda ||theta - theta_0||^2 "
-           "over every parameter; lambda = 0.01 is the L2 Init (regen) setting of Chung et al. 2024's DMC and "
-           "MetaWorld runs (wechu/parseval_reg main.py) and Plasticine's rr_weight",
-           note="the L2 Init paper tunes lambda per (supervised) benchmark and gives no RL value; Chung et al.'s code "
-                "divides each tensor's squared distance by its size and Plasticine's uses the unsquared norm, so "
-                "0.01 here (the paper's sum) pulls harder per weight: tune it"),
-    Preset("parseval", ("--plasticity.parseval", "0.0001", "--plasticity.parseval-scale", "2"),
-           "Chung, Cherif, Meger, Precup 2024 (Parseval regularization, NeurIPS), section 3 and the authors' code "
-           "(wechu/parseval_reg main.py): lambda = 1e-4 on CARL DMC quadruped and LunarLander (1e-3 on gridworld "
-           "and MetaWorld), s = 2, lambda scaled by (64 / width)^2 for other widths, hidden layers only",
-           note="the paper's MetaWorld runs add diagonal layers after each Parseval layer, which the zoo does not"),
-    Preset("nap", ("--plasticity.nap", "--network.layer-norm"),
-           "Lyle et al. 2024 (Normalization and effective learning rates in RL, NeurIPS), section 4: LayerNorm before "
-           "each nonlinearity and every hidden layer projected back to its initial norm after each step",
-           note="the paper finds an explicit learning-rate decay helps its Rainbow agents under NaP; the zoo keeps "
-                "each agent's own schedule"),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        # MR.Q's benchmark protocols: one hyperparameter set (the agent's defaults, Table 3); the
+        # benchmarks differ in steps, action repeat and evaluation.
+        Preset(
+            "mrq-gym",
+            ("--total-steps", "1000000", "--action-repeat", "1", "--eval-every", "5000", "--eval-episodes", "10"),
+            "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: Gymnasium MuJoCo, 1M env steps, no "
+            "preprocessing, "
+            "10 deterministic episodes every 5k steps",
+            agents=("mrq",),
+            env_family="gym",
+        ),
+        Preset(
+            "mrq-dmc",
+            ("--total-steps", "500000", "--action-repeat", "2", "--eval-every", "5000", "--eval-episodes", "10"),
+            "Fujimoto et al. 2025 (MR.Q, ICLR), the experimental protocol: DMC proprioceptive, action repeat 2, 500k "
+            "agent steps "
+            "(1M frames), 10 deterministic episodes every 5k agent steps",
+            agents=("mrq",),
+            env_family="dmc",
+        ),
+        # Multitask MR.Q: ScaleMRL's README command for agent=mrq (its config.py defaults otherwise).
+        Preset(
+            "mrq-mt-scalemrl",
+            ("--total-steps", "10000000", "--horizon", "5", "--model-size", "L", "--eval-episodes", "2"),
+            "Obando-Ceron et al. 2026 (ScaleMRL, arXiv 2606.05555), the code's README command for agent=mrq "
+            "(use_demos=false, steps=10000000, horizon=5) and config.py defaults: model size L, batch 1024, "
+            "UTD 0.075, one env per task, 2 evaluation episodes per task",
+            agents=("mrq-mt",),
+            note="learning starts after 5 random episodes per env and evaluation comes every 20 episodes per env "
+            "(agents.mrq_mt.protocol; 52,500 and 210,000 steps on mt:dmc21), filled in for the env's tasks; "
+            "task embeddings are learned (ScaleMRL conditions on frozen CLIP text vectors)",
+        ),
+        # PPO: the CleanRL 1M-step MuJoCo protocol (the zoo's defaults, spelled out) and SB3/SBX's defaults.
+        Preset(
+            "ppo-cleanrl",
+            (
+                "--total-steps",
+                "1000000",
+                "--num-envs",
+                "1",
+                "--num-steps",
+                "2048",
+                "--num-minibatches",
+                "32",
+                "--update-epochs",
+                "10",
+                "--learning-rate",
+                "3e-4",
+                "--anneal-lr",
+                "--gamma",
+                "0.99",
+                "--gae-lambda",
+                "0.95",
+                "--clip-coef",
+                "0.2",
+                "--ent-coef",
+                "0.0",
+                "--vf-coef",
+                "0.5",
+                "--max-grad-norm",
+                "0.5",
+                "--norm-obs",
+                "--norm-reward",
+                "--action-mode",
+                "clip",
+            ),
+            "Huang et al. 2022 (CleanRL), ppo_continuous_action.py defaults: the 1M-step MuJoCo protocol",
+            agents=("ppo",),
+        ),
+        Preset(
+            "ppo-playground",
+            (
+                "--total-steps",
+                "60000000",
+                "--num-envs",
+                "2048",
+                "--num-steps",
+                "30",
+                "--num-minibatches",
+                "32",
+                "--update-epochs",
+                "16",
+                "--learning-rate",
+                "1e-3",
+                "--gamma",
+                "0.995",
+                "--ent-coef",
+                "0.01",
+                "--norm-obs",
+            ),
+            "Zakka et al. 2025 (MuJoCo Playground, arXiv 2502.08844), the DM Control Suite PPO settings "
+            "(dm_control_suite_params.py): 60M steps, 2048 envs, unroll 30, 32 minibatches, 16 updates per batch, "
+            "lr 1e-3, discount 0.995, entropy cost 1e-2, observation normalisation",
+            agents=("ppo",),
+            env_family="playground",
+            note="Brax gathers 16 unrolls of the 2048 envs per update batch (1024 x 32 trajectories of 30 steps); here "
+            "one 30-step rollout of 2048 envs is one iteration's batch.  Brax scales rewards by 10, the zoo "
+            "normalises them by the return's std.  Brax's networks are not reproduced.  Playground uses "
+            "discount 0.95 for BallInCup and FingerSpin and 100M steps for AcrobotSwingup, SwimmerSwimmer6 and "
+            "WalkerRun: add --gamma 0.95 / --total-steps 100000000",
+        ),
+        Preset(
+            "ppo-sb3",
+            (
+                "--num-steps",
+                "2048",
+                "--num-minibatches",
+                "32",
+                "--update-epochs",
+                "10",
+                "--learning-rate",
+                "3e-4",
+                "--no-anneal-lr",
+                "--no-norm-obs",
+                "--no-norm-reward",
+            ),
+            "Raffin et al. 2021 (Stable-Baselines3) PPO defaults: n_steps 2048, batch 64 (32 minibatches of one "
+            "env's 2048 steps), 10 epochs, constant lr 3e-4, no VecNormalize",
+            agents=("ppo",),
+            note="SB3's default network (64-64 tanh, no orthogonal init) is not reproduced: "
+            "the zoo's PPO network keeps CleanRL's orthogonal init",
+        ),
+        # RAVL: the one setting the reference code's README gives (the paper's per-task table is an image).
+        Preset(
+            "ravl-halfcheetah-medium",
+            (
+                "--critics",
+                "10",
+                "--eta",
+                "1.0",
+                "--horizon",
+                "5",
+                "--dataset-ratio",
+                "0.05",
+                "--total-steps",
+                "3000000",
+                "--updates-per-epoch",
+                "1000",
+            ),
+            "Sims et al. 2024 (RAVL, NeurIPS), the training loop and the reference code's README example for "
+            "halfcheetah-medium: "
+            "N = 10, eta = 1, k = 5, r = 0.05; 3000 epochs x 1000 updates",
+            agents=("ravl",),
+            note="the paper's per-task values for the other datasets are published only as "
+            "an image and are not transcribed",
+        ),
+        Preset(
+            "ravl-hopper",
+            ("--critics", "10", "--eta", "1.0", "--horizon", "20", "--dataset-ratio", "0.05"),
+            "the zoo's own measurement, not the paper's: on Hopper-v5 medium and medium-replay, k = 20 reaches the "
+            "falls 5-step rollouts miss and beats the behaviour policy on every seed (docs/benchmarks.md)",
+            agents=("ravl",),
+            note="Sims et al. 2024 tune k per task; their hopper values are not transcribed",
+        ),
+        # Plasticity interventions at their papers' settings (any agent that takes them).
+        Preset(
+            "redo-sokar",
+            ("--plasticity.redo", "--plasticity.redo-tau", "0.025", "--plasticity.reset-every", "1000"),
+            "Sokar et al. 2023 (ReDo, ICML), the default setting: tau = 0.025, recycle every 1000 gradient steps",
+        ),
+        Preset(
+            "regrama-bro",
+            ("--plasticity.regrama", "--plasticity.regrama-tau", "0.01", "--plasticity.reset-every", "1000"),
+            "Liu et al. 2025 (GraMa / ReGraMa, NeurIPS), App. A: tau = 0.01, reset every 1000 steps (BRO-net on DMC)",
+        ),
+        Preset(
+            "regrama-sac",
+            (
+                "--plasticity.regrama",
+                "--plasticity.regrama-tau",
+                "0.0",
+                "--plasticity.reset-every",
+                "1000",
+                "--plasticity.reset-max-fraction",
+                "0.05",
+            ),
+            "Liu et al. 2025 (GraMa / ReGraMa), App. A: CleanRL SAC, tau = 0, every 1000 steps, at most 5% of "
+            "neurons per event",
+        ),
+        Preset(
+            "sigreg-rl",
+            (
+                "--plasticity.sigreg-coef",
+                "0.2",
+                "--plasticity.sigreg-variant",
+                "rl",
+                "--plasticity.sigreg-slices",
+                "16",
+            ),
+            "Saheb et al., arXiv 2602.19373 (SIGReg in deep RL), the reference scripts: the RL variant, 16 slices, "
+            "lambda = 0.2 (the smaller "
+            "of the scripts' two non-zero values)",
+        ),
+        Preset(
+            "ne-reference",
+            ("--plasticity.ne",),
+            "Liu et al. 2025 (Neuroplastic Expansion, ICLR), the reference code's defaults: an event every 100 "
+            "updates, "
+            "uniform growth, magnitude pruning, review off, auto batch (the zoo's --plasticity.ne-* defaults)",
+        ),
+        Preset(
+            "sp-plasticine",
+            (
+                "--plasticity.shrink-perturb",
+                "--plasticity.sp-every",
+                "1",
+                "--plasticity.sp-shrink",
+                "0.999999",
+                "--plasticity.sp-perturb",
+                "0.000001",
+            ),
+            "Yuan et al. 2025 (Plasticine, arXiv 2504.17490), standard/td3_dmc_snp.py: theta <- 0.999999 theta + 1e-6 "
+            "x a fresh initialisation after every (policy) update; the rule is Ash & Adams 2020 (NeurIPS), section 4",
+        ),
+        Preset(
+            "reset-primacy",
+            (
+                "--plasticity.layer-reset",
+                "--plasticity.layer-reset-every",
+                "200000",
+                "--plasticity.layer-reset-layers",
+                "0",
+            ),
+            "Nikishin et al. 2022 (The primacy bias in deep RL, ICML), section 4 and appendix: SAC on DMC resets every "
+            "network (and its targets) every 2e5 updates",
+            note="the zoo keeps SAC's temperature across a reset; the paper's agent starts it over too",
+        ),
+        Preset(
+            "l2-init",
+            ("--plasticity.l2-init", "0.01"),
+            "Kumar, Marklund, Van Roy 2023 (L2 Init, arXiv 2308.11958), section 3: loss + lambda ||theta - theta_0||^2 "
+            "over every parameter; lambda = 0.01 is the L2 Init (regen) setting of Chung et al. 2024's DMC and "
+            "MetaWorld runs (wechu/parseval_reg main.py) and Plasticine's rr_weight",
+            note="the L2 Init paper tunes lambda per (supervised) benchmark and gives no RL value; Chung et al.'s code "
+            "divides each tensor's squared distance by its size and Plasticine's uses the unsquared norm, so "
+            "0.01 here (the paper's sum) pulls harder per weight: tune it",
+        ),
+        Preset(
+            "parseval",
+            ("--plasticity.parseval", "0.0001", "--plasticity.parseval-scale", "2"),
+            "Chung, Cherif, Meger, Precup 2024 (Parseval regularization, NeurIPS), section 3 and the authors' code "
+            "(wechu/parseval_reg main.py): lambda = 1e-4 on CARL DMC quadruped and LunarLander (1e-3 on gridworld "
+            "and MetaWorld), s = 2, lambda scaled by (64 / width)^2 for other widths, hidden layers only",
+            note="the paper's MetaWorld runs add diagonal layers after each Parseval layer, which the zoo does not",
+        ),
+        Preset(
+            "nap",
+            ("--plasticity.nap", "--network.layer-norm"),
+            "Lyle et al. 2024 (Normalization and effective learning rates in RL, NeurIPS), section 4: LayerNorm before "
+            "each nonlinearity and every hidden layer projected back to its initial norm after each step",
+            note="the paper finds an explicit learning-rate decay helps its Rainbow agents under NaP; the zoo keeps "
+            "each agent's own schedule",
+        ),
+    )
+}
 
 
 class PresetError(ValueError):
@@ -143,9 +299,13 @@ def listing() -> str:
     lines = ["presets (train.py AGENT --preset NAME; flags given on the command line win):"]
     for p in PRESETS.values():
         who = ", ".join(p.agents) if p.agents else "any agent"
-        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs", "playground": "playground: envs"}.get(p.env_family or "", "any env")
-        lines.append(f"  {p.name}  [{who}; {fam}]\n      {' '.join(p.flags)}\n      source: {p.source}"
-                     + (f"\n      note: {p.note}" if p.note else ""))
+        fam = {"dmc": "dmc: envs", "gym": "Gymnasium envs", "playground": "playground: envs"}.get(
+            p.env_family or "", "any env"
+        )
+        lines.append(
+            f"  {p.name}  [{who}; {fam}]\n      {' '.join(p.flags)}\n      source: {p.source}"
+            + (f"\n      note: {p.note}" if p.note else "")
+        )
     return "\n".join(lines)
 
 

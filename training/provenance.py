@@ -6,6 +6,7 @@ provenance of that process), so a figure can name the exact code and versions be
 (``training/logger.py: RunLogger.write_config`` / ``record_resume``; ``training/config.py:
 from_json`` reads the flags back and leaves these two keys aside).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,16 +17,38 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout the zoo runs from (its `pip install -e .` source)
-PACKAGES = ("plasticity-zoo", "jax", "jaxlib", "flax", "optax", "chex", "numpy", "gymnasium", "mujoco",
-            "dm-control", "tyro", "psgdax", "playground", "mujoco-mjx", "ray")
+PACKAGES = (
+    "plasticity-zoo",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "chex",
+    "numpy",
+    "gymnasium",
+    "mujoco",
+    "dm-control",
+    "tyro",
+    "psgdax",
+    "playground",
+    "mujoco-mjx",
+    "ray",
+)
 PROVENANCE_KEYS = ("provenance", "resumes")
 
 
 def git_state(root: Path = ROOT) -> dict:
     """``{"commit": sha, "dirty": bool}`` of the checkout at ``root``; ``{"commit": None}`` outside git."""
     try:
-        run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,  # noqa: E731
-                                        timeout=10, check=True).stdout
+        run = lambda *a: (  # noqa: E731
+            subprocess.run(
+                ["git", "-C", str(root), *a],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+        )
         commit = run("rev-parse", "HEAD").strip()
         dirty = bool(run("status", "--porcelain", "--untracked-files=no").strip())
     except (OSError, subprocess.SubprocessError):
@@ -58,6 +81,12 @@ def now() -> str:
 
 def provenance(argv=None) -> dict:
     """Everything above for this process, with the time, the host and the command line."""
-    return {"time": now(), "git": git_state(), "versions": versions(), "device": device(),
-            "host": platform.node(), "platform": platform.platform(),
-            "argv": list(sys.argv if argv is None else argv)}
+    return {
+        "time": now(),
+        "git": git_state(),
+        "versions": versions(),
+        "device": device(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "argv": list(sys.argv if argv is None else argv),
+    }

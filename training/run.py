@@ -11,6 +11,7 @@ over with ``overwrite`` (``--overwrite``): the old run's files are then moved, n
 ``DIR/.replaced-<time>/``.  ``run`` claims the directory by creating its ``config.json``
 exclusively, so two commands started at once cannot share it either.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,11 @@ def final_step(cfg: RunConfig) -> int:
     return cfg.total_steps
 
 
-LOOPS = {"offpolicy": "plasticity_zoo.training.offpolicy", "onpolicy": "plasticity_zoo.training.onpolicy", "offline": "plasticity_zoo.training.offline"}
+LOOPS = {
+    "offpolicy": "plasticity_zoo.training.offpolicy",
+    "onpolicy": "plasticity_zoo.training.onpolicy",
+    "offline": "plasticity_zoo.training.offline",
+}
 
 
 def loop_module(agent, cfg: RunConfig | None = None):
@@ -106,8 +111,10 @@ def holds_a_run(run_dir, held) -> str:
     over = f"pass --overwrite to move its files into {d / REPLACED}<time>/ and start a new run there"
     if checkpoint.latest(d) is not None:
         return f"run directory {d} already holds a run; continue it with --resume {d}, or {over}"
-    return (f"run directory {d} already holds a run that stopped before its first checkpoint "
-            f"({', '.join(held)}; nothing to resume): {over}, or choose another --run-dir")
+    return (
+        f"run directory {d} already holds a run that stopped before its first checkpoint "
+        f"({', '.join(held)}; nothing to resume): {over}, or choose another --run-dir"
+    )
 
 
 def check_relations(cfg: RunConfig, agent):
@@ -117,12 +124,16 @@ def check_relations(cfg: RunConfig, agent):
 
         tasks = len(member_ids(cfg.env))
         if cfg.num_envs % tasks:
-            raise ValueError(f"--env {cfg.env} has {tasks} tasks stepping side by side: --num-envs must be a "
-                             f"multiple of {tasks} (one env per task: --num-envs {tasks}), got {cfg.num_envs}")
+            raise ValueError(
+                f"--env {cfg.env} has {tasks} tasks stepping side by side: --num-envs must be a "
+                f"multiple of {tasks} (one env per task: --num-envs {tasks}), got {cfg.num_envs}"
+            )
     starts = getattr(cfg.agent, "learning_starts", None)
     if agent.KIND == "offpolicy" and starts is not None and starts >= cfg.total_steps:
-        raise ValueError(f"--learning-starts {starts} is not below --total-steps {cfg.total_steps}: the run would "
-                         "only take random actions and train nothing (lower --learning-starts or raise --total-steps)")
+        raise ValueError(
+            f"--learning-starts {starts} is not below --total-steps {cfg.total_steps}: the run would "
+            "only take random actions and train nothing (lower --learning-starts or raise --total-steps)"
+        )
 
 
 def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
@@ -148,9 +159,11 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
         if not (Path(cfg.resume) / "config.json").is_file():
             load_config(cfg.resume)  # raises, naming the missing config.json
         if checkpoint.latest(cfg.resume) is None:
-            raise SystemExit(f"--resume {cfg.resume}: no checkpoint found in {Path(cfg.resume) / 'ckpt'} "
-                             "(the run stopped before its first checkpoint: start it again with --overwrite, "
-                             "which moves its files aside, or in another --run-dir)")
+            raise SystemExit(
+                f"--resume {cfg.resume}: no checkpoint found in {Path(cfg.resume) / 'ckpt'} "
+                "(the run stopped before its first checkpoint: start it again with --overwrite, "
+                "which moves its files aside, or in another --run-dir)"
+            )
     elif cfg.run_dir and not overwrite and run_files(cfg.run_dir):
         raise SystemExit(holds_a_run(cfg.run_dir, run_files(cfg.run_dir)))
     check_loop(cfg, agent)  # counts below 1, the kind's own arithmetic, the device loop's needs
@@ -160,9 +173,7 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
         require_wandb()
     check_relations(cfg, agent)
     if agent.KIND == "offline":
-        from plasticity_zoo.training.offline import resolve_dataset
-
-        from plasticity_zoo.training.offline import dataset_config
+        from plasticity_zoo.training.offline import dataset_config, resolve_dataset
 
         _, dataset, env_id = resolve_dataset(cfg)  # the dataset file exists, is readable HDF5 and fits its env
         cfg = dataset_config(cfg, agent, dataset, env_id)  # the agent's config as the run will build it
@@ -170,7 +181,9 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
     else:
         from plasticity_zoo.envs import make_env
 
-        env = make_env(cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl)  # an unknown or malformed env id fails here
+        env = make_env(
+            cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl
+        )  # an unknown or malformed env id fails here
         obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
         env.close()
     check_applicable(default_metrics(cfg, agent, log=lambda *_: None).plasticity, agent, cfg.agent_name)
@@ -184,13 +197,11 @@ def check_agent_config(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
     import jax
 
     from plasticity_zoo.plasticity.hooks import check_optimizers, static_plasticity
-
     from plasticity_zoo.training.loop import agent_config
 
     static = static_plasticity(cfg.plasticity, agent)
     agent_cfg = agent_config(agent, cfg)
-    state = jax.eval_shape(lambda k: agent.init(k, obs_dim, act_dim, agent_cfg, cfg.network, static),
-                           jax.random.key(0))
+    state = jax.eval_shape(lambda k: agent.init(k, obs_dim, act_dim, agent_cfg, cfg.network, static), jax.random.key(0))
     check_optimizers(cfg.plasticity, agent, cfg.agent_name, state)
 
 
@@ -275,14 +286,21 @@ def protocol_defaults(cfg: RunConfig, agent, given: frozenset | None = None, log
     values = protocol(task_spec(cfg.env, cfg.action_repeat), cfg.num_envs)
     defaults = RunConfig()
     run_fields = {k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(RunConfig)}}
-    taken = {k: v for k, v in run_fields.items()
-             if not (k in given if given is not None else getattr(cfg, k) != getattr(defaults, k))}
-    cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, learning_starts=values["learning_starts"]),
-                              **taken)
-    said = [f"learning starts at {values['learning_starts']:,}"] + [f"{k.replace('_', ' ')} {v:,}"
-                                                                   for k, v in taken.items()]
-    log(f"{cfg.agent_name} schedule ({agent.__name__}.protocol): {', '.join(said)} "
-        f"({cfg.num_envs} envs over {len(task_spec(cfg.env, cfg.action_repeat).tasks)} tasks)")
+    taken = {
+        k: v
+        for k, v in run_fields.items()
+        if not (k in given if given is not None else getattr(cfg, k) != getattr(defaults, k))
+    }
+    cfg = dataclasses.replace(
+        cfg, agent=dataclasses.replace(cfg.agent, learning_starts=values["learning_starts"]), **taken
+    )
+    said = [f"learning starts at {values['learning_starts']:,}"] + [
+        f"{k.replace('_', ' ')} {v:,}" for k, v in taken.items()
+    ]
+    log(
+        f"{cfg.agent_name} schedule ({agent.__name__}.protocol): {', '.join(said)} "
+        f"({cfg.num_envs} envs over {len(task_spec(cfg.env, cfg.action_repeat).tasks)} tasks)"
+    )
     return cfg
 
 

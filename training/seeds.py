@@ -7,6 +7,7 @@ the dots and gathers keep a batch dimension), and the loops pay it every env ste
 numbers are the same (a key's bits do not depend on vmap); float results can differ in the last
 bits, as between any two compiled programs.
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,6 +19,7 @@ def over_seeds(fn, in_axes=0):
     """``jax.vmap(fn, in_axes)``, or, when every mapped argument's seed axis has size 1, ``fn`` on
     the arguments without that axis and the outputs with it put back.  The choice is made while
     tracing (shapes are static), so a jitted caller compiles one program per seed count."""
+
     def mapped(*args):
         axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
         leaves = [x for a, ax in zip(args, axes) if ax is not None for x in jax.tree.leaves(a)]

@@ -61,6 +61,7 @@ Usage, in a venv of its own with torch (never the project's venv)::
 ``--scalemrl``: a git directory (bare or work tree) of the fetched snapshot; the files are read at ``HEAD``
 with ``git show`` and the commit is recorded in the fixture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,9 +76,15 @@ import torch
 from sac_reference import RecordingOptimizer, arr
 from snapshot import load_definitions, locals_at_return, read_snapshot
 
-FILES = {"mrq": "tdmpc2/mrq.py", "layers": "tdmpc2/common/layers.py", "math": "tdmpc2/common/math.py",
-         "init": "tdmpc2/common/init.py", "scale": "tdmpc2/common/scale.py", "common": "tdmpc2/common/__init__.py",
-         "config": "tdmpc2/config.py"}
+FILES = {
+    "mrq": "tdmpc2/mrq.py",
+    "layers": "tdmpc2/common/layers.py",
+    "math": "tdmpc2/common/math.py",
+    "init": "tdmpc2/common/init.py",
+    "scale": "tdmpc2/common/scale.py",
+    "common": "tdmpc2/common/__init__.py",
+    "config": "tdmpc2/config.py",
+}
 OBS_DIMS, ACT_DIMS, EPISODE_LENGTHS = (3, 4), (1, 2), (500, 100)
 TASK_DIM, BATCH, HORIZON = 4, 8, 5
 SIZES = dict(enc_dim=8, mlp_dim=16, latent_dim=24, num_enc_layers=2, num_q=3, mrq_za_dim=8)
@@ -166,16 +173,26 @@ class BufferStandIn:
 
 def load_reference(src: dict, draws: Draws) -> dict:
     cpu_torch = CpuTorch(draws)
-    math_ns = load_definitions(src["math"], FILES["math"],
-                               {"soft_ce", "symlog", "symexp", "two_hot", "two_hot_inv", "discount_heuristic"})
+    math_ns = load_definitions(
+        src["math"], FILES["math"], {"soft_ce", "symlog", "symexp", "two_hot", "two_hot_inv", "discount_heuristic"}
+    )
     layers_ns = load_definitions(src["layers"], FILES["layers"], {"SimNorm", "NormedLinear", "mlp", "policy", "enc"})
     init_ns = load_definitions(src["init"], FILES["init"], {"weight_init"})
     scale_ns = load_definitions(src["scale"], FILES["scale"], {"RunningScale"}, {"torch": cpu_torch})
     common_ns = load_definitions(src["common"], FILES["common"], {"MODEL_SIZE"})
     config_ns = load_definitions(src["config"], FILES["config"], {"Config"})
-    mrq_ns = load_definitions(src["mrq"], FILES["mrq"], {"MRQModel", "MRQ"}, {
-        "torch": cpu_torch, "layers": SimpleNamespace(**layers_ns), "math": SimpleNamespace(**math_ns),
-        "init": SimpleNamespace(**init_ns), "RunningScale": scale_ns["RunningScale"]})
+    mrq_ns = load_definitions(
+        src["mrq"],
+        FILES["mrq"],
+        {"MRQModel", "MRQ"},
+        {
+            "torch": cpu_torch,
+            "layers": SimpleNamespace(**layers_ns),
+            "math": SimpleNamespace(**math_ns),
+            "init": SimpleNamespace(**init_ns),
+            "RunningScale": scale_ns["RunningScale"],
+        },
+    )
     return {"math": math_ns, "scale": scale_ns, "common": common_ns, "config": config_ns, "mrq": mrq_ns}
 
 
@@ -208,7 +225,7 @@ def set_weights(model, seed: int, q_init_scale: float):
                     mod.weight.copy_(1.0 + 0.1 * torch.randn(mod.weight.shape, generator=gen))
                     mod.bias.copy_(0.1 * torch.randn(mod.bias.shape, generator=gen))
                 elif isinstance(mod, torch.nn.Linear):
-                    std = gains.get(id(mod), 1.0) / mod.in_features ** 0.5
+                    std = gains.get(id(mod), 1.0) / mod.in_features**0.5
                     mod.weight.copy_(std * torch.randn(mod.weight.shape, generator=gen))
                     mod.bias.copy_(0.1 * torch.randn(mod.bias.shape, generator=gen))
         for name in TARGETS:
@@ -227,8 +244,10 @@ def record_params(out: dict, prefix: str, model, names=NETS + TARGETS):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scalemrl", required=True, help="git dir of the fetched johanobandoc/ScaleMRL snapshot")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                 "mrq_mt_reference.npz"))
+    p.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "mrq_mt_reference.npz"),
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     snap = {k: read_snapshot(a.scalemrl, f) for k, f in FILES.items()}
@@ -258,14 +277,19 @@ def main():
     obs = f32(rng.normal(size=(BATCH, HORIZON + 1, max(OBS_DIMS))))
     act = f32(rng.uniform(-0.9, 0.9, size=(BATCH, HORIZON, max(ACT_DIMS))))
     for b in range(BATCH):  # padding: the env's zeros beyond each task's own dimensions
-        obs[b, :, OBS_DIMS[task[b]]:] = 0.0
-        act[b, :, ACT_DIMS[task[b]]:] = 0.0
-    inputs = {"obs": obs, "action": act, "reward": f32(rng.normal(scale=2.0, size=(BATCH, HORIZON))),
-              "task": task.astype(np.int32),
-              "target_noise": f32(rng.standard_normal((BATCH, max(ACT_DIMS))) * 1.6),
-              "explore_noise": f32(rng.standard_normal((BATCH, max(ACT_DIMS))) * 1.6),
-              "target_perm": np.asarray(TARGET_PERM, np.int32), "policy_perm": np.asarray(POLICY_PERM, np.int32),
-              "episode_lengths": np.asarray(EPISODE_LENGTHS, np.int32)}
+        obs[b, :, OBS_DIMS[task[b]] :] = 0.0
+        act[b, :, ACT_DIMS[task[b]] :] = 0.0
+    inputs = {
+        "obs": obs,
+        "action": act,
+        "reward": f32(rng.normal(scale=2.0, size=(BATCH, HORIZON))),
+        "task": task.astype(np.int32),
+        "target_noise": f32(rng.standard_normal((BATCH, max(ACT_DIMS))) * 1.6),
+        "explore_noise": f32(rng.standard_normal((BATCH, max(ACT_DIMS))) * 1.6),
+        "target_perm": np.asarray(TARGET_PERM, np.int32),
+        "policy_perm": np.asarray(POLICY_PERM, np.int32),
+        "episode_lengths": np.asarray(EPISODE_LENGTHS, np.int32),
+    }
     out.update({f"inputs/{k}": v for k, v in inputs.items()})
     t_obs = torch.as_tensor(obs).transpose(0, 1).contiguous()  # (H+1, B, S)
     t_act = torch.as_tensor(act).transpose(0, 1).contiguous()  # (H, B, A)
@@ -281,14 +305,21 @@ def main():
         next_zs, r_logits = model.predict(zs, t_act[0])
         action, pre = model.pi(zs, t_task[0])
         q_logits = torch.stack([q(zsa) for q in model._Qs])
-        out.update({
-            "fwd/zs": arr(zs), "fwd/zsa": arr(zsa), "fwd/next_zs": arr(next_zs), "fwd/reward_logits": arr(r_logits),
-            "fwd/action": arr(action), "fwd/pre_activ": arr(pre),
-            "fwd/q": arr(math.two_hot_inv(q_logits.reshape(-1, cfg.num_bins), cfg).reshape(3, BATCH)),
-            "fwd/target_zs": arr(model.encode_target(t_obs[0], t_task[0])),
-            "fwd/target_action": arr(model.pi_target(zs, t_task[0])),
-            "fwd/two_hot": arr(math.two_hot(torch.as_tensor(inputs["reward"]).reshape(-1, 1), cfg)),
-            "fwd/soft_ce": arr(math.soft_ce(r_logits, t_rew[0], cfg)[:, 0])})
+        out.update(
+            {
+                "fwd/zs": arr(zs),
+                "fwd/zsa": arr(zsa),
+                "fwd/next_zs": arr(next_zs),
+                "fwd/reward_logits": arr(r_logits),
+                "fwd/action": arr(action),
+                "fwd/pre_activ": arr(pre),
+                "fwd/q": arr(math.two_hot_inv(q_logits.reshape(-1, cfg.num_bins), cfg).reshape(3, BATCH)),
+                "fwd/target_zs": arr(model.encode_target(t_obs[0], t_task[0])),
+                "fwd/target_action": arr(model.pi_target(zs, t_task[0])),
+                "fwd/two_hot": arr(math.two_hot(torch.as_tensor(inputs["reward"]).reshape(-1, 1), cfg)),
+                "fwd/soft_ce": arr(math.soft_ce(r_logits, t_rew[0], cfg)[:, 0]),
+            }
+        )
         lengths = [4, 10, 50, 100, 250, 500, 1000, 5000]
         out["discount/lengths"] = np.asarray(lengths, np.int32)
         out["discount/gamma"] = f32([math.discount_heuristic(cfg, n) for n in lengths])
@@ -299,8 +330,11 @@ def main():
             scale.value.fill_(1.3)
             x = torch.as_tensor(f32(rng.normal(scale=2.0, size=(n, 1))))
             scale.update(x)
-            out[f"scale/x{n}"], out[f"scale/p{n}"], out[f"scale/value{n}"] = arr(x[:, 0]), arr(
-                scale._percentile(x)[:, 0]), np.float32(scale.value.item())
+            out[f"scale/x{n}"], out[f"scale/p{n}"], out[f"scale/value{n}"] = (
+                arr(x[:, 0]),
+                arr(scale._percentile(x)[:, 0]),
+                np.float32(scale.value.item()),
+            )
         with draws.queued([], [t_explore]):
             out["act/explore"] = arr(MRQ(model, cfg).forward(t_obs[0], task=t_task[0], eval_mode=False))
         with draws.queued([], []):
@@ -313,19 +347,26 @@ def main():
     agent.value_optim = Recording(model.value_params())
     agent.policy_optim = Recording(model.policy_params())
     frames, norms = {}, []
-    with draws.queued([TARGET_PERM, POLICY_PERM], [t_noise]), recorded_clip_norms(norms), \
-            locals_at_return({"_encoder_loss", "_value_loss", "_policy_loss"}, frames):
+    with (
+        draws.queued([TARGET_PERM, POLICY_PERM], [t_noise]),
+        recorded_clip_norms(norms),
+        locals_at_return({"_encoder_loss", "_value_loss", "_policy_loss"}, frames),
+    ):
         agent.update(buffer)
     assert len(norms) == 2 and max(norms) < cfg.grad_clip_norm, norms  # the clips are inert: raw grads recorded
     enc, val, pol = frames["_encoder_loss"], frames["_value_loss"], frames["_policy_loss"]
-    out["enc/loss"], out["enc/dyn"], out["enc/rew"] = (np.float32(enc[k].item()) for k in
-                                                        ("enc_loss", "total_dyn", "total_rew"))
+    out["enc/loss"], out["enc/dyn"], out["enc/rew"] = (
+        np.float32(enc[k].item()) for k in ("enc_loss", "total_dyn", "total_rew")
+    )
     out["enc/target_zs"] = arr(torch.stack(enc["target_zs"], 1))
-    for name, g in zip([f"{n}.{k}" for n in NETS[:4] for k, _ in getattr(model, n).named_parameters()],
-                       agent.encoder_optim.grads):
+    for name, g in zip(
+        [f"{n}.{k}" for n in NETS[:4] for k, _ in getattr(model, n).named_parameters()], agent.encoder_optim.grads
+    ):
         out[f"enc/grad/{name}"] = arr(g)
-    clipped = (int((val["noise"].abs() == cfg.mrq_noise_clip).sum()),
-               int(((val["next_action"].abs() == 1) & (model._action_masks[t_task[0]] > 0)).sum()))
+    clipped = (
+        int((val["noise"].abs() == cfg.mrq_noise_clip).sum()),
+        int(((val["next_action"].abs() == 1) & (model._action_masks[t_task[0]] > 0)).sum()),
+    )
     assert min(clipped) > 0, clipped  # both clips of the target action act on some entries
     out["value/next_action"], out["value/q_next"] = arr(val["next_action"]), arr(val["Q_tgt"][:, 0])
     out["value/return"], out["value/bootstrap"] = arr(val["ms_reward"][:, 0]), arr(val["disc_accum"][:, 0])
@@ -335,8 +376,10 @@ def main():
         out[f"value/grad/_Qs.{k}"] = arr(g)
     out["policy/action"], out["policy/pre_activ"] = arr(pol["pi_action"]), arr(pol["pre_activ"])
     out["policy/q"] = arr(((pol["q_vals"][0] + pol["q_vals"][1]) / 2)[:, 0])
-    out["policy/scale"], out["policy/loss"] = np.float32(agent._q_scale.value.item()), np.float32(
-        pol["policy_loss"].item())
+    out["policy/scale"], out["policy/loss"] = (
+        np.float32(agent._q_scale.value.item()),
+        np.float32(pol["policy_loss"].item()),
+    )
     for (k, _), g in zip(model._pi.named_parameters(), agent.policy_optim.grads):
         out[f"policy/grad/_pi.{k}"] = arr(g)
 
@@ -360,20 +403,53 @@ def main():
     out["step/q_scale"] = np.float32(stepper._q_scale.value.item())
 
     command = f"/tmp/refvenv/bin/python scripts/fidelity/mrq_mt_reference.py --scalemrl {shlex.quote(a.scalemrl)}"
-    keys = ("lr", "enc_lr_scale", "grad_clip_norm", "tau", "discount_denom", "discount_min", "discount_max",
-            "num_bins", "vmin", "vmax", "simnorm_dim", "batch_size", "utd", "horizon", "task_dim", "mrq_za_dim",
-            "mrq_exploration_noise", "mrq_target_policy_noise", "mrq_noise_clip", "mrq_pre_activ_weight",
-            "mrq_dyn_weight", "mrq_reward_weight", "mrq_reward_norm", "mrq_enc_horizon", "mrq_policy_layernorm",
-            "mrq_distributional_q", "mrq_num_q", "mrq_num_q_from_model_size")
+    keys = (
+        "lr",
+        "enc_lr_scale",
+        "grad_clip_norm",
+        "tau",
+        "discount_denom",
+        "discount_min",
+        "discount_max",
+        "num_bins",
+        "vmin",
+        "vmax",
+        "simnorm_dim",
+        "batch_size",
+        "utd",
+        "horizon",
+        "task_dim",
+        "mrq_za_dim",
+        "mrq_exploration_noise",
+        "mrq_target_policy_noise",
+        "mrq_noise_clip",
+        "mrq_pre_activ_weight",
+        "mrq_dyn_weight",
+        "mrq_reward_weight",
+        "mrq_reward_norm",
+        "mrq_enc_horizon",
+        "mrq_policy_layernorm",
+        "mrq_distributional_q",
+        "mrq_num_q",
+        "mrq_num_q_from_model_size",
+    )
     defaults = ref["config"]["Config"]()
     meta = {
-        "generator": "scripts/fidelity/mrq_mt_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
-        "scalemrl": {"repository": "https://github.com/johanobandoc/ScaleMRL", "commit": commit,
-                     "files": list(FILES.values())},
+        "generator": "scripts/fidelity/mrq_mt_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "scalemrl": {
+            "repository": "https://github.com/johanobandoc/ScaleMRL",
+            "commit": commit,
+            "files": list(FILES.values()),
+        },
         "sizes": dict(SIZES, obs_dims=OBS_DIMS, act_dims=ACT_DIMS, task_dim=TASK_DIM, batch=BATCH, horizon=HORIZON),
-        "hp": {k: getattr(cfg, k) for k in keys}, "hp_defaults": {k: getattr(defaults, k) for k in keys},
-        "model_size": ref["common"]["MODEL_SIZE"], "weight_decay": WEIGHT_DECAY, "q_scale": Q_SCALE,
+        "hp": {k: getattr(cfg, k) for k in keys},
+        "hp_defaults": {k: getattr(defaults, k) for k in keys},
+        "model_size": ref["common"]["MODEL_SIZE"],
+        "weight_decay": WEIGHT_DECAY,
+        "q_scale": Q_SCALE,
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

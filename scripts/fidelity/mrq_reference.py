@@ -52,6 +52,7 @@ Usage, in a venv of its own with torch (never the project's venv)::
 ``--mrq``: a git directory (bare or work tree) of the fetched snapshot; the files are read at ``HEAD``
 with ``git show`` and the commit is recorded in the fixture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,14 +122,23 @@ class ReplayStandIn:
 
 def make_agent(ns, seed: int):
     torch.manual_seed(seed)
-    return ns["Agent"]((OBS_DIM,), ACT_DIM, 1.0, False, False, torch.device("cpu"), 1,
-                       dict(SIZES, min_priority=MIN_PRIORITY, enc_wd=WEIGHT_DECAY, value_wd=WEIGHT_DECAY,
-                            policy_wd=WEIGHT_DECAY))
+    return ns["Agent"](
+        (OBS_DIM,),
+        ACT_DIM,
+        1.0,
+        False,
+        False,
+        torch.device("cpu"),
+        1,
+        dict(SIZES, min_priority=MIN_PRIORITY, enc_wd=WEIGHT_DECAY, value_wd=WEIGHT_DECAY, policy_wd=WEIGHT_DECAY),
+    )
 
 
 def state_dicts(agent) -> dict:
-    return {n: {k: v.detach().clone() for k, v in getattr(agent, n).state_dict().items()}
-            for n in ("encoder", "policy", "value", "encoder_target", "policy_target", "value_target")}
+    return {
+        n: {k: v.detach().clone() for k, v in getattr(agent, n).state_dict().items()}
+        for n in ("encoder", "policy", "value", "encoder_target", "policy_target", "value_target")
+    }
 
 
 def record_params(out: dict, prefix: str, net):
@@ -146,20 +156,28 @@ def multistep_corrected(reward, not_done, gamma: float):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mrq", required=True, help="git dir of the fetched facebookresearch/MRQ snapshot")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                 "mrq_reference.npz"))
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "mrq_reference.npz")
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     src = {k: read_snapshot(a.mrq, f) for k, f in FILES.items()}
     commit = src["mrq"][1]
     assert all(c == commit for _, c in src.values())
-    models = load_definitions(src["models"][0], FILES["models"],
-                              {"weight_init", "ln_activ", "BaseMLP", "Encoder", "Policy", "Value"})
+    models = load_definitions(
+        src["models"][0], FILES["models"], {"weight_init", "ln_activ", "BaseMLP", "Encoder", "Policy", "Value"}
+    )
     utils = load_definitions(src["utils"][0], FILES["utils"], {"enforce_dataclass_type", "set_instance_vars"})
-    ns = load_definitions(src["mrq"][0], FILES["mrq"],
-                          {"Hyperparameters", "Agent", "TwoHot", "realign", "masked_mse", "multi_step_reward"},
-                          {"models": SimpleNamespace(**models), "utils": SimpleNamespace(**utils),
-                           "buffer": SimpleNamespace(ReplayBuffer=ReplayStandIn)})
+    ns = load_definitions(
+        src["mrq"][0],
+        FILES["mrq"],
+        {"Hyperparameters", "Agent", "TwoHot", "realign", "masked_mse", "multi_step_reward"},
+        {
+            "models": SimpleNamespace(**models),
+            "utils": SimpleNamespace(**utils),
+            "buffer": SimpleNamespace(ReplayBuffer=ReplayStandIn),
+        },
+    )
 
     # ------------------------------------------------------------------ weights (the reference's init, then)
     agent = make_agent(ns, 0)
@@ -170,8 +188,11 @@ def main():
             for k, v in net.named_parameters():
                 if k.endswith("bias"):
                     v.copy_(0.1 * torch.randn(v.shape, generator=gen))
-        for online, target in ((agent.encoder, agent.encoder_target), (agent.policy, agent.policy_target),
-                               (agent.value, agent.value_target)):
+        for online, target in (
+            (agent.encoder, agent.encoder_target),
+            (agent.policy, agent.policy_target),
+            (agent.value, agent.value_target),
+        ):
             target.load_state_dict(online.state_dict())
             for v in target.parameters():
                 v.add_(0.05 * torch.randn(v.shape, generator=gen))
@@ -207,12 +228,21 @@ def main():
         zsa = agent.encoder(zs, t["actions"][:, 0])
         d, zs_next, r_logits = agent.encoder.model_all(zs, t["actions"][:, 0])
         action, pre = agent.policy(zs)
-        out.update({"fwd/zs": arr(zs), "fwd/zsa": arr(zsa), "fwd/done": arr(d[:, 0]), "fwd/next_zs": arr(zs_next),
-                    "fwd/reward_logits": arr(r_logits), "fwd/value": arr(agent.value(zsa).T),
-                    "fwd/action": arr(action), "fwd/pre_activ": arr(pre),
-                    "fwd/target_zs": arr(agent.encoder_target.zs(t["states"][:, 0])),
-                    "fwd/bins": arr(agent.two_hot.bins),
-                    "fwd/two_hot": arr(agent.two_hot.transform(t["rewards"].reshape(-1, 1)))})
+        out.update(
+            {
+                "fwd/zs": arr(zs),
+                "fwd/zsa": arr(zsa),
+                "fwd/done": arr(d[:, 0]),
+                "fwd/next_zs": arr(zs_next),
+                "fwd/reward_logits": arr(r_logits),
+                "fwd/value": arr(agent.value(zsa).T),
+                "fwd/action": arr(action),
+                "fwd/pre_activ": arr(pre),
+                "fwd/target_zs": arr(agent.encoder_target.zs(t["states"][:, 0])),
+                "fwd/bins": arr(agent.two_hot.bins),
+                "fwd/two_hot": arr(agent.two_hot.transform(t["rewards"].reshape(-1, 1))),
+            }
+        )
 
     # ------------------------------------------------------------------ 2. losses and gradients (recording)
     for terminates in (True, False):
@@ -228,7 +258,7 @@ def main():
     r_asis, nd_asis = ns["multi_step_reward"](reward[:, :hq], not_done[:, :hq], agent.gammas)
     r_fixed, nd_fixed = multistep_corrected(reward[:, :hq], not_done[:, :hq], agent.hp.discount)
     assert torch.equal(nd_asis, nd_fixed)
-    assert abs(agent.discount - agent.hp.discount ** hq) < 1e-12
+    assert abs(agent.discount - agent.hp.discount**hq) < 1e-12
     for run, (r, nd) in (("asis", (r_asis, nd_asis)), ("fixed", (r_fixed, nd_fixed))):
         agent.value_optimizer = Recording(agent.value.parameters())
         agent.policy_optimizer = Recording(agent.policy.parameters())
@@ -255,7 +285,7 @@ def main():
         agent.replay_buffer.priority = None
         exec(priority_block(src["mrq"][0], FILES["mrq"]), run_ns)
         out["rl/priority"] = arr(agent.replay_buffer.priority)
-    clamped = float((out["rl/priority"] == np.float32(MIN_PRIORITY ** agent.alpha)).mean())
+    clamped = float((out["rl/priority"] == np.float32(MIN_PRIORITY**agent.alpha)).mean())
     assert 0.25 <= clamped <= 0.75, clamped  # the clamp holds some rows, not all
 
     # ------------------------------------------------------------------ 3. one AdamW step (torch's own)
@@ -272,20 +302,55 @@ def main():
     record_params(out, "step/policy", stepper.policy)
 
     command = f"/tmp/refvenv/bin/python scripts/fidelity/mrq_reference.py --mrq {shlex.quote(a.mrq)}"
-    keys = ("discount", "target_policy_noise", "noise_clip", "dyn_weight", "reward_weight", "done_weight", "alpha",
-            "min_priority", "enc_horizon", "Q_horizon", "pre_activ_weight", "value_grad_clip", "enc_lr", "enc_wd",
-            "value_lr", "value_wd", "policy_lr", "policy_wd", "num_bins", "lower", "upper", "zs_dim", "za_dim",
-            "zsa_dim", "enc_hdim", "value_hdim", "policy_hdim", "target_update_freq", "exploration_noise")
+    keys = (
+        "discount",
+        "target_policy_noise",
+        "noise_clip",
+        "dyn_weight",
+        "reward_weight",
+        "done_weight",
+        "alpha",
+        "min_priority",
+        "enc_horizon",
+        "Q_horizon",
+        "pre_activ_weight",
+        "value_grad_clip",
+        "enc_lr",
+        "enc_wd",
+        "value_lr",
+        "value_wd",
+        "policy_lr",
+        "policy_wd",
+        "num_bins",
+        "lower",
+        "upper",
+        "zs_dim",
+        "za_dim",
+        "zsa_dim",
+        "enc_hdim",
+        "value_hdim",
+        "policy_hdim",
+        "target_update_freq",
+        "exploration_noise",
+    )
     defaults = ns["Hyperparameters"]()
     hp = {k: getattr(agent.hp, k) for k in keys}
     meta = {
-        "generator": "scripts/fidelity/mrq_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
-        "mrq": {"repository": "https://github.com/facebookresearch/MRQ", "commit": commit,
-                "files": list(FILES.values())},
+        "generator": "scripts/fidelity/mrq_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "mrq": {
+            "repository": "https://github.com/facebookresearch/MRQ",
+            "commit": commit,
+            "files": list(FILES.values()),
+        },
         "sizes": dict(SIZES, obs=OBS_DIM, act=ACT_DIM, batch=BATCH),
-        "hp": hp, "hp_defaults": {k: getattr(defaults, k) for k in keys},
-        "reward_scale": REWARD_SCALE, "target_reward_scale": TARGET_REWARD_SCALE, "min_priority": MIN_PRIORITY,
+        "hp": hp,
+        "hp_defaults": {k: getattr(defaults, k) for k in keys},
+        "reward_scale": REWARD_SCALE,
+        "target_reward_scale": TARGET_REWARD_SCALE,
+        "min_priority": MIN_PRIORITY,
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -36,6 +36,7 @@ Usage, in a venv of its own with torch (never the project's venv)::
     python3 -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install torch==2.13.0 numpy
     /tmp/refvenv/bin/python scripts/fidelity/ne_reference.py --ne /work/.mirror/torressliu+neuroplastic-expansion/repo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,12 +65,17 @@ NEG_EVENTS = 3  # events of the (20, 1, 256) actor (first layer: negative initia
 
 def load_reference(git_dir):
     sched_src, commit = read_snapshot(git_dir, SCHEDULER_FILE)
-    utils = load_definitions(read_snapshot(git_dir, UTILS_FILE)[0], UTILS_FILE,
-                             {"get_weighted_layers", "get_W", "show_sparsity"})
+    utils = load_definitions(
+        read_snapshot(git_dir, UTILS_FILE)[0], UTILS_FILE, {"get_weighted_layers", "get_W", "show_sparsity"}
+    )
     # ``from NE.utils import get_W`` cannot import here (no NE package): the snapshot's own get_W is given
-    ref = load_definitions(sched_src, SCHEDULER_FILE,
-                           {"device", "sparse_set", "IndexMaskHook", "_create_step_wrapper", "STL_Scheduler"},
-                           overrides={"get_W": utils["get_W"]}, lazy_annotations=True)
+    ref = load_definitions(
+        sched_src,
+        SCHEDULER_FILE,
+        {"device", "sparse_set", "IndexMaskHook", "_create_step_wrapper", "STL_Scheduler"},
+        overrides={"get_W": utils["get_W"]},
+        lazy_annotations=True,
+    )
     actor = load_definitions(read_snapshot(git_dir, MODULES_FILE)[0], MODULES_FILE, {"MLPActor"})["MLPActor"]
     return ref, utils, actor, commit
 
@@ -108,9 +114,19 @@ def make_actor(ref, actor_cls, dims, rng):
             layer.bias.copy_(torch.as_tensor(rng.normal(size=layer.bias.shape[0]) * 0.1, dtype=torch.float32))
     optimizer = torch.optim.Adam(actor.parameters(), lr=3e-4)
     # as stl/TD3.py builds it (train.py defaults)
-    sched = ref["STL_Scheduler"](actor, optimizer, static_topo=False, sparsity=TARGET, T_end=T_END, delta=DELTA,
-                                 zeta=ZETA, grad_accumulation_n=1, use_simple_metric=False,
-                                 initial_stl_sparsity=INITIAL, complex_prune=False)
+    sched = ref["STL_Scheduler"](
+        actor,
+        optimizer,
+        static_topo=False,
+        sparsity=TARGET,
+        T_end=T_END,
+        delta=DELTA,
+        zeta=ZETA,
+        grad_accumulation_n=1,
+        use_simple_metric=False,
+        initial_stl_sparsity=INITIAL,
+        complex_prune=False,
+    )
     return actor, optimizer, sched
 
 
@@ -155,8 +171,9 @@ def distinct(x):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ne", required=True, help="git dir of the fetched torressliu/neuroplastic-expansion snapshot")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                  "ne_reference.npz"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "ne_reference.npz")
+    )
     a = ap.parse_args()
     ref, utils, actor_cls, commit = load_reference(a.ne)
     out = {}
@@ -178,8 +195,11 @@ def main():
         out[f"init/{name}.mask"] = m.numpy().copy()
     # Adam state as after 1000 steps, so that the scheduler's changes to it show
     for p in actor.parameters():
-        optimizer.state[p] = {"step": torch.tensor(1000.0), "exp_avg": torch.full_like(p, 0.5),
-                              "exp_avg_sq": torch.full_like(p, 0.25)}
+        optimizer.state[p] = {
+            "step": torch.tensor(1000.0),
+            "exp_avg": torch.full_like(p, 0.5),
+            "exp_avg_sq": torch.full_like(p, 0.25),
+        }
     records, counts, ones, end_grows, drops, events = [], [], [], [], [], 0
     detail_at, growth_end = {"first": 1}, None
     snapshots = {}
@@ -191,18 +211,24 @@ def main():
         if end_grow and growth_end is None:
             growth_end = events - 1  # the last growth event
             detail_at.update(last_growth=growth_end, first_dst=events, second_dst=events + 1)
-        snapshots[events] = (before, grads, [w.detach().numpy().copy() for w in sched.W],
-                             [m.numpy().copy() for m in sched.backward_masks])
+        snapshots[events] = (
+            before,
+            grads,
+            [w.detach().numpy().copy() for w in sched.W],
+            [m.numpy().copy() for m in sched.backward_masks],
+        )
         rec = records[-1]
         counts.append([rec.get(k, (0, 0)) for k in range(len(sched.W))])
         ones.append([int(m.sum()) for m in sched.backward_masks])
         end_grows.append(end_grow)
         drops.append(drop)
         if events == 1:
-            out["adam/step_after_first_event"] = np.asarray([float(optimizer.state[p]["step"])
-                                                             for p in actor.parameters()])
-            out["adam/exp_avg_unchanged"] = np.asarray([bool(torch.all(optimizer.state[p]["exp_avg"] == 0.5))
-                                                        for p in actor.parameters()])
+            out["adam/step_after_first_event"] = np.asarray(
+                [float(optimizer.state[p]["step"]) for p in actor.parameters()]
+            )
+            out["adam/exp_avg_unchanged"] = np.asarray(
+                [bool(torch.all(optimizer.state[p]["exp_avg"] == 0.5)) for p in actor.parameters()]
+            )
         if events == EVENTS:
             break
         train_between(sched, rng)
@@ -211,7 +237,7 @@ def main():
     out["events/n_ones"] = np.asarray(ones, np.int32)  # (E, L) after each event
     out["events/end_grow"] = np.asarray(end_grows)
     out["events/drop_fraction"] = np.asarray(drops)
-    out["events/n_init_space"] = np.asarray(sched.n_init_space[:len(sched.W)], np.float64)
+    out["events/n_init_space"] = np.asarray(sched.n_init_space[: len(sched.W)], np.float64)
     for tag in DETAIL:
         e = detail_at[tag]
         (w0, m0), g, w1, m1 = snapshots[e]
@@ -229,7 +255,7 @@ def main():
             n_prune = counts[e - 1][k][1]
             order = np.argsort(np.abs(a0[b0]))
             pruned = np.zeros(int(b0.sum()), bool)
-            pruned[order[:max(n_prune, 0)]] = True
+            pruned[order[: max(n_prune, 0)]] = True
             regrown.append(int((pruned & b1[b0]).sum()))
         out[f"detail/{tag}/regrown"] = np.asarray(regrown)
     # negative initial space: a (20, 1, 256) actor, whose first layer ER keeps 95% dense
@@ -243,32 +269,64 @@ def main():
         train_between(nsched, nrng)
     out["negative/counts"] = np.asarray([[r.get(k, (0, 0)) for k in range(len(nsched.W))] for r in nrec], np.int32)
     out["negative/n_ones"] = np.asarray(nones, np.int32)
-    out["negative/n_init_space"] = np.asarray(nsched.n_init_space[:len(nsched.W)], np.float64)
+    out["negative/n_init_space"] = np.asarray(nsched.n_init_space[: len(nsched.W)], np.float64)
 
     command = "/tmp/refvenv/bin/python scripts/fidelity/ne_reference.py --ne " + shlex.quote(a.ne)
     meta = {
-        "generator": "scripts/fidelity/ne_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
-        "reference": {"repository": "https://github.com/torressliu/neuroplastic-expansion", "commit": commit,
-                      "files": [SCHEDULER_FILE, UTILS_FILE, MODULES_FILE]},
-        "call": (f"STL_Scheduler(MLPActor({OBS}, {ACT}, 1.0, hidden_dim={HIDDEN}), Adam(lr=3e-4), static_topo=False, "
-                 f"sparsity={TARGET}, T_end={T_END}, delta={DELTA}, zeta={ZETA}, grad_accumulation_n=1, "
-                 f"use_simple_metric=False, initial_stl_sparsity={INITIAL}, complex_prune=False); "
-                 f"scheduler(show_sparsity(actor.state_dict()) <= {TARGET}) every update"),
-        "sizes": {"obs": OBS, "act": ACT, "hidden": HIDDEN}, "layers": list(layers),
-        "t_end": T_END, "delta": DELTA, "target": TARGET, "initial": INITIAL,
-        "growth_events": growth_end, "events": EVENTS, "detail": list(DETAIL),
-        "er_shapes": [list(s) for s in ER_SHAPES], "negative_events": NEG_EVENTS,
+        "generator": "scripts/fidelity/ne_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "reference": {
+            "repository": "https://github.com/torressliu/neuroplastic-expansion",
+            "commit": commit,
+            "files": [SCHEDULER_FILE, UTILS_FILE, MODULES_FILE],
+        },
+        "call": (
+            f"STL_Scheduler(MLPActor({OBS}, {ACT}, 1.0, hidden_dim={HIDDEN}), Adam(lr=3e-4), static_topo=False, "
+            f"sparsity={TARGET}, T_end={T_END}, delta={DELTA}, zeta={ZETA}, grad_accumulation_n=1, "
+            f"use_simple_metric=False, initial_stl_sparsity={INITIAL}, complex_prune=False); "
+            f"scheduler(show_sparsity(actor.state_dict()) <= {TARGET}) every update"
+        ),
+        "sizes": {"obs": OBS, "act": ACT, "hidden": HIDDEN},
+        "layers": list(layers),
+        "t_end": T_END,
+        "delta": DELTA,
+        "target": TARGET,
+        "initial": INITIAL,
+        "growth_events": growth_end,
+        "events": EVENTS,
+        "detail": list(DETAIL),
+        "er_shapes": [list(s) for s in ER_SHAPES],
+        "negative_events": NEG_EVENTS,
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     np.savez_compressed(a.out, **out)
     print(f"wrote {os.path.normpath(a.out)}: {len(out)} arrays, {os.path.getsize(a.out)} bytes; reference {commit}")
-    print("growth events", growth_end, "counts first", counts[0], "last growth", counts[growth_end - 1],
-          "dst", counts[growth_end:growth_end + 3], counts[-1], "n_ones", ones[0], ones[growth_end - 1], ones[-1])
+    print(
+        "growth events",
+        growth_end,
+        "counts first",
+        counts[0],
+        "last growth",
+        counts[growth_end - 1],
+        "dst",
+        counts[growth_end : growth_end + 3],
+        counts[-1],
+        "n_ones",
+        ones[0],
+        ones[growth_end - 1],
+        ones[-1],
+    )
     print("regrown", {t: out[f"detail/{t}/regrown"].tolist() for t in DETAIL})
-    print("adam step", out["adam/step_after_first_event"], "negative", out["negative/counts"].tolist(),
-          out["negative/n_ones"].tolist())
+    print(
+        "adam step",
+        out["adam/step_after_first_event"],
+        "negative",
+        out["negative/counts"].tolist(),
+        out["negative/n_ones"].tolist(),
+    )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ Usage, in a venv of its own (never the project's venv)::
 ``--neubay``: a git directory (bare or work tree) of the fetched snapshot; files are read at ``HEAD`` with
 ``git show`` and the commit is recorded in the fixture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,13 +83,29 @@ from snapshot import compile_reference, load_definitions, locals_at_return, read
 
 jax.config.update("jax_platform_name", "cpu")
 
-FILES = {"modules": "offline_world/modules.py", "losses": "offline_world/losses.py",
-         "ensemble": "offline_world/cont_ensemble.py", "memory": "memory/module.py", "lru": "memory/lru.py",
-         "common": "online_rl/common.py", "ac_modules": "online_rl/ac_modules.py",
-         "ac_losses": "online_rl/ac_losses.py", "main": "offline_cont.py", "config": "configs/d4rl_loco/base.yaml"}
+FILES = {
+    "modules": "offline_world/modules.py",
+    "losses": "offline_world/losses.py",
+    "ensemble": "offline_world/cont_ensemble.py",
+    "memory": "memory/module.py",
+    "lru": "memory/lru.py",
+    "common": "online_rl/common.py",
+    "ac_modules": "online_rl/ac_modules.py",
+    "ac_losses": "online_rl/ac_losses.py",
+    "main": "offline_cont.py",
+    "config": "configs/d4rl_loco/base.yaml",
+}
 OBS, ACT, ROWS = 3, 2, 60
-WORLD = dict(total_size=6, hidden_size=8, has_ln=True, total_epochs=1, max_epochs_since_update=5,
-             improve_thres=-math.inf, batch_size=16, lr=1e-3)  # weight_decay: base.yaml's
+WORLD = dict(
+    total_size=6,
+    hidden_size=8,
+    has_ln=True,
+    total_epochs=1,
+    max_epochs_since_update=5,
+    improve_thres=-math.inf,
+    batch_size=16,
+    lr=1e-3,
+)  # weight_decay: base.yaml's
 ELITES, QUANTILE, PENALTY, STEP_ROWS = 4, 0.5, 1.0, 2
 MEMORY = dict(d_model=8, d_hidden=4, n_layers=2)
 HEADS = dict(head_d_hidden=8, head_n_layers=2, num_critics=4)
@@ -153,36 +170,97 @@ def main_statements(source: str, first: str, last: str):
     seg = [ast.get_source_segment(source, n) for n in fn.body]
     start = next(i for i, s in enumerate(seg) if s.startswith(first))
     end = next(i for i in range(start, len(seg)) if last in seg[i])
-    return fn.body[start:end + 1]
+    return fn.body[start : end + 1]
 
 
 def load_reference(src: dict, stand_ins: dict) -> dict:
     memory_ns = load_definitions(src["memory"], FILES["memory"], {"MemoryModule"})
-    lru_ns = load_definitions(src["lru"], FILES["lru"], {
-        "parallel_scan", "binary_operator_diag", "wrapped_associative_update", "matrix_init", "nu_init",
-        "theta_init", "gamma_log_init", "LRU", "SequenceLayer", "StackedLRU"},
-        {"MemoryModule": memory_ns["MemoryModule"]})
-    common_ns = load_definitions(src["common"], FILES["common"], {
-        "Block", "default_init", "final_linear", "huber", "soft_update", "get_optimizer"})
-    acm_ns = load_definitions(src["ac_modules"], FILES["ac_modules"], {
-        "CriticHead", "RecurrentCritic", "_select_tree", "select_critics", "TanhNormal", "FixedDistrax",
-        "ActorHead", "RecurrentActor", "Alpha"},
-        {"Block": common_ns["Block"], "final_linear": common_ns["final_linear"]})
-    acl_ns = load_definitions(src["ac_losses"], FILES["ac_losses"], {
-        "sac_q_loss", "sac_pi_loss", "sac_alpha_loss", "sac_update"},
-        {"soft_update": common_ns["soft_update"], "huber": common_ns["huber"],
-         "select_critics": acm_ns["select_critics"]})
-    modules_ns = load_definitions(src["modules"], FILES["modules"], {
-        "Scaler", "update_selected_members", "subselect_members", "soft_clamp", "ModelBlock", "ContModel",
-        "EnsembleContModel"})
-    losses_ns = load_definitions(src["losses"], FILES["losses"], {"get_nll_and_unc", "get_mse_and_unc",
-                                                                 "get_train_loss"})
-    world_ns = load_definitions(src["ensemble"], FILES["ensemble"], {"_step", "LearnedContEnv"}, {
-        **{k: modules_ns[k] for k in ("EnsembleContModel", "update_selected_members", "subselect_members",
-                                      "Scaler")},
-        **{k: losses_ns[k] for k in ("get_mse_and_unc", "get_train_loss")}, **stand_ins})
-    return {"lru": lru_ns, "common": common_ns, "ac_modules": acm_ns, "ac_losses": acl_ns,
-            "modules": modules_ns, "losses": losses_ns, "world": world_ns}
+    lru_ns = load_definitions(
+        src["lru"],
+        FILES["lru"],
+        {
+            "parallel_scan",
+            "binary_operator_diag",
+            "wrapped_associative_update",
+            "matrix_init",
+            "nu_init",
+            "theta_init",
+            "gamma_log_init",
+            "LRU",
+            "SequenceLayer",
+            "StackedLRU",
+        },
+        {"MemoryModule": memory_ns["MemoryModule"]},
+    )
+    common_ns = load_definitions(
+        src["common"],
+        FILES["common"],
+        {"Block", "default_init", "final_linear", "huber", "soft_update", "get_optimizer"},
+    )
+    acm_ns = load_definitions(
+        src["ac_modules"],
+        FILES["ac_modules"],
+        {
+            "CriticHead",
+            "RecurrentCritic",
+            "_select_tree",
+            "select_critics",
+            "TanhNormal",
+            "FixedDistrax",
+            "ActorHead",
+            "RecurrentActor",
+            "Alpha",
+        },
+        {"Block": common_ns["Block"], "final_linear": common_ns["final_linear"]},
+    )
+    acl_ns = load_definitions(
+        src["ac_losses"],
+        FILES["ac_losses"],
+        {"sac_q_loss", "sac_pi_loss", "sac_alpha_loss", "sac_update"},
+        {
+            "soft_update": common_ns["soft_update"],
+            "huber": common_ns["huber"],
+            "select_critics": acm_ns["select_critics"],
+        },
+    )
+    modules_ns = load_definitions(
+        src["modules"],
+        FILES["modules"],
+        {
+            "Scaler",
+            "update_selected_members",
+            "subselect_members",
+            "soft_clamp",
+            "ModelBlock",
+            "ContModel",
+            "EnsembleContModel",
+        },
+    )
+    losses_ns = load_definitions(
+        src["losses"], FILES["losses"], {"get_nll_and_unc", "get_mse_and_unc", "get_train_loss"}
+    )
+    world_ns = load_definitions(
+        src["ensemble"],
+        FILES["ensemble"],
+        {"_step", "LearnedContEnv"},
+        {
+            **{
+                k: modules_ns[k]
+                for k in ("EnsembleContModel", "update_selected_members", "subselect_members", "Scaler")
+            },
+            **{k: losses_ns[k] for k in ("get_mse_and_unc", "get_train_loss")},
+            **stand_ins,
+        },
+    )
+    return {
+        "lru": lru_ns,
+        "common": common_ns,
+        "ac_modules": acm_ns,
+        "ac_losses": acl_ns,
+        "modules": modules_ns,
+        "losses": losses_ns,
+        "world": world_ns,
+    }
 
 
 def dataset(rng):
@@ -208,15 +286,24 @@ def tape(rng, in_dim):
     assert observation.shape == (T, in_dim)
     real = np.isin(np.arange(T), REAL)
     terminated = np.isin(np.arange(T), TERMINATED)
-    return {"observation": observation, "action": action, "next_reward": reward, "start": start,
-            "next_terminated": terminated, "next_truncated": np.zeros(T, bool), "real": real}
+    return {
+        "observation": observation,
+        "action": action,
+        "next_reward": reward,
+        "start": start,
+        "next_terminated": terminated,
+        "next_truncated": np.zeros(T, bool),
+        "real": real,
+    }
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--neubay", required=True, help="git dir of the fetched twni2016/neubay snapshot")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                 "neubay_reference.npz"))
+    p.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "neubay_reference.npz"),
+    )
     a = p.parse_args()
     snap = {k: read_snapshot(a.neubay, f) for k, f in FILES.items()}
     commit = snap["main"][1]
@@ -232,8 +319,9 @@ def main():
 
     def split_with_rows(inputs, targets, test_size, random_state):
         rows = np.arange(len(inputs))
-        x_tr, x_va, y_tr, y_va, r_tr, r_va = train_test_split(inputs, targets, rows, test_size=test_size,
-                                                              random_state=random_state)
+        x_tr, x_va, y_tr, y_va, r_tr, r_va = train_test_split(
+            inputs, targets, rows, test_size=test_size, random_state=random_state
+        )
         split_idx["train"], split_idx["valid"] = r_tr, r_va
         return x_tr, x_va, y_tr, y_va
 
@@ -241,10 +329,12 @@ def main():
     env = SimpleNamespace(_max_episode_steps=1000, observation_space=box(OBS), action_space=box(ACT))
     created = []
     stand_ins = {
-        "make_env": lambda domain, name: env, "world_learning_dataset": lambda domain, env: data,
+        "make_env": lambda domain, name: env,
+        "world_learning_dataset": lambda domain, env: data,
         "wandb": SimpleNamespace(init=lambda **k: None, log=lambda *a, **k: None),
-        "HistorySampler": lambda domain, env: None, "OracleEnv": lambda name: None,
-        "get_termination_fn": lambda name: (lambda s, a, ns: np.zeros(len(s), bool)),
+        "HistorySampler": lambda domain, env: None,
+        "OracleEnv": lambda name: None,
+        "get_termination_fn": lambda name: lambda s, a, ns: np.zeros(len(s), bool),
         "train_test_split": split_with_rows,
     }
     ref = load_reference(src, stand_ins)
@@ -276,8 +366,12 @@ def main():
     out["wm/X_valid"], out["wm/Y_valid"] = np.asarray(tm["X_valid"]), np.asarray(tm["Y_valid"])
     assert tm["num_batches"] * wm["batch_size"] == tm["num_samples"] == 48  # whole batches only (ours drop a tail)
     scaler = world.scaler
-    out.update({f"wm/scaler_{k}": np.asarray(getattr(scaler, k), np.float32)
-                for k in ("input_mean", "input_std", "output_mean", "output_std")})
+    out.update(
+        {
+            f"wm/scaler_{k}": np.asarray(getattr(scaler, k), np.float32)
+            for k in ("input_mean", "input_std", "output_mean", "output_std")
+        }
+    )
     out["wm/val_mse_epoch1"] = np.asarray(tm["mse_valid"])
     assert bool(np.all(tm["improved"]))
 
@@ -285,10 +379,11 @@ def main():
     (mu, sigma), unc = eqx.nn.inference_mode(world.ensemble).forward_same_data(jnp.asarray(tm["X_valid"]))
     out["wm/mu"], out["wm/sigma"] = np.asarray(mu), np.asarray(sigma)
     out["wm/unc_epi_mean"] = np.asarray(unc["epi_mean"])
-    nll, _, _ = losses.get_nll_and_unc(eqx.nn.inference_mode(world.ensemble), jnp.asarray(tm["X_valid"]),
-                                       jnp.asarray(tm["Y_valid"]))
+    nll, _, _ = losses.get_nll_and_unc(
+        eqx.nn.inference_mode(world.ensemble), jnp.asarray(tm["X_valid"]), jnp.asarray(tm["Y_valid"])
+    )
     out["wm/nll_same_data"] = np.asarray(nll)
-    batch = np.asarray(tm["perm_heads"])[:, :wm["batch_size"]]
+    batch = np.asarray(tm["perm_heads"])[:, : wm["batch_size"]]
     xb, yb = jnp.asarray(tm["X_train"])[batch], jnp.asarray(tm["Y_train"])[batch]
     loss, grads = losses.get_train_loss(initial, xb, yb)
     out["wm/first_batch"], out["wm/first_loss"] = batch.astype(np.int32), np.float32(loss)
@@ -297,9 +392,17 @@ def main():
     # ------------------------------------------------------------------ 2. reload: elites, uncertainty, threshold
     world2, frames = LearnedContEnv(), {}
     with locals_at_return({"load_model_and_data"}, frames):
-        world2.load_model_and_data(domain="stand-in", dataset_name="toy", save_dir=save_dir, plot_dir=save_dir,
-                                   model_seed=0, ensemble_size=ELITES, penalty_coef=PENALTY, unc_quantile=QUANTILE,
-                                   unc_type="epi_mean")
+        world2.load_model_and_data(
+            domain="stand-in",
+            dataset_name="toy",
+            save_dir=save_dir,
+            plot_dir=save_dir,
+            model_seed=0,
+            ensemble_size=ELITES,
+            penalty_coef=PENALTY,
+            unc_quantile=QUANTILE,
+            unc_type="epi_mean",
+        )
     lm = frames["load_model_and_data"]
     out["unc/val_mse"], out["unc/elites"] = np.asarray(lm["mse_valid"]), np.asarray(lm["best_idx"]).astype(np.int32)
     out["unc/all_unc"] = np.asarray(lm["all_unc"])  # train rows (in split order), then the holdout rows
@@ -319,10 +422,18 @@ def main():
     draws = Draws()
     with draws.queued(normals=[noise]):
         next_obs, reward, terminated, truncated, unc = world2.step(jnp.asarray(actions), jax.random.PRNGKey(0))
-    out.update({"step/states": np.asarray(states, np.float32), "step/actions": actions, "step/noise": noise,
-                "step/timesteps": np.array([0, 998] * (ELITES * STEP_ROWS // 2), np.int32),
-                "step/next_obs": np.asarray(next_obs), "step/reward": np.asarray(reward),
-                "step/truncated": np.asarray(truncated), "step/unc": np.asarray(unc)})
+    out.update(
+        {
+            "step/states": np.asarray(states, np.float32),
+            "step/actions": actions,
+            "step/noise": noise,
+            "step/timesteps": np.array([0, 998] * (ELITES * STEP_ROWS // 2), np.int32),
+            "step/next_obs": np.asarray(next_obs),
+            "step/reward": np.asarray(reward),
+            "step/truncated": np.asarray(truncated),
+            "step/unc": np.asarray(unc),
+        }
+    )
     assert 0 < int(np.sum(np.asarray(unc) > world2.unc_thres)) < len(states), "the threshold cuts some rows"
 
     # ------------------------------------------------------------------ 4. the agent, built by main's statements
@@ -331,10 +442,20 @@ def main():
     cfg["model"].update(HEADS)
     cfg["train"].update(TRAIN)
     obs_shape, act_shape = (OBS + ACT + 1,), (ACT,)
-    ns = {"random": jax.random, "jnp": jnp, "np": np, "eqx": eqx, "optax": optax, "config": cfg,
-          "obs_shape": obs_shape, "act_shape": act_shape, "key": jax.random.PRNGKey(3),
-          "StackedLRU": ref["lru"]["StackedLRU"], "get_optimizer": ref["common"]["get_optimizer"],
-          **{k: ref["ac_modules"][k] for k in ("RecurrentCritic", "RecurrentActor", "Alpha")}}
+    ns = {
+        "random": jax.random,
+        "jnp": jnp,
+        "np": np,
+        "eqx": eqx,
+        "optax": optax,
+        "config": cfg,
+        "obs_shape": obs_shape,
+        "act_shape": act_shape,
+        "key": jax.random.PRNGKey(3),
+        "StackedLRU": ref["lru"]["StackedLRU"],
+        "get_optimizer": ref["common"]["get_optimizer"],
+        **{k: ref["ac_modules"][k] for k in ("RecurrentCritic", "RecurrentActor", "Alpha")},
+    }
     build = main_statements(src["main"], "key, m1_key", "alpha = Alpha(")
     optim = main_statements(src["main"], "opt_critic_enc = ", "opt_alpha = optax.adam")
     consts = main_statements(src["main"], "gamma = jnp.float32", "backup_entropy = ")
@@ -373,13 +494,25 @@ def main():
     for t in range(ACT_STEPS):
         first = start_a[t][:, None]
         x = np.concatenate([obs_a[t], np.where(first, 0.0, prev_a[t]), np.where(first, 0.0, prev_r[t][:, None])], -1)
-        action, memory, y = eqx.nn.inference_mode(pi_network)(jnp.asarray(x, jnp.float32)[:, None], memory,
-                                                              jnp.asarray(start_a[t])[:, None],
-                                                              jax.random.PRNGKey(t), deterministic=True)
+        action, memory, y = eqx.nn.inference_mode(pi_network)(
+            jnp.asarray(x, jnp.float32)[:, None],
+            memory,
+            jnp.asarray(start_a[t])[:, None],
+            jax.random.PRNGKey(t),
+            deterministic=True,
+        )
         acts.append(np.asarray(action))
         ys.append(np.asarray(y))
-    out.update({"act/obs": obs_a, "act/prev_action": prev_a, "act/prev_reward": prev_r, "act/start": start_a,
-                "act/action": np.stack(acts), "act/y": np.stack(ys)})
+    out.update(
+        {
+            "act/obs": obs_a,
+            "act/prev_action": prev_a,
+            "act/prev_reward": prev_r,
+            "act/start": start_a,
+            "act/action": np.stack(acts),
+            "act/y": np.stack(ys),
+        }
+    )
 
     # (d) one sac_update with fixed draws: a' noise (critic), a noise (actor), the two target heads
     next_noise = rng.standard_normal((T, ACT)).astype(np.float32)
@@ -389,16 +522,40 @@ def main():
 
     def one_update(ns, q_network, pi_network, alpha, q_target, opt_states):
         return ref["ac_losses"]["sac_update"](
-            q_network=q_network, pi_network=pi_network, alpha=alpha, q_target=q_target, data=data_t,
-            opt_q=ns["opt_q"], opt_pi=ns["opt_pi"], opt_alpha=ns["opt_alpha"], opt_state_q=opt_states[0],
-            opt_state_pi=opt_states[1], opt_state_alpha=opt_states[2], gamma=ns["gamma"], tau=ns["tau"],
-            real_weight=ns["real_weight"], backup_entropy=ns["backup_entropy"], loss_key=jax.random.PRNGKey(9))
+            q_network=q_network,
+            pi_network=pi_network,
+            alpha=alpha,
+            q_target=q_target,
+            data=data_t,
+            opt_q=ns["opt_q"],
+            opt_pi=ns["opt_pi"],
+            opt_alpha=ns["opt_alpha"],
+            opt_state_q=opt_states[0],
+            opt_state_pi=opt_states[1],
+            opt_state_alpha=opt_states[2],
+            gamma=ns["gamma"],
+            tau=ns["tau"],
+            real_weight=ns["real_weight"],
+            backup_entropy=ns["backup_entropy"],
+            loss_key=jax.random.PRNGKey(9),
+        )
 
     opt_states = (ns["opt_state_q"], ns["opt_state_pi"], ns["opt_state_alpha"])
     with draws.queued(normals=[next_noise, pi_noise], choices=[heads]):
         q1, pi1, alpha1, qt1, *_, metrics = one_update(ns, q_network, pi_network, alpha, q_target, opt_states)
-    for k in ("loss_q", "loss_q_real", "loss_q_imag", "loss_pi", "loss_pi_real", "loss_pi_imag", "alpha",
-              "real_pi_entropy", "imag_pi_entropy", "grad_q_norm", "grad_pi_norm"):
+    for k in (
+        "loss_q",
+        "loss_q_real",
+        "loss_q_imag",
+        "loss_pi",
+        "loss_pi_real",
+        "loss_pi_imag",
+        "alpha",
+        "real_pi_entropy",
+        "imag_pi_entropy",
+        "grad_q_norm",
+        "grad_pi_norm",
+    ):
         out[f"update/{k}"] = np.float32(metrics[k])
     record(out, "update/q", q1)
     record(out, "update/q_target", qt1)
@@ -410,8 +567,13 @@ def main():
     cfg_clip["train"]["gradient_scale"] = CLIP_SMALL
     ns_clip = dict(ns, config=cfg_clip)
     exec(compile_reference(optim, FILES["main"]), ns_clip)
-    state = (q_network, pi_network, alpha, q_target, (ns_clip["opt_state_q"], ns_clip["opt_state_pi"],
-                                                      ns_clip["opt_state_alpha"]))
+    state = (
+        q_network,
+        pi_network,
+        alpha,
+        q_target,
+        (ns_clip["opt_state_q"], ns_clip["opt_state_pi"], ns_clip["opt_state_alpha"]),
+    )
     with draws.queued(normals=[next_noise, pi_noise], choices=[heads]):
         for i in range(2):
             q_, pi_, al_, qt_, oq, op, oa, m = one_update(ns_clip, *state)
@@ -421,17 +583,29 @@ def main():
     record(out, "clip/pi", state[1])
 
     command = f"/tmp/neubayvenv/bin/python scripts/fidelity/neubay_reference.py --neubay {shlex.quote(a.neubay)}"
-    meta = {"generator": "scripts/fidelity/neubay_reference.py", "command": command,
-            "versions": {"jax": jax.__version__, "equinox": eqx.__version__, "optax": optax.__version__,
-                         "numpy": np.__version__},
-            "neubay": {"repository": "https://github.com/twni2016/neubay", "commit": commit,
-                       "files": list(FILES.values())},
-            "world": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in wm.items()},
-            "elites": ELITES, "quantile": QUANTILE, "penalty": PENALTY, "config": cfg, "clip_small": CLIP_SMALL,
-            "sizes": {"obs": OBS, "act": ACT, "rows": ROWS, "tape": T}}
+    meta = {
+        "generator": "scripts/fidelity/neubay_reference.py",
+        "command": command,
+        "versions": {
+            "jax": jax.__version__,
+            "equinox": eqx.__version__,
+            "optax": optax.__version__,
+            "numpy": np.__version__,
+        },
+        "neubay": {"repository": "https://github.com/twni2016/neubay", "commit": commit, "files": list(FILES.values())},
+        "world": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in wm.items()},
+        "elites": ELITES,
+        "quantile": QUANTILE,
+        "penalty": PENALTY,
+        "config": cfg,
+        "clip_small": CLIP_SMALL,
+        "sizes": {"obs": OBS, "act": ACT, "rows": ROWS, "tape": T},
+    }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
-    out = {k: (v.astype(np.float32) if v.dtype == np.float64 else v) for k, v in
-           ((k, np.asarray(v)) for k, v in out.items())}
+    out = {
+        k: (v.astype(np.float32) if v.dtype == np.float64 else v)
+        for k, v in ((k, np.asarray(v)) for k, v in out.items())
+    }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     np.savez_compressed(a.out, **out)
     print(f"wrote {os.path.normpath(a.out)}: {len(out)} arrays, {os.path.getsize(a.out)} bytes; neubay {commit}")

@@ -50,6 +50,7 @@ with ``git show`` and the commit is recorded in the fixture.  ``--float64-check`
 float64 from the fixture's float32 weights and inputs and prints how far the float32 reference is from it
 (the floor under the test's tolerances; nothing of it is written).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,13 @@ def main_statements(source: str, filename: str):
     ``for step ...``."""
     tree = ast.parse(source, filename)
     main = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'")
-    prefixes = ("args.batch_size =", "args.minibatch_size =", "args.num_iterations =", "agent = Agent(",
-                "optimizer = optim.Adam(")
+    prefixes = (
+        "args.batch_size =",
+        "args.minibatch_size =",
+        "args.num_iterations =",
+        "agent = Agent(",
+        "optimizer = optim.Adam(",
+    )
     setup = [n for n in main.body if ast.unparse(n).startswith(prefixes)]
     if len(setup) != len(prefixes):
         raise SystemExit(f"{filename}: set-up statements not found: {[ast.unparse(n) for n in setup]}")
@@ -125,6 +131,7 @@ def fixed_shuffle(permutations):
     def shuffle(x):
         assert isinstance(x, np.ndarray) and x.shape == queue[0].shape, x
         x[:] = queue.pop(0)
+
     shuffle.queue = queue
     return shuffle
 
@@ -136,6 +143,7 @@ def recording_clip(record: dict):
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, *args, **kwargs)
         record.setdefault("norms", []).append(float(norm))
         return norm
+
     return clip_grad_norm_
 
 
@@ -183,12 +191,21 @@ def run_cleanrl(source: str, inputs: dict, out: dict, dtype=torch.float32, init:
     shuffle = fixed_shuffle(inputs["permutations"])
     nn_ = Proxy(torch.nn, utils=Proxy(torch.nn.utils, clip_grad_norm_=recording_clip(clip_record)))
     np_ = Proxy(np, random=Proxy(np.random, shuffle=shuffle))
-    ns = load_definitions(source, CLEANRL_FILE, {"Args", "layer_init", "Agent"},
-                          {"nn": nn_, "np": np_, "optim": Proxy(torch.optim, Adam=RecordingAdam),
-                           "__file__": CLEANRL_FILE})
-    args = ns["Args"](num_envs=NUM_ENVS, num_steps=NUM_STEPS, num_minibatches=NUM_MINIBATCHES,
-                      update_epochs=UPDATE_EPOCHS, total_timesteps=NUM_ITERATIONS * NUM_ENVS * NUM_STEPS,
-                      learning_rate=LEARNING_RATE, ent_coef=ENT_COEF)
+    ns = load_definitions(
+        source,
+        CLEANRL_FILE,
+        {"Args", "layer_init", "Agent"},
+        {"nn": nn_, "np": np_, "optim": Proxy(torch.optim, Adam=RecordingAdam), "__file__": CLEANRL_FILE},
+    )
+    args = ns["Args"](
+        num_envs=NUM_ENVS,
+        num_steps=NUM_STEPS,
+        num_minibatches=NUM_MINIBATCHES,
+        update_epochs=UPDATE_EPOCHS,
+        total_timesteps=NUM_ITERATIONS * NUM_ENVS * NUM_STEPS,
+        learning_rate=LEARNING_RATE,
+        ent_coef=ENT_COEF,
+    )
     setup, update = main_statements(source, CLEANRL_FILE)
     box = lambda n: SimpleNamespace(shape=(n,))  # noqa: E731
     envs = SimpleNamespace(single_observation_space=box(OBS_DIM), single_action_space=box(ACT_DIM))
@@ -209,11 +226,18 @@ def run_cleanrl(source: str, inputs: dict, out: dict, dtype=torch.float32, init:
     with torch.no_grad():
         mean = agent.actor_mean(t["obs"])
         actions = mean + torch.exp(agent.actor_logstd) * t["eps"] if "actions" not in t else t["actions"]
-        _, logprob, _, value = agent.get_action_and_value(t["obs"].reshape(-1, OBS_DIM),
-                                                          actions.reshape(-1, ACT_DIM))
-    run.update(obs=t["obs"], actions=actions, logprobs=logprob.reshape(NUM_STEPS, NUM_ENVS),
-               rewards=t["rewards"], dones=t["dones"], values=value.reshape(NUM_STEPS, NUM_ENVS),
-               next_obs=t["next_obs"], next_done=t["next_done"], iteration=ITERATION)
+        _, logprob, _, value = agent.get_action_and_value(t["obs"].reshape(-1, OBS_DIM), actions.reshape(-1, ACT_DIM))
+    run.update(
+        obs=t["obs"],
+        actions=actions,
+        logprobs=logprob.reshape(NUM_STEPS, NUM_ENVS),
+        rewards=t["rewards"],
+        dones=t["dones"],
+        values=value.reshape(NUM_STEPS, NUM_ENVS),
+        next_obs=t["next_obs"],
+        next_done=t["next_done"],
+        iteration=ITERATION,
+    )
     out["inputs/actions"] = arr(actions)
     out["cleanrl/logprobs"], out["cleanrl/values"] = arr(run["logprobs"]), arr(run["values"])
 
@@ -232,10 +256,11 @@ def run_cleanrl(source: str, inputs: dict, out: dict, dtype=torch.float32, init:
     assert np.array_equal(mb_inds.reshape(UPDATE_EPOCHS, -1), inputs["permutations"])
     names = [k for k, _ in agent.named_parameters()]
     assert [id(p) for p in agent.parameters()] == [id(p) for p in optimizer.named]
-    for name, g0, g1, p1, p in zip(names, clip_record["grads"], steps[0]["grads"], steps[0]["params"],
-                                   agent.parameters()):
-        out[f"cleanrl/grad/{name}"] = arr(g0)            # first minibatch, before clip_grad_norm_
-        out[f"cleanrl/grad_clipped/{name}"] = arr(g1)    # what the first optimizer.step() applied
+    for name, g0, g1, p1, p in zip(
+        names, clip_record["grads"], steps[0]["grads"], steps[0]["params"], agent.parameters()
+    ):
+        out[f"cleanrl/grad/{name}"] = arr(g0)  # first minibatch, before clip_grad_norm_
+        out[f"cleanrl/grad_clipped/{name}"] = arr(g1)  # what the first optimizer.step() applied
         out[f"cleanrl/after_first_step/{name}"] = arr(p1)
         out[f"cleanrl/after_update/{name}"] = arr(p)
 
@@ -257,8 +282,9 @@ def run_cleanrl(source: str, inputs: dict, out: dict, dtype=torch.float32, init:
 
 def float64_check(source: str, inputs: dict, out32: dict, rtol: float = 1e-5, atol: float = 1e-6):
     """The reference's own float32 error: the same update in float64 (same float32 weights, inputs, actions)."""
-    init = {k.removeprefix("cleanrl/init/"): v.astype(np.float64) for k, v in out32.items()
-            if k.startswith("cleanrl/init/")}
+    init = {
+        k.removeprefix("cleanrl/init/"): v.astype(np.float64) for k, v in out32.items() if k.startswith("cleanrl/init/")
+    }
     inputs64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()}
     inputs64["actions"] = out32["inputs/actions"].astype(np.float64)
     out64 = {}
@@ -278,11 +304,15 @@ def float64_check(source: str, inputs: dict, out32: dict, rtol: float = 1e-5, at
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cleanrl", required=True, help="git dir of the fetched vwxyzjn/cleanrl snapshot")
-    p.add_argument("--float64-check", action="store_true",
-                   help="rerun the reference in float64 from the fixture's float32 weights and inputs and print, per "
-                        "output, its largest difference from the float32 run in units of the test's bound")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                 "ppo_reference.npz"))
+    p.add_argument(
+        "--float64-check",
+        action="store_true",
+        help="rerun the reference in float64 from the fixture's float32 weights and inputs and print, per "
+        "output, its largest difference from the float32 run in units of the test's bound",
+    )
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "ppo_reference.npz")
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     source, commit = read_snapshot(a.cleanrl, CLEANRL_FILE)
@@ -308,14 +338,18 @@ def main():
     args, defaults = run_cleanrl(source, inputs, out)
     command = f"/tmp/refvenv/bin/python scripts/fidelity/ppo_reference.py --cleanrl {shlex.quote(a.cleanrl)}"
     meta = {
-        "generator": "scripts/fidelity/ppo_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
+        "generator": "scripts/fidelity/ppo_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
         "cleanrl": {"repository": "https://github.com/vwxyzjn/cleanrl", "commit": commit, "file": CLEANRL_FILE},
-        "args": {k: v for k, v in dataclasses.asdict(args).items()
-                 if isinstance(v, (int, float, bool)) or v is None},
-        "args_defaults": {k: v for k, v in dataclasses.asdict(defaults).items()
-                          if isinstance(v, (int, float, bool)) or v is None},
-        "iteration": ITERATION, "log_std": list(LOG_STD), "width": 64,
+        "args": {k: v for k, v in dataclasses.asdict(args).items() if isinstance(v, (int, float, bool)) or v is None},
+        "args_defaults": {
+            k: v for k, v in dataclasses.asdict(defaults).items() if isinstance(v, (int, float, bool)) or v is None
+        },
+        "iteration": ITERATION,
+        "log_std": list(LOG_STD),
+        "width": 64,
         "sizes": {"obs": OBS_DIM, "act": ACT_DIM, "num_envs": NUM_ENVS, "num_steps": NUM_STEPS},
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
@@ -324,8 +358,14 @@ def main():
     print(f"wrote {os.path.normpath(a.out)}: {len(out)} arrays, {os.path.getsize(a.out)} bytes; cleanrl {commit}")
     if a.float64_check:
         float64_check(source, inputs, out)
-    print("clipfrac per minibatch", out["cleanrl/minibatch/clipfrac"], "value-clip fraction",
-          out["cleanrl/minibatch/vclipfrac"], "grad norms", out["cleanrl/minibatch/grad_norm"])
+    print(
+        "clipfrac per minibatch",
+        out["cleanrl/minibatch/clipfrac"],
+        "value-clip fraction",
+        out["cleanrl/minibatch/vclipfrac"],
+        "grad norms",
+        out["cleanrl/minibatch/grad_norm"],
+    )
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ Usage, in a venv of its own with torch (never the project's venv)::
 ``--ravl``: a git directory (bare or work tree) of the fetched snapshot; the files are read at ``HEAD``
 with ``git show`` and the commit is recorded in the fixture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,10 +77,15 @@ import torch
 from sac_reference import arr, fixed_normal_draws, frame_locals
 from snapshot import compile_reference, load_definitions, read_snapshot
 
-FILES = {"net": "dynamics_training/net.py", "ensemble": "dynamics_training/ensemble.py",
-         "buffer": "shared/data_buffer.py", "agent": "agent_training/agent.py",
-         "rollout": "agent_training/rollout_generation.py", "train_dynamics": "train_dynamics_model.py",
-         "train_agent": "train_ravl_agent.py"}
+FILES = {
+    "net": "dynamics_training/net.py",
+    "ensemble": "dynamics_training/ensemble.py",
+    "buffer": "shared/data_buffer.py",
+    "agent": "agent_training/agent.py",
+    "rollout": "agent_training/rollout_generation.py",
+    "train_dynamics": "train_dynamics_model.py",
+    "train_agent": "train_ravl_agent.py",
+}
 OBS_DIM, ACT_DIM = 3, 2
 MEMBERS, ELITES, DYN_WIDTH = 5, 3, 16
 N_DATA, VAL_RATIO = 24, 0.25  # 6 holdout rows, 18 training rows (one minibatch: the loader's batch is 256)
@@ -104,26 +110,69 @@ def loop_statements(source: str, filename: str, header: str):
 
 def config_defaults(source: str, filename: str, name: str) -> dict:
     ns = load_definitions(source, filename, {name})
-    return {f.name: f.default for f in dataclasses.fields(ns[name])
-            if f.default is not dataclasses.MISSING and isinstance(f.default, (int, float, str, bool, type(None)))}
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(ns[name])
+        if f.default is not dataclasses.MISSING and isinstance(f.default, (int, float, str, bool, type(None)))
+    }
 
 
 def reference(sources: dict) -> dict:
     """The reference's definitions, wired together as its package imports would (those imports fail here)."""
-    net = load_definitions(sources["net"], FILES["net"], {
-        "device", "Net", "BayesianNeuralNetwork", "reinitialize_fc_layer_", "get_trunc_normal_std",
-        "get_weight_bias_parameters_with_decays", "GaussianMSELoss"})
+    net = load_definitions(
+        sources["net"],
+        FILES["net"],
+        {
+            "device",
+            "Net",
+            "BayesianNeuralNetwork",
+            "reinitialize_fc_layer_",
+            "get_trunc_normal_std",
+            "get_weight_bias_parameters_with_decays",
+            "GaussianMSELoss",
+        },
+    )
     buf = load_definitions(sources["buffer"], FILES["buffer"], {"device", "DataBuffer"})
-    ens = load_definitions(sources["ensemble"], FILES["ensemble"], {
-        "device", "Transition", "Ensemble", "TransitionDataset", "EnsembleTransitionDataset", "MeanStdevFilter",
-        "prepare_data"}, {"Net": net["Net"], "DataBuffer": buf["DataBuffer"]})
-    agent = load_definitions(sources["agent"], FILES["agent"], {
-        "VectorizedLinear", "Actor", "VectorizedCritic", "soft_update", "Agent"}, lazy_annotations=True)
-    roll = load_definitions(sources["rollout"], FILES["rollout"], {
-        "device", "DynamicsModel", "RolloutGenerator", "get_done_func", "hopper_is_done_func",
-        "walker2d_is_done_func", "halfcheetah_is_done_func"},
-        {"Actor": agent["Actor"], "Ensemble": ens["Ensemble"], "DataBuffer": buf["DataBuffer"],
-         "trange": lambda n, **kw: range(n)}, lazy_annotations=True)
+    ens = load_definitions(
+        sources["ensemble"],
+        FILES["ensemble"],
+        {
+            "device",
+            "Transition",
+            "Ensemble",
+            "TransitionDataset",
+            "EnsembleTransitionDataset",
+            "MeanStdevFilter",
+            "prepare_data",
+        },
+        {"Net": net["Net"], "DataBuffer": buf["DataBuffer"]},
+    )
+    agent = load_definitions(
+        sources["agent"],
+        FILES["agent"],
+        {"VectorizedLinear", "Actor", "VectorizedCritic", "soft_update", "Agent"},
+        lazy_annotations=True,
+    )
+    roll = load_definitions(
+        sources["rollout"],
+        FILES["rollout"],
+        {
+            "device",
+            "DynamicsModel",
+            "RolloutGenerator",
+            "get_done_func",
+            "hopper_is_done_func",
+            "walker2d_is_done_func",
+            "halfcheetah_is_done_func",
+        },
+        {
+            "Actor": agent["Actor"],
+            "Ensemble": ens["Ensemble"],
+            "DataBuffer": buf["DataBuffer"],
+            "trange": lambda n, **kw: range(n),
+        },
+        lazy_annotations=True,
+    )
     return {"net": net, "buffer": buf, "ensemble": ens, "agent": agent, "rollout": roll}
 
 
@@ -146,6 +195,7 @@ def returning(array, check=None):
         if check is not None:
             check(*args, **kw)
         return queue.pop(0)
+
     return call
 
 
@@ -169,9 +219,19 @@ def named(module: torch.nn.Module, prefix: str, out: dict):
 # ----------------------------------------------------------------------------- the dynamics ensemble
 def build_ensemble(ref, dataset, defaults: dict):
     ens = ref["ensemble"]
-    params = dict(ob_dim=OBS_DIM, ac_dim=ACT_DIM, hidden_dim=DYN_WIDTH, seed=0, l2_reg_multiplier=1.0,
-                  num_models=MEMBERS, num_elites=ELITES, train_memory=N_DATA, val_memory=N_DATA,
-                  train_val_ratio=VAL_RATIO, env_name=ENV_NAME)
+    params = dict(
+        ob_dim=OBS_DIM,
+        ac_dim=ACT_DIM,
+        hidden_dim=DYN_WIDTH,
+        seed=0,
+        l2_reg_multiplier=1.0,
+        num_models=MEMBERS,
+        num_elites=ELITES,
+        train_memory=N_DATA,
+        val_memory=N_DATA,
+        train_val_ratio=VAL_RATIO,
+        env_name=ENV_NAME,
+    )
     ensemble = ens["Ensemble"](params)
     defaults["logvar_init"] = [ensemble.max_logvar[0].item(), ensemble.min_logvar[0].item()]
     g = torch.Generator().manual_seed(3)
@@ -204,9 +264,11 @@ def run_dynamics(ref, sources, ensemble, rng, out):
     sorted_ensemble = copy.deepcopy(ensemble)
     sorted_ensemble.set_model_logvar_limits()
     original = {id(m): i for i, m in sorted_ensemble.networks.items()}
-    loader = torch.utils.data.DataLoader(ens["TransitionDataset"](val, s, a),
-                                         sampler=torch.utils.data.SequentialSampler(range(len(val.state))),
-                                         batch_size=256)
+    loader = torch.utils.data.DataLoader(
+        ens["TransitionDataset"](val, s, a),
+        sampler=torch.utils.data.SequentialSampler(range(len(val.state))),
+        batch_size=256,
+    )
     val_losses = sorted_ensemble.select_elites(loader)
     rank = np.array([original[id(m)] for m in sorted_ensemble.networks.values()], np.int32)
     out["dyn/val_mse_sorted"], out["dyn/rank"] = np.asarray(val_losses, np.float32), rank
@@ -238,11 +300,22 @@ def run_dynamics(ref, sources, ensemble, rng, out):
         return torch.optim.Adam.step(optimizer, closure)
 
     optimizer.step = recording_step
-    run = {"transition_loader": loader, "perm": perm, "ensemble": ensemble, "optimizer": optimizer,
-           "loss": 0, "step": 0, "total_loss": 0}
+    run = {
+        "transition_loader": loader,
+        "perm": perm,
+        "ensemble": ensemble,
+        "optimizer": optimizer,
+        "loss": 0,
+        "step": 0,
+        "total_loss": 0,
+    }
     with patched(ref["net"]["Net"], "train_model_forward", recording_forward):
-        exec(loop_statements(sources["train_dynamics"], FILES["train_dynamics"],
-                             "x_batch, diff_batch, r_batch in transition_loader"), run)
+        exec(
+            loop_statements(
+                sources["train_dynamics"], FILES["train_dynamics"], "x_batch, diff_batch, r_batch in transition_loader"
+            ),
+            run,
+        )
     out["dyn/boot"] = idxs[perm].astype(np.int32)  # the training rows member i saw (x_batch[:, perm][:, i])
     out["dyn/nll"] = np.array([member_loss[ensemble.networks[i]] for i in range(MEMBERS)], np.float32)
     out["dyn/total_nll"] = np.float32(run["total_loss"])  # the sum over members, before the bounds' term
@@ -270,10 +343,20 @@ def build_agent(ref, out):
     target = ns["VectorizedCritic"](OBS_DIM, ACT_DIM, WIDTH, CRITICS)
     actor.mu.reset_parameters(), actor.log_sigma.reset_parameters()
     critic.critic[-1].reset_parameters(), target.critic[-1].reset_parameters()
-    agent = ns["Agent"](actor=actor, actor_optimizer=torch.optim.Adam(actor.parameters(), lr=LR), critic=critic,
-                        critic_optimizer=torch.optim.Adam(critic.parameters(), lr=LR), gamma=GAMMA, tau=TAU,
-                        eta=ETA, auto_alpha=True, alpha_learning_rate=LR, target_entropy=None, alpha=0.1,
-                        device="cpu")
+    agent = ns["Agent"](
+        actor=actor,
+        actor_optimizer=torch.optim.Adam(actor.parameters(), lr=LR),
+        critic=critic,
+        critic_optimizer=torch.optim.Adam(critic.parameters(), lr=LR),
+        gamma=GAMMA,
+        tau=TAU,
+        eta=ETA,
+        auto_alpha=True,
+        alpha_learning_rate=LR,
+        target_entropy=None,
+        alpha=0.1,
+        device="cpu",
+    )
     agent.target_critic = target  # distinct from the online critic (as after any Polyak step)
     with torch.no_grad():
         agent.log_alpha.fill_(LOG_ALPHA)
@@ -298,15 +381,18 @@ def run_rollout(ref, sorted_ensemble, actor, model_buffer, start, rng, out):
     gen = roll["RolloutGenerator"](model, actor, steps_k=1, num_rollouts=ROLLOUTS, buffer=model_buffer)
     check_randint = lambda lo, hi, size: assert_equal((lo, hi, tuple(size)), (0, ELITES, (ROLLOUTS,)))  # noqa: E731
     check_noise = lambda means: assert_equal(means.shape, noise.shape)  # noqa: E731
-    with fixed_normal_draws([torch.as_tensor(eps_policy)]), \
-            patched(torch, "randn_like", returning(torch.as_tensor(noise), check_noise)), \
-            patched(torch, "randint", returning(torch.as_tensor(pick), check_randint)), \
-            patched(torch.Tensor, "get_device", lambda self: "cpu"):
+    with (
+        fixed_normal_draws([torch.as_tensor(eps_policy)]),
+        patched(torch, "randn_like", returning(torch.as_tensor(noise), check_noise)),
+        patched(torch, "randint", returning(torch.as_tensor(pick), check_randint)),
+        patched(torch.Tensor, "get_device", lambda self: "cpu"),
+    ):
         info = gen.generate_rollouts(torch.as_tensor(start))
     assert info["rollouts/transitions_added"] == ROLLOUTS
     states, actions, rewards, next_states, dones = (arr(x) for x in model_buffer.sample_all())
-    for k, v in dict(obs=states, action=actions, reward=rewards[:, 0], next_obs=next_states,
-                     terminated=dones[:, 0]).items():
+    for k, v in dict(
+        obs=states, action=actions, reward=rewards[:, 0], next_obs=next_states, terminated=dones[:, 0]
+    ).items():
         out[f"rollout/buffer/{k}"] = v
     done = dones[PREFILL:, 0]
     assert 2 <= done.sum() <= ROLLOUTS - 2, done  # both outcomes of the Hopper done function
@@ -316,24 +402,33 @@ def run_rollout(ref, sorted_ensemble, actor, model_buffer, start, rng, out):
 def run_update(sources, agent, real_buffer, model_buffer, rng, out):
     """One update of train_ravl_agent.train's loop: the real / model batch mix and Agent.update."""
     n_real = int(RATIO * BATCH)
-    real_rows, model_rows = rng.permutation(N_DATA)[:n_real], rng.permutation(PREFILL + ROLLOUTS)[:BATCH - n_real]
+    real_rows, model_rows = rng.permutation(N_DATA)[:n_real], rng.permutation(PREFILL + ROLLOUTS)[: BATCH - n_real]
     real_buffer._rng, model_buffer._rng = FixedChoice([real_rows]), FixedChoice([model_rows])
     out["update/real_rows"], out["update/model_rows"] = real_rows.astype(np.int32), model_rows.astype(np.int32)
     eps = {k: rng.standard_normal((BATCH, ACT_DIM)).astype(np.float32) for k in ("alpha", "actor", "next")}
     for k, v in eps.items():
         out[f"update/eps_{k}"] = v
     logged = []
-    run = {"trange": lambda n, **kw: range(n), "epoch": 0, "total_updates": 0, "agent": agent,
-           "config": SimpleNamespace(updates_per_epoch=1, dataset_ratio=RATIO, batch_size=BATCH, log_every=1),
-           "modelfree_buffer": real_buffer, "modelbased_buffer": model_buffer, "torch": torch,
-           "wandb": SimpleNamespace(log=logged.append)}
+    run = {
+        "trange": lambda n, **kw: range(n),
+        "epoch": 0,
+        "total_updates": 0,
+        "agent": agent,
+        "config": SimpleNamespace(updates_per_epoch=1, dataset_ratio=RATIO, batch_size=BATCH, log_every=1),
+        "modelfree_buffer": real_buffer,
+        "modelbased_buffer": model_buffer,
+        "torch": torch,
+        "wandb": SimpleNamespace(log=logged.append),
+    }
     frame = {}
     torch.manual_seed(2)  # torch.rand_like of update()'s q_random_std (a logged diagnostic only; not recorded)
-    with fixed_normal_draws([torch.as_tensor(eps[k]) for k in ("alpha", "actor", "next")]), \
-            frame_locals("_critic_loss", frame):
-        exec(loop_statements(sources["train_agent"], FILES["train_agent"],
-                             '_ in trange(config.updates_per_epoch,'),
-             run)
+    with (
+        fixed_normal_draws([torch.as_tensor(eps[k]) for k in ("alpha", "actor", "next")]),
+        frame_locals("_critic_loss", frame),
+    ):
+        exec(
+            loop_statements(sources["train_agent"], FILES["train_agent"], "_ in trange(config.updates_per_epoch,"), run
+        )
     for k, v in zip(("obs", "action", "reward", "next_obs", "terminated"), run["batch"]):
         out[f"update/batch/{k}"] = arr(v[:, 0] if v.shape[-1] == 1 and k in ("reward", "terminated") else v)
     info = logged[0]
@@ -345,8 +440,10 @@ def run_update(sources, agent, real_buffer, model_buffer, rng, out):
     for name, net in dict(actor=agent.actor, critic=agent.critic, target=agent.target_critic).items():
         named(net, f"update/{name}", out)
     out["update/log_alpha"] = arr(agent.log_alpha)[0]
-    for name, net, opt in (("actor", agent.actor, agent.actor_optimizer),
-                           ("critic", agent.critic, agent.critic_optimizer)):
+    for name, net, opt in (
+        ("actor", agent.actor, agent.actor_optimizer),
+        ("critic", agent.critic, agent.critic_optimizer),
+    ):
         for k, p in net.named_parameters():
             out[f"update/exp_avg/{name}/{k}"] = arr(opt.state[p]["exp_avg"])  # 0.1 g after one step
     out["update/exp_avg/log_alpha"] = arr(agent.alpha_optimizer.state[agent.log_alpha]["exp_avg"])[0]
@@ -356,8 +453,9 @@ def run_update(sources, agent, real_buffer, model_buffer, rng, out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ravl", required=True, help="git dir of the fetched anyasims/edge-of-reach snapshot")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                 "ravl_reference.npz"))
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "ravl_reference.npz")
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     sources, commit = {}, None
@@ -368,10 +466,13 @@ def main():
     rng = np.random.default_rng(11)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     obs = np.stack([rng.uniform(0.75, 1.2, N_DATA), rng.uniform(-0.15, 0.15, N_DATA), rng.normal(size=N_DATA)], 1)
-    dataset = {"observations": f32(obs), "actions": f32(rng.uniform(-0.9, 0.9, (N_DATA, ACT_DIM))),
-               "rewards": f32(rng.normal(1.0, 0.5, N_DATA)),
-               "next_observations": f32(obs + rng.normal(0.0, 0.1, (N_DATA, OBS_DIM))),
-               "terminals": f32(np.isin(np.arange(N_DATA), [5, 17]))}
+    dataset = {
+        "observations": f32(obs),
+        "actions": f32(rng.uniform(-0.9, 0.9, (N_DATA, ACT_DIM))),
+        "rewards": f32(rng.normal(1.0, 0.5, N_DATA)),
+        "next_observations": f32(obs + rng.normal(0.0, 0.1, (N_DATA, OBS_DIM))),
+        "terminals": f32(np.isin(np.arange(N_DATA), [5, 17])),
+    }
     out = {f"dataset/{k}": v for k, v in dataset.items()}
 
     defaults = {}
@@ -383,12 +484,16 @@ def main():
     real_buffer = buf(state_dim=OBS_DIM, action_dim=ACT_DIM, buffer_size=N_DATA, as_numpy=False)
     real_buffer.load_d4rl_dataset(dataset)
     model_buffer = buf(state_dim=OBS_DIM, action_dim=ACT_DIM, buffer_size=PREFILL + ROLLOUTS, as_numpy=False)
-    prefill = {"obs": f32(rng.normal(size=(PREFILL, OBS_DIM))),
-               "action": f32(rng.uniform(-0.9, 0.9, (PREFILL, ACT_DIM))), "reward": f32(rng.normal(size=(PREFILL, 1))),
-               "next_obs": f32(rng.normal(size=(PREFILL, OBS_DIM))),
-               "terminated": f32(rng.uniform(size=(PREFILL, 1)) < 0.2)}
-    model_buffer.add_transitions(*(torch.as_tensor(prefill[k])
-                                   for k in ("obs", "action", "reward", "next_obs", "terminated")))
+    prefill = {
+        "obs": f32(rng.normal(size=(PREFILL, OBS_DIM))),
+        "action": f32(rng.uniform(-0.9, 0.9, (PREFILL, ACT_DIM))),
+        "reward": f32(rng.normal(size=(PREFILL, 1))),
+        "next_obs": f32(rng.normal(size=(PREFILL, OBS_DIM))),
+        "terminated": f32(rng.uniform(size=(PREFILL, 1)) < 0.2),
+    }
+    model_buffer.add_transitions(
+        *(torch.as_tensor(prefill[k]) for k in ("obs", "action", "reward", "next_obs", "terminated"))
+    )
     start_rows = rng.integers(0, N_DATA, ROLLOUTS)
     out["rollout/start_rows"] = start_rows.astype(np.int32)
     run_rollout(ref, sorted_ensemble, agent.actor, model_buffer, dataset["observations"][start_rows], rng, out)
@@ -396,20 +501,44 @@ def main():
 
     command = f"/tmp/refvenv/bin/python scripts/fidelity/ravl_reference.py --ravl {shlex.quote(a.ravl)}"
     meta = {
-        "generator": "scripts/fidelity/ravl_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
-        "ravl": {"repository": "https://github.com/anyasims/edge-of-reach", "commit": commit,
-                 "files": sorted(FILES.values())},
-        "sizes": {"obs": OBS_DIM, "act": ACT_DIM, "members": MEMBERS, "elites": ELITES, "dyn_width": DYN_WIDTH,
-                  "data": N_DATA, "critics": CRITICS, "width": WIDTH, "rollouts": ROLLOUTS, "prefill": PREFILL,
-                  "batch": BATCH},
-        "env_name": ENV_NAME, "dataset_ratio": RATIO, "gamma": GAMMA, "tau": TAU, "eta": ETA, "lr": LR,
-        "log_alpha": LOG_ALPHA, "model_lr": 1e-3,
+        "generator": "scripts/fidelity/ravl_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "ravl": {
+            "repository": "https://github.com/anyasims/edge-of-reach",
+            "commit": commit,
+            "files": sorted(FILES.values()),
+        },
+        "sizes": {
+            "obs": OBS_DIM,
+            "act": ACT_DIM,
+            "members": MEMBERS,
+            "elites": ELITES,
+            "dyn_width": DYN_WIDTH,
+            "data": N_DATA,
+            "critics": CRITICS,
+            "width": WIDTH,
+            "rollouts": ROLLOUTS,
+            "prefill": PREFILL,
+            "batch": BATCH,
+        },
+        "env_name": ENV_NAME,
+        "dataset_ratio": RATIO,
+        "gamma": GAMMA,
+        "tau": TAU,
+        "eta": ETA,
+        "lr": LR,
+        "log_alpha": LOG_ALPHA,
+        "model_lr": 1e-3,
         "reference_defaults": {
             "TrainConfig": config_defaults(sources["train_agent"], FILES["train_agent"], "TrainConfig"),
-            "EnsembleTrainConfig": config_defaults(sources["train_dynamics"], FILES["train_dynamics"],
-                                                   "EnsembleTrainConfig"),
-            "decays": ref["net"]["BayesianNeuralNetwork"](1, 1, 1).decays.tolist(), **defaults},
+            "EnsembleTrainConfig": config_defaults(
+                sources["train_dynamics"], FILES["train_dynamics"], "EnsembleTrainConfig"
+            ),
+            "decays": ref["net"]["BayesianNeuralNetwork"](1, 1, 1).decays.tolist(),
+            **defaults,
+        },
     }
     meta["reference_defaults"]["EnsembleTrainConfig"].pop("device", None)
     meta["reference_defaults"]["TrainConfig"].pop("device", None)

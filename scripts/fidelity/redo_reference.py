@@ -29,6 +29,7 @@ Usage, in a venv of its own with the reference's JAX stack (never the project's 
 ``--dopamine``: a git directory (bare or work tree) of the fetched snapshot; the files are read at
 ``HEAD`` with ``git show`` and the commit is recorded in the fixture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,22 +103,36 @@ def weights(rng, x):
             k[:, unit], b[unit] = k[:, unit] * c, b[unit] * c
         h = np.maximum(h @ k + b, 0.0)
         p[f"Dense_{i}"] = {"kernel": k, "bias": b}
-    p["final_layer"] = {"kernel": rng.normal(size=(WIDTH, OUT_DIM)) / np.sqrt(WIDTH),
-                        "bias": rng.normal(size=OUT_DIM) * 0.1}
+    p["final_layer"] = {
+        "kernel": rng.normal(size=(WIDTH, OUT_DIM)) / np.sqrt(WIDTH),
+        "bias": rng.normal(size=OUT_DIM) * 0.1,
+    }
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), {"params": p})
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dopamine", required=True, help="git dir of the fetched google/dopamine snapshot")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                  "redo_reference.npz"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "redo_reference.npz")
+    )
     a = ap.parse_args()
     rec_src, commit = read_snapshot(a.dopamine, RECYCLERS_FILE)
     net_src, _ = read_snapshot(a.dopamine, NETWORKS_FILE)
-    ref = load_definitions(rec_src, RECYCLERS_FILE, {
-        "leastk_mask", "reset_momentum", "weight_reinit_zero", "weight_reinit_random",
-        "_weight_normalization_per_neuron_norm", "_get_norm_per_neuron", "BaseRecycler", "NeuronRecycler"})
+    ref = load_definitions(
+        rec_src,
+        RECYCLERS_FILE,
+        {
+            "leastk_mask",
+            "reset_momentum",
+            "weight_reinit_zero",
+            "weight_reinit_random",
+            "_weight_normalization_per_neuron_norm",
+            "_get_norm_per_neuron",
+            "BaseRecycler",
+            "NeuronRecycler",
+        },
+    )
     identity_layer = load_definitions(net_src, NETWORKS_FILE, {"IdentityLayer"})["IdentityLayer"]
 
     rng = np.random.default_rng(7)
@@ -169,12 +184,12 @@ def main():
     new_params, new_opt = recycler.recycle_dead_neurons(intermediates, params, key, opt_state)
     # the raw redraws (before the outgoing zeroing): the reference's own weight_reinit_random with an all-ones
     # mask and the per-layer keys its create_masks splits from the same key
-    _, _, in_keys, _, _ = recycler.create_masks(
-        flax.traverse_util.flatten_dict(params, sep="/"), acts, key)
+    _, _, in_keys, _, _ = recycler.create_masks(flax.traverse_util.flatten_dict(params, sep="/"), acts, key)
     for layer in LAYERS[:-1]:
         kernel = params["params"][layer]["kernel"]
-        out[f"draws/{layer}/kernel"] = np.asarray(ref["weight_reinit_random"](
-            kernel, jnp.ones_like(kernel), in_keys[f"params/{layer}/kernel"]))
+        out[f"draws/{layer}/kernel"] = np.asarray(
+            ref["weight_reinit_random"](kernel, jnp.ones_like(kernel), in_keys[f"params/{layer}/kernel"])
+        )
     for path, leaf in flax.traverse_util.flatten_dict(flax.core.unfreeze(new_params), sep="/").items():
         out[f"reset/{path}"] = np.asarray(leaf)
     for name, tree in (("mu", new_opt[0].mu), ("nu", new_opt[0].nu)):
@@ -190,18 +205,28 @@ def main():
         draw = out[f"draws/{layer}/kernel"][:, m]
         assert np.all((new == draw) | (new == 0)), layer  # the recorded draws are the ones the reset used
 
-    command = ("/tmp/redovenv/bin/python scripts/fidelity/redo_reference.py --dopamine "
-               + shlex.quote(a.dopamine))
+    command = "/tmp/redovenv/bin/python scripts/fidelity/redo_reference.py --dopamine " + shlex.quote(a.dopamine)
     meta = {
-        "generator": "scripts/fidelity/redo_reference.py", "command": command,
-        "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__, "numpy": np.__version__,
-        "dopamine": {"repository": "https://github.com/google/dopamine", "commit": commit,
-                     "files": [RECYCLERS_FILE, NETWORKS_FILE]},
-        "call": (f"NeuronRecycler({LAYERS}, dead_neurons_threshold={TAU}, init_method_outgoing='zero')"
-                 f".recycle_dead_neurons(intermediates, params, jax.random.PRNGKey({KEY_SEED}), opt_state); "
-                 "estimate_neuron_score(act) and _score2mask(act, ...) per hidden layer"),
+        "generator": "scripts/fidelity/redo_reference.py",
+        "command": command,
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "numpy": np.__version__,
+        "dopamine": {
+            "repository": "https://github.com/google/dopamine",
+            "commit": commit,
+            "files": [RECYCLERS_FILE, NETWORKS_FILE],
+        },
+        "call": (
+            f"NeuronRecycler({LAYERS}, dead_neurons_threshold={TAU}, init_method_outgoing='zero')"
+            f".recycle_dead_neurons(intermediates, params, jax.random.PRNGKey({KEY_SEED}), opt_state); "
+            "estimate_neuron_score(act) and _score2mask(act, ...) per hidden layer"
+        ),
         "sizes": {"obs": OBS_DIM, "width": WIDTH, "depth": DEPTH, "out": OUT_DIM, "batch": BATCH},
-        "tau": TAU, "mask_taus": list(MASK_TAUS), "layers": LAYERS,
+        "tau": TAU,
+        "mask_taus": list(MASK_TAUS),
+        "layers": LAYERS,
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -34,6 +34,7 @@ Usage, in a venv of its own with torch (never the project's venv)::
 ``--cleanrl`` / ``--corl``: a git directory (bare or work tree) of the fetched snapshot; the files are
 read at ``HEAD`` with ``git show`` and the commit is recorded in the fixture.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,11 @@ def cleanrl_training_step(source: str, filename: str):
     inside the ``for global_step in ...`` loop of ``__main__``, compiled as they stand."""
     tree = ast.parse(source, filename)
     for node in ast.walk(tree):
-        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and ast.unparse(node.test) == "global_step > args.learning_starts"):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and ast.unparse(node.test) == "global_step > args.learning_starts"
+        ):
             return compile_reference(node.body, filename, lazy_annotations=True)
     raise SystemExit(f"{filename}: training step (global_step > args.learning_starts) not found")
 
@@ -93,9 +97,11 @@ def fixed_normal_draws(eps_list):
 @contextlib.contextmanager
 def frame_locals(function_name: str, into: dict):
     """Copy the locals of ``function_name``'s frame as it returns (the reference's intermediates)."""
+
     def profile(frame, event, arg):
         if event == "return" and frame.f_code.co_name == function_name:
             into.update(frame.f_locals)
+
     sys.setprofile(profile)
     try:
         yield into
@@ -119,9 +125,11 @@ class RecordingOptimizer:
 
 def narrow_nn(width: int):
     """``torch.nn`` with ``Linear`` building ``width`` where the reference hard-codes 256 units."""
+
     class Linear(torch.nn.Linear):
         def __init__(self, i, o, *args, **kwargs):
             super().__init__(width if i == 256 else int(i), width if o == 256 else int(o), *args, **kwargs)
+
     return SimpleNamespace(Module=torch.nn.Module, Linear=Linear)
 
 
@@ -131,15 +139,25 @@ def arr(t) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- the two references
 def run_cleanrl(source: str, inputs: dict, out: dict):
-    ns = load_definitions(source, CLEANRL_FILE, {"SoftQNetwork", "Actor", "LOG_STD_MAX", "LOG_STD_MIN"},
-                          {"nn": narrow_nn(WIDTH)}, lazy_annotations=True)
+    ns = load_definitions(
+        source,
+        CLEANRL_FILE,
+        {"SoftQNetwork", "Actor", "LOG_STD_MAX", "LOG_STD_MIN"},
+        {"nn": narrow_nn(WIDTH)},
+        lazy_annotations=True,
+    )
     box = SimpleNamespace(shape=(ACT_DIM,), high=np.ones(ACT_DIM, np.float32), low=-np.ones(ACT_DIM, np.float32))
     env = SimpleNamespace(single_observation_space=SimpleNamespace(shape=(OBS_DIM,)), single_action_space=box)
     torch.manual_seed(0)
     # the order of CleanRL's __main__; the targets are NOT load_state_dict copies of qf1/qf2 here (as they
     # are at step 0 there) so that online and target critics differ, as they do after any Polyak step
-    actor, qf1, qf2, qf1_target, qf2_target = (ns["Actor"](env), ns["SoftQNetwork"](env), ns["SoftQNetwork"](env),
-                                               ns["SoftQNetwork"](env), ns["SoftQNetwork"](env))
+    actor, qf1, qf2, qf1_target, qf2_target = (
+        ns["Actor"](env),
+        ns["SoftQNetwork"](env),
+        ns["SoftQNetwork"](env),
+        ns["SoftQNetwork"](env),
+        ns["SoftQNetwork"](env),
+    )
     for name, net in dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target).items():
         for k, v in net.state_dict().items():
             if k not in ("action_scale", "action_bias"):
@@ -147,19 +165,41 @@ def run_cleanrl(source: str, inputs: dict, out: dict):
     assert float(actor.action_scale.min()) == 1.0 and float(actor.action_bias.abs().max()) == 0.0
     log_alpha = torch.tensor([LOG_ALPHA], dtype=torch.float32, requires_grad=True)
     t = {k: torch.as_tensor(v) for k, v in inputs.items()}
-    data = SimpleNamespace(observations=t["obs"], actions=t["actions"], rewards=t["rewards"][:, None],
-                           next_observations=t["next_obs"], dones=t["terminated"][:, None])
+    data = SimpleNamespace(
+        observations=t["obs"],
+        actions=t["actions"],
+        rewards=t["rewards"][:, None],
+        next_observations=t["next_obs"],
+        dones=t["terminated"][:, None],
+    )
     run = dict(ns)
     run.update(
-        args=SimpleNamespace(batch_size=BATCH, gamma=GAMMA, tau=TAU, learning_starts=0, autotune=True,
-                             policy_frequency=1,  # the actor and alpha losses once, on this batch
-                             target_network_frequency=1),
+        args=SimpleNamespace(
+            batch_size=BATCH,
+            gamma=GAMMA,
+            tau=TAU,
+            learning_starts=0,
+            autotune=True,
+            policy_frequency=1,  # the actor and alpha losses once, on this batch
+            target_network_frequency=1,
+        ),
         global_step=1,  # > learning_starts, not a multiple of 100 (no logging)
-        rb=SimpleNamespace(sample=lambda n: data), actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target,
-        qf2_target=qf2_target, q_optimizer=RecordingOptimizer(list(qf1.parameters()) + list(qf2.parameters())),
-        actor_optimizer=RecordingOptimizer(actor.parameters()), a_optimizer=RecordingOptimizer([log_alpha]),
-        log_alpha=log_alpha, alpha=log_alpha.exp().item(), target_entropy=-float(ACT_DIM),
-        writer=SimpleNamespace(add_scalar=lambda *a, **k: None), start_time=time.time(), time=time)
+        rb=SimpleNamespace(sample=lambda n: data),
+        actor=actor,
+        qf1=qf1,
+        qf2=qf2,
+        qf1_target=qf1_target,
+        qf2_target=qf2_target,
+        q_optimizer=RecordingOptimizer(list(qf1.parameters()) + list(qf2.parameters())),
+        actor_optimizer=RecordingOptimizer(actor.parameters()),
+        a_optimizer=RecordingOptimizer([log_alpha]),
+        log_alpha=log_alpha,
+        alpha=log_alpha.exp().item(),
+        target_entropy=-float(ACT_DIM),
+        writer=SimpleNamespace(add_scalar=lambda *a, **k: None),
+        start_time=time.time(),
+        time=time,
+    )
     # draws in CleanRL's order: a' ~ pi(.|s') (target), a ~ pi(.|s) (actor loss), a ~ pi(.|s) (alpha loss)
     draws = [torch.as_tensor(inputs[k]) for k in ("eps_next", "eps_actor", "eps_alpha")]
     with fixed_normal_draws(draws):
@@ -187,8 +227,9 @@ def run_cleanrl(source: str, inputs: dict, out: dict):
 
 
 def run_corl(source: str, inputs: dict, out: dict):
-    ns = load_definitions(source, CORL_FILE, {"VectorizedLinear", "Actor", "VectorizedCritic", "EDAC"},
-                          lazy_annotations=True)
+    ns = load_definitions(
+        source, CORL_FILE, {"VectorizedLinear", "Actor", "VectorizedCritic", "EDAC"}, lazy_annotations=True
+    )
     torch.manual_seed(1)
     actor = ns["Actor"](OBS_DIM, ACT_DIM, WIDTH)
     critic = ns["VectorizedCritic"](OBS_DIM, ACT_DIM, WIDTH, CORL_CRITICS)
@@ -255,8 +296,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cleanrl", required=True, help="git dir of the fetched vwxyzjn/cleanrl snapshot")
     p.add_argument("--corl", required=True, help="git dir of the fetched tinkoff-ai/CORL snapshot")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                 "sac_reference.npz"))
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "sac_reference.npz")
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     cleanrl_src, cleanrl_commit = read_snapshot(a.cleanrl, CLEANRL_FILE)
@@ -278,22 +320,38 @@ def main():
     out = {f"inputs/{k}": v for k, v in inputs.items()}
     run_cleanrl(cleanrl_src, inputs, out)
     run_corl(corl_src, inputs, out)
-    command = ("/tmp/refvenv/bin/python scripts/fidelity/sac_reference.py "
-               + " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in (("cleanrl", a.cleanrl), ("corl", a.corl))))
+    command = "/tmp/refvenv/bin/python scripts/fidelity/sac_reference.py " + " ".join(
+        f"--{k} {shlex.quote(str(v))}" for k, v in (("cleanrl", a.cleanrl), ("corl", a.corl))
+    )
     meta = {
-        "generator": "scripts/fidelity/sac_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
+        "generator": "scripts/fidelity/sac_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
         "cleanrl": {"repository": "https://github.com/vwxyzjn/cleanrl", "commit": cleanrl_commit, "file": CLEANRL_FILE},
         "corl": {"repository": "https://github.com/tinkoff-ai/CORL", "commit": corl_commit, "file": CORL_FILE},
-        "sizes": {"obs": OBS_DIM, "act": ACT_DIM, "width": WIDTH, "batch": BATCH,
-                  "cleanrl_critics": 2, "cleanrl_depth": 2, "corl_critics": CORL_CRITICS, "corl_depth": CORL_DEPTH},
-        "gamma": GAMMA, "eta": CORL_ETA, "log_alpha": LOG_ALPHA, "target_entropy": -float(ACT_DIM),
+        "sizes": {
+            "obs": OBS_DIM,
+            "act": ACT_DIM,
+            "width": WIDTH,
+            "batch": BATCH,
+            "cleanrl_critics": 2,
+            "cleanrl_depth": 2,
+            "corl_critics": CORL_CRITICS,
+            "corl_depth": CORL_DEPTH,
+        },
+        "gamma": GAMMA,
+        "eta": CORL_ETA,
+        "log_alpha": LOG_ALPHA,
+        "target_entropy": -float(ACT_DIM),
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     np.savez_compressed(a.out, **out)
-    print(f"wrote {os.path.normpath(a.out)}: {len(out)} arrays, {os.path.getsize(a.out)} bytes; "
-          f"cleanrl {cleanrl_commit}, corl {corl_commit}")
+    print(
+        f"wrote {os.path.normpath(a.out)}: {len(out)} arrays, {os.path.getsize(a.out)} bytes; "
+        f"cleanrl {cleanrl_commit}, corl {corl_commit}"
+    )
 
 
 if __name__ == "__main__":

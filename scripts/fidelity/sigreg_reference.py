@@ -29,6 +29,7 @@ Usage, in a venv of its own with torch (never the project's venv)::
     python3 -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install torch==2.13.0 numpy
     /tmp/refvenv/bin/python scripts/fidelity/sigreg_reference.py --lejepa /work/.mirror/rbalestr-lab+lejepa/repo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,11 @@ import numpy as np
 import torch
 from snapshot import read_snapshot
 
-FILES = {"lejepa.univariate.base": "lejepa/univariate/base.py",
-         "lejepa.univariate.epps_pulley": "lejepa/univariate/epps_pulley.py",
-         "lejepa.multivariate.slicing": "lejepa/multivariate/slicing.py"}
+FILES = {
+    "lejepa.univariate.base": "lejepa/univariate/base.py",
+    "lejepa.univariate.epps_pulley": "lejepa/univariate/epps_pulley.py",
+    "lejepa.multivariate.slicing": "lejepa/multivariate/slicing.py",
+}
 # (name, embedding shape (..., N, D), num_slices, n_points): the zoo's lejepa default (17 points on
 # [0, 3]), and an ensemble-shaped input (M, N, D) with a 9-point grid
 CASES = (("single", (64, 12), 16, 17), ("ensemble", (2, 32, 10), 8, 9))
@@ -91,8 +94,11 @@ def fixed_directions(g):
 
 
 def run_case(mods, z, g, num_slices, n_points, dtype):
-    ep = mods["lejepa.univariate.epps_pulley"].EppsPulley(t_max=T_MAX, n_points=n_points,
-                                                         integration="trapezoid").to(dtype)
+    ep = (
+        mods["lejepa.univariate.epps_pulley"]
+        .EppsPulley(t_max=T_MAX, n_points=n_points, integration="trapezoid")
+        .to(dtype)
+    )
     slicing = mods["lejepa.multivariate.slicing"].SlicingUnivariateTest
     out = {}
     for reduction in ("mean", None):
@@ -112,8 +118,10 @@ def run_case(mods, z, g, num_slices, n_points, dtype):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lejepa", required=True, help="git dir of the fetched rbalestr-lab/lejepa snapshot")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
-                                                  "sigreg_reference.npz"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "sigreg_reference.npz"),
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     mods, commit = load_reference(a.lejepa)
@@ -133,18 +141,27 @@ def main():
         r64 = run_case(mods, z.astype(np.float64), g.astype(np.float64), num_slices, n_points, torch.float64)
         for k in r32:
             out[f"{name}/{k}"], out[f"{name}/{k}_float64"] = r32[k].astype(np.float32), r64[k]
-        print(f"{name}: value {float(r32['value']):.6f} (float64 {float(r64['value']):.6f}), "
-              f"|grad| max {np.abs(r32['grad']).max():.3e}, float32 - float64 grad max "
-              f"{np.abs(r32['grad'] - r64['grad']).max():.2e}")
+        print(
+            f"{name}: value {float(r32['value']):.6f} (float64 {float(r64['value']):.6f}), "
+            f"|grad| max {np.abs(r32['grad']).max():.3e}, float32 - float64 grad max "
+            f"{np.abs(r32['grad'] - r64['grad']).max():.2e}"
+        )
     command = "/tmp/refvenv/bin/python scripts/fidelity/sigreg_reference.py --lejepa " + shlex.quote(a.lejepa)
     meta = {
-        "generator": "scripts/fidelity/sigreg_reference.py", "command": command,
-        "torch": torch.__version__, "numpy": np.__version__,
-        "lejepa": {"repository": "https://github.com/rbalestr-lab/lejepa", "commit": commit,
-                   "files": sorted(FILES.values())},
-        "call": ("SlicingUnivariateTest(univariate_test=EppsPulley(t_max=3.0, n_points=P, "
-                 "integration='trapezoid'), num_slices=S, reduction='mean' | None)(z), torch.randn -> fixed "
-                 "directions; torch.autograd.grad(value, z)"),
+        "generator": "scripts/fidelity/sigreg_reference.py",
+        "command": command,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "lejepa": {
+            "repository": "https://github.com/rbalestr-lab/lejepa",
+            "commit": commit,
+            "files": sorted(FILES.values()),
+        },
+        "call": (
+            "SlicingUnivariateTest(univariate_test=EppsPulley(t_max=3.0, n_points=P, "
+            "integration='trapezoid'), num_slices=S, reduction='mean' | None)(z), torch.randn -> fixed "
+            "directions; torch.autograd.grad(value, z)"
+        ),
         "cases": [{"name": n, "shape": list(s), "num_slices": k, "n_points": p} for n, s, k, p in CASES],
         "t_max": T_MAX,
     }

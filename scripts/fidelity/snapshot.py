@@ -5,9 +5,10 @@ the commit to record), executes its imports (those the generator's venv has) and
 definitions it names (``load_definitions``), and compiles statements it picks out of the reference's
 ``__main__`` (``compile_reference``).  The reference's code is executed as it stands, never copied.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 import __future__
+
 import ast
 import contextlib
 import os
@@ -33,8 +34,9 @@ def compile_reference(nodes, filename: str, lazy_annotations: bool = False):
     return compile(ast.Module(list(nodes), []), filename, "exec", flags=flags, dont_inherit=True)
 
 
-def load_definitions(source: str, filename: str, names: set, overrides: dict | None = None,
-                     lazy_annotations: bool = False) -> dict:
+def load_definitions(
+    source: str, filename: str, names: set, overrides: dict | None = None, lazy_annotations: bool = False
+) -> dict:
     """Execute the module's imports (those this venv has) and then only the top-level definitions named
     in ``names`` (classes, functions, ``NAME = ...`` assignments), in file order, in a fresh namespace;
     ``overrides`` are set after the imports."""
@@ -67,9 +69,11 @@ def load_definitions(source: str, filename: str, names: set, overrides: dict | N
 @contextlib.contextmanager
 def locals_at_return(names, into: dict):
     """Copy the locals of each function in ``names`` as it returns, as ``into[name]``."""
+
     def profile(frame, event, arg):
         if event == "return" and frame.f_code.co_name in names:
             into[frame.f_code.co_name] = dict(frame.f_locals)
+
     sys.setprofile(profile)
     try:
         yield into
