@@ -5,6 +5,7 @@ networks) as Ray tasks on a 2-CPU local Ray: a 2 x 2 sweep end to end (and its r
 interrupted mid-way and run again (finished trials are skipped, the interrupted one resumes from
 its checkpoint), and a failing trial that is retried and then reported.
 """
+
 import csv
 import json
 import os
@@ -21,8 +22,15 @@ from plasticity_zoo.training import sweep as sw
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "scripts" / "sweep.py"
-TINY = {"total-steps": 300, "learning-starts": 100, "eval-every": 150, "eval-episodes": 1,
-        "checkpoint-every": 150, "network.width": 16, "plasticity.metrics-every": 0}
+TINY = {
+    "total-steps": 300,
+    "learning-starts": 100,
+    "eval-every": 150,
+    "eval-episodes": 1,
+    "checkpoint-every": 150,
+    "network.width": 16,
+    "plasticity.metrics-every": 0,
+}
 
 
 def _spec(**kw):
@@ -32,16 +40,28 @@ def _spec(**kw):
 
 
 def test_a_sweep_expands_to_agents_x_envs_x_variants_x_grid_x_seed_groups():
-    spec = _spec(agents=["sac", "mrq"], envs=["Pendulum-v1", "dmc:cartpole-balance"], seeds=5, seeds_per_trial=2,
-                 variants={"none": {}, "redo": {"preset": "redo-sokar"}}, grid={"tau": [0.005, 0.01]})
+    spec = _spec(
+        agents=["sac", "mrq"],
+        envs=["Pendulum-v1", "dmc:cartpole-balance"],
+        seeds=5,
+        seeds_per_trial=2,
+        variants={"none": {}, "redo": {"preset": "redo-sokar"}},
+        grid={"tau": [0.005, 0.01]},
+    )
     trials = sw.expand(spec)
     assert len(trials) == 2 * 2 * 2 * 2 * 3  # seeds 5 in groups of 2: (0, 1), (2, 3), (4)
     assert len({t.name for t in trials}) == len(trials)
-    groups = [(t.seed, t.seeds) for t in trials if t.agent == "sac" and t.env == "Pendulum-v1"
-              and t.label == "sac none,tau=0.005"]
+    groups = [
+        (t.seed, t.seeds)
+        for t in trials
+        if t.agent == "sac" and t.env == "Pendulum-v1" and t.label == "sac none,tau=0.005"
+    ]
     assert groups == [(0, 2), (2, 2), (4, 1)]
-    t = next(t for t in trials if t.agent == "mrq" and t.env == "Pendulum-v1" and t.label == "mrq redo,tau=0.01"
-             and t.seed == 4)
+    t = next(
+        t
+        for t in trials
+        if t.agent == "mrq" and t.env == "Pendulum-v1" and t.label == "mrq redo,tau=0.01" and t.seed == 4
+    )
     argv = list(t.argv)
     assert argv[:9] == ["mrq", "--env", "Pendulum-v1", "--seeds", "1", "--seed", "4", "--label", "mrq redo,tau=0.01"]
     assert argv[argv.index("--preset") + 1] == "redo-sokar" and argv[argv.index("--tau") + 1] == "0.01"
@@ -50,31 +70,59 @@ def test_a_sweep_expands_to_agents_x_envs_x_variants_x_grid_x_seed_groups():
 
 
 def test_flags_become_train_py_arguments():
-    assert sw.to_args({"plasticity.redo": True, "plasticity.ne": False, "edac-init": False, "seeds": None,
-                       "critics": 10, "preset": ["redo-sokar", "sigreg-rl"], "lr_list": [1, 2]}) == [
-        "--plasticity.redo", "--plasticity.no-ne", "--no-edac-init", "--critics", "10",
-        "--preset", "redo-sokar,sigreg-rl", "--lr-list", "1", "2"]
+    assert sw.to_args(
+        {
+            "plasticity.redo": True,
+            "plasticity.ne": False,
+            "edac-init": False,
+            "seeds": None,
+            "critics": 10,
+            "preset": ["redo-sokar", "sigreg-rl"],
+            "lr_list": [1, 2],
+        }
+    ) == [
+        "--plasticity.redo",
+        "--plasticity.no-ne",
+        "--no-edac-init",
+        "--critics",
+        "10",
+        "--preset",
+        "redo-sokar,sigreg-rl",
+        "--lr-list",
+        "1",
+        "2",
+    ]
 
 
 def test_the_base_seed_and_the_agent_flags_reach_only_their_trials():
-    spec = _spec(agents=["sac", "ppo"], flags={**TINY, "seed": 10}, seeds=2,
-                 agent_flags={"sac": {"critics": 3}, "ppo": {"num-steps": 64}})
+    spec = _spec(
+        agents=["sac", "ppo"],
+        flags={**TINY, "seed": 10},
+        seeds=2,
+        agent_flags={"sac": {"critics": 3}, "ppo": {"num-steps": 64}},
+    )
     for t in sw.expand(spec):
         argv = list(t.argv)
         assert argv[argv.index("--seed") + 1] == "10" and "--seeds" in argv
         assert ("--critics" in argv) == (t.agent == "sac") and ("--num-steps" in argv) == (t.agent == "ppo")
 
 
-@pytest.mark.parametrize("d, message", [
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "seed": 3}, "unknown sweep keys ['seed']"),
-    ({"agents": [], "envs": ["Pendulum-v1"]}, "'agents' must be a non-empty list"),
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "seeds": 0}, "'seeds' must be an integer >= 1"),
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "flags": {"run-dir": "x"}}, "the sweep sets --run-dir itself"),
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "grid": {"critics": []}}, "grid.critics must be a non-empty list"),
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "variants": {"a b": {}}}, "variant name 'a b'"),
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "agent_flags": {"ppo": {}}}, "'ppo' is not among"),
-    ({"agents": ["sac"], "envs": ["Pendulum-v1"], "gpus_per_trial": 1.5}, "whole GPUs"),
-])
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        ({"agents": ["sac"], "envs": ["Pendulum-v1"], "seed": 3}, "unknown sweep keys ['seed']"),
+        ({"agents": [], "envs": ["Pendulum-v1"]}, "'agents' must be a non-empty list"),
+        ({"agents": ["sac"], "envs": ["Pendulum-v1"], "seeds": 0}, "'seeds' must be an integer >= 1"),
+        ({"agents": ["sac"], "envs": ["Pendulum-v1"], "flags": {"run-dir": "x"}}, "the sweep sets --run-dir itself"),
+        (
+            {"agents": ["sac"], "envs": ["Pendulum-v1"], "grid": {"critics": []}},
+            "grid.critics must be a non-empty list",
+        ),
+        ({"agents": ["sac"], "envs": ["Pendulum-v1"], "variants": {"a b": {}}}, "variant name 'a b'"),
+        ({"agents": ["sac"], "envs": ["Pendulum-v1"], "agent_flags": {"ppo": {}}}, "'ppo' is not among"),
+        ({"agents": ["sac"], "envs": ["Pendulum-v1"], "gpus_per_trial": 1.5}, "whole GPUs"),
+    ],
+)
 def test_a_malformed_sweep_is_refused(d, message):
     with pytest.raises(sw.SweepError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         sw.make_spec(d)
@@ -94,8 +142,7 @@ def test_a_sweep_directory_refuses_a_trial_whose_command_changed(tmp_path):
 
 def _cli(args, **kw):
     env = dict(os.environ, RLZOO_DEBUG="0")
-    return subprocess.run([sys.executable, str(SWEEP), *args], capture_output=True, text=True, env=env, cwd=ROOT,
-                          **kw)
+    return subprocess.run([sys.executable, str(SWEEP), *args], capture_output=True, text=True, env=env, cwd=ROOT, **kw)
 
 
 def _write_spec(path: Path, variants: str, extra: str = "", flags=TINY) -> Path:
@@ -105,11 +152,14 @@ def _write_spec(path: Path, variants: str, extra: str = "", flags=TINY) -> Path:
     return path
 
 
-@pytest.mark.parametrize("variants, message", [
-    ('none = {}\nbad = { "critcs" = 3 }\n', "trial Pendulum-v1__sac__bad__seed0: train.py"),
-    ('none = {}\nbad = { "gamma" = 1.5 }\n', "trial Pendulum-v1__sac__bad__seed0: "),
-    ('none = { preset = "nope" }\n', "unknown preset 'nope'"),
-])
+@pytest.mark.parametrize(
+    "variants, message",
+    [
+        ('none = {}\nbad = { "critcs" = 3 }\n', "trial Pendulum-v1__sac__bad__seed0: train.py"),
+        ('none = {}\nbad = { "gamma" = 1.5 }\n', "trial Pendulum-v1__sac__bad__seed0: "),
+        ('none = { preset = "nope" }\n', "unknown preset 'nope'"),
+    ],
+)
 @pytest.mark.slow
 def test_a_sweep_with_a_bad_trial_is_refused_before_anything_is_created(tmp_path, variants, message):
     spec = _write_spec(tmp_path / "s.toml", variants, 'envs = ["Pendulum-v1"]')
@@ -121,8 +171,9 @@ def test_a_sweep_with_a_bad_trial_is_refused_before_anything_is_created(tmp_path
 
 @pytest.mark.slow
 def test_an_unknown_env_is_refused_naming_the_trial(tmp_path):
-    out = _cli(["--dir", str(tmp_path / "sweep"), "--agents", "sac", "--envs", "Pendulum-v1", "NoSuchEnv-v0",
-                "--dry-run"])
+    out = _cli(
+        ["--dir", str(tmp_path / "sweep"), "--agents", "sac", "--envs", "Pendulum-v1", "NoSuchEnv-v0", "--dry-run"]
+    )
     assert out.returncode == 2 and "trial NoSuchEnv-v0__sac__base__seed0" in out.stderr, out.stderr
     assert not (tmp_path / "sweep").exists()
 
@@ -137,9 +188,11 @@ def test_a_sweep_runs_end_to_end_on_a_local_ray_and_a_rerun_skips_it(tmp_path):
     """Two variants of one env, two trials side by side on a local Ray (the expansion over agents, envs,
     variants, grid and seeds is checked above without Ray)."""
     pytest.importorskip("ray")
-    spec = _write_spec(tmp_path / "s.toml", 'none = {}\nredo = { preset = "redo-sokar", '
-                                            '"plasticity.reset-every" = 50 }\n',
-                       'envs = ["Pendulum-v1"]\ncpus_per_trial = 1')
+    spec = _write_spec(
+        tmp_path / "s.toml",
+        'none = {}\nredo = { preset = "redo-sokar", "plasticity.reset-every" = 50 }\n',
+        'envs = ["Pendulum-v1"]\ncpus_per_trial = 1',
+    )
     d = tmp_path / "sweep"
     out = _cli([str(spec), "--dir", str(d), "--num-cpus", "2", "--refresh", "2"], timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -158,8 +211,13 @@ def test_a_sweep_runs_end_to_end_on_a_local_ray_and_a_rerun_skips_it(tmp_path):
     assert stamps == {n: (d / "runs" / n / "eval.csv").stat().st_mtime_ns for n in names}
     report = ROOT / "scripts" / "report.py"
     if report.exists():  # the sweep's report: one figure and table over its runs
-        rep = subprocess.run([sys.executable, str(report), str(d), "--out", str(tmp_path / "report")],
-                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        rep = subprocess.run(
+            [sys.executable, str(report), str(d), "--out", str(tmp_path / "report")],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         assert rep.returncode == 0, rep.stdout + rep.stderr
         assert (tmp_path / "report" / "report.md").is_file()
 
@@ -169,18 +227,38 @@ def test_a_sweep_interrupted_midway_resumes_the_interrupted_trial_and_skips_the_
     pytest.importorskip("ray")
     # the long trial is interrupted after its first checkpoint (500 steps), 1500 steps before its end
     flags = {**TINY, "total-steps": 2000, "checkpoint-every": 500, "eval-every": 1000}
-    spec = _write_spec(tmp_path / "s.toml", 'a = { "total-steps" = 300, "checkpoint-every" = 150, '
-                                            '"eval-every" = 150 }\nb = {}\n', 'envs = ["Pendulum-v1"]', flags)
+    spec = _write_spec(
+        tmp_path / "s.toml",
+        'a = { "total-steps" = 300, "checkpoint-every" = 150, "eval-every" = 150 }\nb = {}\n',
+        'envs = ["Pendulum-v1"]',
+        flags,
+    )
     d = tmp_path / "sweep"
-    args = [sys.executable, str(SWEEP), str(spec), "--dir", str(d), "--num-cpus", "2", "--max-concurrent", "1",
-            "--refresh", "1"]
+    args = [
+        sys.executable,
+        str(SWEEP),
+        str(spec),
+        "--dir",
+        str(d),
+        "--num-cpus",
+        "2",
+        "--max-concurrent",
+        "1",
+        "--refresh",
+        "1",
+    ]
     # Ctrl-C's default action in the sweep, whatever this process inherited: a suite started in the
     # background from a non-interactive shell runs with SIGINT ignored, and children keep that.  The
     # child sets it itself before running the script: a preexec_fn would run Python between fork and
     # exec of this multithreaded process (JAX's threads), which can deadlock.
-    interruptible = [sys.executable, "-c", "import runpy, signal, sys; "
-                     "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = sys.argv[1:]; "
-                     "runpy.run_path(sys.argv[0], run_name='__main__')", *args[1:]]
+    interruptible = [
+        sys.executable,
+        "-c",
+        "import runpy, signal, sys; "
+        "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')",
+        *args[1:],
+    ]
     proc = subprocess.Popen(interruptible, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     short, long = "Pendulum-v1__sac__a__seed0", "Pendulum-v1__sac__b__seed0"
     deadline = time.time() + 300
@@ -211,8 +289,9 @@ def test_a_sweep_interrupted_midway_resumes_the_interrupted_trial_and_skips_the_
 @pytest.mark.slow
 def test_a_failing_trial_is_retried_then_reported_with_its_log(tmp_path):
     pytest.importorskip("ray")
-    spec = _write_spec(tmp_path / "s.toml", 'diverges = { "critic-lr" = 1e30 }\n',
-                       'envs = ["Pendulum-v1"]\nretries = 1')
+    spec = _write_spec(
+        tmp_path / "s.toml", 'diverges = { "critic-lr" = 1e30 }\n', 'envs = ["Pendulum-v1"]\nretries = 1'
+    )
     d = tmp_path / "sweep"
     out = _cli([str(spec), "--dir", str(d), "--num-cpus", "2"], timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr
