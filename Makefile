@@ -28,6 +28,7 @@ test: $(STAMP)
 
 # What CI runs before the tests (.ci/run); .pre-commit-config.yaml runs the same two on each commit.
 lint: $(STAMP)
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 # The contract (agents/api.py, plasticity/api.py), the run machinery (training/) and the Python API.

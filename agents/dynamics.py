@@ -136,6 +136,8 @@ class DynamicsConfig:
         if wd == SPEC_WEIGHT_DECAY and self.depth != len(wd) - 1:
             hidden = (wd[:-1] + (wd[-2],) * self.depth)[: self.depth]
             wd = hidden + (wd[-1],)
+        elif len(set(wd)) == 1 and len(wd) != self.depth + 1:  # one value (or a uniform default): every layer
+            wd = (wd[0],) * (self.depth + 1)
         object.__setattr__(self, "weight_decay", wd)
         if len(wd) != self.depth + 1:
             raise ValueError(

@@ -1,10 +1,21 @@
 """Fault drill: kill -9 training runs at random points, resume each to the end, compare with an uninterrupted run.
 
-    python scripts/fault_drill.py --runs 10 --out /tmp/drill
+    python scripts/fault_drill.py --runs 35 --out /tmp/drill     # 5 trials per entry
+    python scripts/fault_drill.py --runs 6 --agents sac ravl device
 
-For each agent in ``--agents`` (tiny SAC / PPO / MR.Q on Pendulum-v1, a checkpoint every few
-hundred steps) one uninterrupted reference run; then ``--runs`` trials cycling over the agents
-and over two kill modes:
+One entry in ``AGENTS`` per loop kind, each tiny and with several checkpoints in its run:
+
+- ``sac``, ``mrq``: the host off-policy loop (Pendulum-v1);
+- ``ppo``: the host on-policy loop (Pendulum-v1);
+- ``ravl``, ``neubay``: the offline loop on a 5000-row uniform-random Hopper-v5 dataset the drill
+  makes in ``--out`` (``make_dataset.py --kind random``, no SAC trained); the reference run fits
+  the small world model once and caches it beside the dataset, the trials load it;
+- ``device``: the device loop (PPO on ``playground:CartpoleBalance``, 8 envs; the first run
+  compiles for about a minute on a CPU, later ones load the persistent compilation cache);
+- ``mt``: multitask (MR.Q-MT, model size S, on ``mt:cartpole2``).
+
+For each entry in ``--agents`` (default: all) one uninterrupted reference run; then ``--runs``
+trials cycling over the entries and over two kill modes:
 
 - ``ckpt``: SIGKILL as soon as a checkpoint write has begun (its ``ckpt/.tmp_*`` directory
   appears), so the kill lands inside the write;
@@ -35,10 +46,17 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
-COMMON = ["--env", "Pendulum-v1", "--no-progress", "--eval-episodes", "5", "--network.width", "32"]
+# the offline entries' dataset, made by the drill itself in --out (uniform-random Hopper, no SAC trained)
+DATASET = "{out}/hopper-random.hdf5"
+MAKE_DATASET = [sys.executable, str(ROOT / "scripts" / "make_dataset.py"), "--env", "Hopper-v5", "--kind", "random"]
+DATASET_SIZE = 5000
+PENDULUM = ["--env", "Pendulum-v1", "--no-progress", "--eval-episodes", "5", "--network.width", "32"]
+# one entry per loop kind; offline --total-steps / --eval-every / --checkpoint-every / --log-every count updates
 AGENTS = {
+    # host off-policy
     "sac": [
         "sac",
+        *PENDULUM,
         "--total-steps",
         "3000",
         "--learning-starts",
@@ -52,8 +70,10 @@ AGENTS = {
         "--buffer-size",
         "100000",
     ],
+    # host on-policy
     "ppo": [
         "ppo",
+        *PENDULUM,
         "--total-steps",
         "8192",
         "--num-steps",
@@ -67,6 +87,7 @@ AGENTS = {
     ],
     "mrq": [
         "mrq",
+        *PENDULUM,
         "--total-steps",
         "1500",
         "--learning-starts",
@@ -82,7 +103,175 @@ AGENTS = {
         "--batch-size",
         "32",
     ],
+    # offline, RAVL: a 3-member ensemble fitted for 5 epochs by the reference run, cached beside the
+    # dataset (<dataset>.dynamics-0.npz) and loaded by every trial
+    "ravl": [
+        "ravl",
+        "--dataset",
+        DATASET,
+        "--no-progress",
+        "--eval-episodes",
+        "2",
+        "--network.width",
+        "32",
+        "--total-steps",
+        "4000",
+        "--eval-every",
+        "1000",
+        "--checkpoint-every",
+        "400",
+        "--log-every",
+        "100",
+        "--critics",
+        "3",
+        "--batch-size",
+        "32",
+        "--rollout-batch",
+        "100",
+        "--horizon",
+        "3",
+        "--updates-per-epoch",
+        "100",
+        "--dynamics.members",
+        "3",
+        "--dynamics.elites",
+        "2",
+        "--dynamics.width",
+        "32",
+        "--dynamics.depth",
+        "2",
+        "--dynamics.min-epochs",
+        "5",
+        "--dynamics.max-epochs",
+        "5",
+        "--dynamics.batch-size",
+        "128",
+    ],
+    # offline, NeuBay: a 4-member world model (<dataset>.neubay-0.npz) fitted once as for RAVL
+    "neubay": [
+        "neubay",
+        "--dataset",
+        DATASET,
+        "--no-progress",
+        "--eval-episodes",
+        "2",
+        "--total-steps",
+        "2000",
+        "--eval-every",
+        "1000",
+        "--checkpoint-every",
+        "250",
+        "--log-every",
+        "100",
+        "--critics",
+        "4",
+        "--head-width",
+        "32",
+        "--d-model",
+        "32",
+        "--d-hidden",
+        "16",
+        "--lru-layers",
+        "1",
+        "--encoder-lr",
+        "1e-3",
+        "--head-lr",
+        "1e-3",
+        "--real-weight",
+        "0.5",
+        "--tape-len",
+        "128",
+        "--rollout-batch",
+        "8",
+        "--planning-members",
+        "3",
+        "--max-horizon",
+        "100",
+        "--updates-per-epoch",
+        "100",
+        "--dynamics.members",
+        "4",
+        "--dynamics.elites",
+        "3",
+        "--dynamics.width",
+        "32",
+        "--dynamics.depth",
+        "2",
+        "--dynamics.weight-decay",
+        "0",
+        "0",
+        "0",
+        "--dynamics.max-epochs",
+        "5",
+        "--dynamics.batch-size",
+        "128",
+    ],
+    # the device loop (PPO on a MuJoCo Playground env, chunks jitted whole); the first run compiles
+    # (about a minute on a CPU), later processes load the persistent compilation cache
+    "device": [
+        "ppo",
+        "--env",
+        "playground:CartpoleBalance",
+        "--loop",
+        "device",
+        "--no-progress",
+        "--eval-episodes",
+        "2",
+        "--network.width",
+        "32",
+        "--num-envs",
+        "8",
+        "--num-steps",
+        "16",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "1",
+        "--total-steps",
+        "2048",
+        "--eval-every",
+        "1024",
+        "--checkpoint-every",
+        "256",
+        "--log-every",
+        "128",
+    ],
+    # multitask: MR.Q-MT, model size S, on the two DMC cartpole tasks
+    "mt": [
+        "mrq-mt",
+        "--env",
+        "mt:cartpole2",
+        "--model-size",
+        "S",
+        "--no-progress",
+        "--eval-episodes",
+        "1",
+        "--batch-size",
+        "32",
+        "--learning-starts",
+        "200",
+        "--total-steps",
+        "1000",
+        "--eval-every",
+        "500",
+        "--checkpoint-every",
+        "200",
+        "--log-every",
+        "100",
+    ],
 }
+
+
+def command(agent: str, out: Path, run_dir: Path) -> list[str]:
+    return TRAIN + [a.replace("{out}", str(out)) for a in AGENTS[agent]] + ["--run-dir", str(run_dir)]
+
+
+def make_dataset(out: Path) -> int:
+    """The offline entries' dataset, made once in --out; 0 when it exists or was made."""
+    path = Path(DATASET.replace("{out}", str(out)))
+    if path.exists():
+        return 0
+    return run(MAKE_DATASET + ["--size", str(DATASET_SIZE), "--out", str(path)], out / "dataset.log")
 
 
 def run(args: list[str], log: Path) -> int:
@@ -146,18 +335,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--out", default="/tmp/fault-drill")
-    p.add_argument("--agents", nargs="+", default=["sac", "ppo", "mrq"], choices=list(AGENTS))
+    p.add_argument("--agents", nargs="+", default=list(AGENTS), choices=list(AGENTS))
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
+    if any("--dataset" in AGENTS[agent] for agent in a.agents) and make_dataset(out) != 0:
+        print(f"making the dataset failed; see {out}/dataset.log")
+        return 1
     refs = {}
     for agent in a.agents:
         refs[agent] = out / f"ref-{agent}"
         if not (refs[agent] / "done.json").exists():
             t0 = time.time()
-            rc = run(TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(refs[agent])], out / f"ref-{agent}.log")
+            rc = run(command(agent, out, refs[agent]), out / f"ref-{agent}.log")
             if rc != 0:
                 print(f"reference run {agent} failed (exit {rc}); see {out}/ref-{agent}.log")
                 return 1
@@ -174,7 +366,7 @@ def main(argv=None) -> int:
             if stale.exists():
                 subprocess.call(["rm", "-rf", str(stale)])
         proc = subprocess.Popen(
-            TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(run_dir)],
+            command(agent, out, run_dir),
             cwd=ROOT,
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
@@ -196,11 +388,7 @@ def main(argv=None) -> int:
         rc = proc.returncode
         while rc != 0 and resumes < 3:
             resumes += 1
-            args = (
-                TRAIN + ["--resume", str(run_dir)]
-                if ckpts
-                else TRAIN + AGENTS[agent] + COMMON + ["--run-dir", str(run_dir), "--overwrite"]
-            )
+            args = TRAIN + ["--resume", str(run_dir)] if ckpts else command(agent, out, run_dir) + ["--overwrite"]
             rc = run(args, log)
         diffs = differences(refs[agent], run_dir) if rc == 0 else [f"resume failed (exit {rc}); see {log}"]
         failures += bool(diffs)

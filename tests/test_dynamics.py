@@ -641,3 +641,15 @@ def test_neubay_model_save_load_round_trip(tmp_path, data):
     np.savez(tmp_path / "bad.npz", **stored)
     with pytest.raises(ValueError, match="target_std"):
         dyn.load(tmp_path / "bad.npz")
+
+
+def test_a_single_or_uniform_weight_decay_applies_to_every_layer_at_any_depth():
+    """``--dynamics.weight-decay 0`` and NeuBay's uniform default follow ``--dynamics.depth`` (a CLI run with
+    ``neubay --dynamics.depth 2`` failed on the default's five values); distinct values must match the depth."""
+    import dataclasses
+
+    assert dataclasses.replace(dyn.neubay_config(), depth=2).weight_decay == (0.0, 0.0, 0.0)
+    assert dyn.DynamicsConfig(depth=2, weight_decay=(0.5,)).weight_decay == (0.5, 0.5, 0.5)
+    assert dyn.DynamicsConfig(depth=1, weight_decay=0.25).weight_decay == (0.25, 0.25)
+    with pytest.raises(ValueError, match="depth \\+ 1 = 3 values"):
+        dyn.DynamicsConfig(depth=2, weight_decay=(0.1, 0.2))
