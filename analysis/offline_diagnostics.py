@@ -45,6 +45,7 @@ from plasticity_zoo.envs.make import VectorEnv
 from plasticity_zoo.networks.distributions import tanh_gaussian_sample
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.evaluation import is_recurrent, policy_maker
+from plasticity_zoo.training.loop import RunTree
 from plasticity_zoo.training.offline import _buffers, initial_state, resolve_dataset
 from plasticity_zoo.training.run import load_config
 
@@ -91,7 +92,7 @@ def load_run(run_dir):
     found = checkpoint.latest(run_dir)
     if found is None:
         raise SystemExit(f"{run_dir} has no checkpoint yet")
-    (state, buffers, _), host, _ = checkpoint.load(found, (state, _buffers(data), keys[1]))
+    (state, buffers, _), host, _ = checkpoint.load(found, RunTree(state, _buffers(data), keys[1]))
     return {**base, "state": state, "data": buffers._replace(real=data.real), "step": int(host["step"])}
 
 

@@ -270,8 +270,8 @@ def _constructed_run(tmp_path, agent_name: str, agent_cfg) -> Path:
             return x
         return (0.3 * rng.normal(size=x.shape)).astype(x.dtype)
 
-    state, *rest = checkpoint_template(cfg, agents.get(agent_name), 3, 1)
-    checkpoint.save(d, 10, (jax.tree.map(fill, state), *rest), {"step": 10})
+    template = checkpoint_template(cfg, agents.get(agent_name), 3, 1)
+    checkpoint.save(d, 10, template._replace(agent=jax.tree.map(fill, template.agent)), {"step": 10})
     return d
 
 
