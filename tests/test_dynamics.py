@@ -125,8 +125,8 @@ def test_bad_inputs_are_refused(data):
         dyn.train(jax.random.key(0), s, a[:10], r, s2, CFG)
     with pytest.raises(ValueError, match="non-finite"):
         dyn.train(jax.random.key(0), s, a, np.full_like(r, np.nan), s2, CFG)
-    with pytest.raises(ValueError, match="weight_decay"):
-        dyn.DynamicsConfig(depth=2, weight_decay=(1e-4, 1e-4))
+    with pytest.raises(ValueError, match="weight_decay"):  # distinct per-layer values must match the depth
+        dyn.DynamicsConfig(depth=2, weight_decay=(1e-4, 2e-4))
     # the spec's default 4-layer values adapt to another depth: first hidden values, then the heads'
     assert dyn.DynamicsConfig(depth=2).weight_decay == (2.5e-5, 5e-5, 1e-4)
     assert dyn.DynamicsConfig(depth=5).weight_decay == (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 7.5e-5, 1e-4)
