@@ -243,15 +243,17 @@ def reference(env: str, given: dict, y: str = "return_mean") -> tuple[tuple[floa
     """(low, high) of column ``y`` and where they come from, or (None, why not)."""
     if env in given:
         return given[env], "--norm"
-    if env.startswith("mt:"):
-        if y == "score":
-            return SCORE_RANGE, "multitask score: mean over tasks of return / task maximum"
-        from plasticity_zoo.envs.multitask import member_ids
+    members = None
+    if env.startswith(("mt:", "ns:")):
+        from plasticity_zoo.training.evaluation import eval_tasks
 
         try:
-            members = member_ids(env)
+            members = eval_tasks(env)
         except ValueError as e:
             return None, f"{e} (give --norm {env}=LOW:HIGH)"
+    if members:  # scored per task (mt:, a chain with eval=all): the aggregate rows are means over tasks
+        if y == "score":
+            return SCORE_RANGE, "multitask score: mean over tasks of return / task maximum"
         if all(m.startswith("dmc:") for m in members):
             return DMC_RANGE, "DMC return range 0-1000 (mean over dmc: tasks)"
         return None, f"no reference score for {env}: not all its tasks are dmc: (use --y score, or --norm)"

@@ -30,12 +30,26 @@ options
                   every method sees the same sequence of tasks
     ============  ==========================================================================
 
-    Mode keys: ``dynamics``: ``params=friction+gravity+mass`` (any ``+``-joined subset; default
+    Mode keys: ``chain``: ``eval=current|all`` (default ``current``: evaluations run the task being
+    trained; ``all``: every evaluation runs each distinct task of the chain, and ``eval.csv`` gets a
+    row per task and their mean, as for ``mt:`` ids, so forgetting and recovery are scored);
+    ``dynamics``: ``params=friction+gravity+mass`` (any ``+``-joined subset; default
     all three); ``obs_permute``: ``signs=0|1`` (also flip signs; default 0); ``reward_flip``:
     ``term=forward|all`` (default ``forward``).
 
+Named scenarios
+---------------
+For ``chain`` the base may be one of Plasticine's continual DM Control sequences (Yuan et al. 2025,
+arXiv 2504.17490; the task lists of the authors' ``ContinualDMC`` wrapper): ``plasticine-walker``
+(walker stand -> walk -> run), ``plasticine-quadruped`` (quadruped walk -> run -> walk) and
+``plasticine-dog`` (dog stand -> walk -> run -> trot).  They default to Plasticine's protocol: 1M
+steps per task, ``switch=hard`` (the authors rebuild and reset the env at each switch, so the
+running episode ends there) and ``eval=all``; any option given overrides its default, e.g.
+``ns:chain:plasticine-walker:every=100000``.
+
 Examples::
 
+    ns:chain:plasticine-walker
     ns:reward_flip:HalfCheetah-v5:every=100000
     ns:chain:dmc:walker-stand,dmc:walker-walk,dmc:walker-run:every=1000000
     ns:dynamics:Ant-v5:every=2000000,params=friction           # Slippery-Ant-like
@@ -104,8 +118,16 @@ GRAMMAR = (
     "'ns:chain:dmc:walker-stand,dmc:walker-walk:every=1000000'"
 )
 COMMON_KEYS = {"every", "switch", "seed"}
-MODE_KEYS = {"chain": set(), "dynamics": {"params"}, "obs_permute": {"signs"}, "reward_flip": {"term"}}
+MODE_KEYS = {"chain": {"eval"}, "dynamics": {"params"}, "obs_permute": {"signs"}, "reward_flip": {"term"}}
 DYNAMICS_PARAMS = ("friction", "gravity", "mass")
+# Plasticine's continual DM Control sequences (plasticine_envs/dmc_wrappers.py: ContinualDMC) and the
+# options of its protocol (1M steps per task, the env rebuilt at each switch)
+SCENARIOS = {
+    "plasticine-walker": ("dmc:walker-stand", "dmc:walker-walk", "dmc:walker-run"),
+    "plasticine-quadruped": ("dmc:quadruped-walk", "dmc:quadruped-run", "dmc:quadruped-walk"),
+    "plasticine-dog": ("dmc:dog-stand", "dmc:dog-walk", "dmc:dog-run", "dmc:dog-trot"),
+}
+SCENARIO_OPTIONS = {"every": "1000000", "switch": "hard", "eval": "all"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +143,7 @@ class NSSpec:
     params: tuple = DYNAMICS_PARAMS
     signs: bool = False
     term: str = "forward"
+    eval: str = "current"
     options: dict = field(default_factory=dict, compare=False)
 
 
@@ -174,7 +197,13 @@ def parse(env_id: str) -> NSSpec:
             f"unknown option(s) {', '.join(unknown)} for mode {mode!r} in {env_id!r}; "
             f"valid options: {', '.join(sorted(allowed))}"
         )
-    bases = tuple(b.strip() for b in rest.split(",")) if mode == "chain" else (rest,)
+    if mode == "chain" and rest in SCENARIOS:
+        bases = SCENARIOS[rest]
+        options = {**SCENARIO_OPTIONS, **options}
+    elif mode == "chain" and rest.startswith("plasticine-"):
+        raise ValueError(f"{env_id!r}: unknown scenario {rest!r}; scenarios: {', '.join(SCENARIOS)}")
+    else:
+        bases = tuple(b.strip() for b in rest.split(",")) if mode == "chain" else (rest,)
     if not all(bases):
         raise ValueError(f"empty env id in {env_id!r}; {GRAMMAR}")
     if any(b.startswith("ns:") for b in bases):
@@ -209,6 +238,10 @@ def parse(env_id: str) -> NSSpec:
         if options["term"] not in ("forward", "all"):
             raise ValueError(f"{env_id!r}: term must be forward or all, got {options['term']!r}")
         kw["term"] = options["term"]
+    if "eval" in options:
+        if options["eval"] not in ("current", "all"):
+            raise ValueError(f"{env_id!r}: eval must be current or all, got {options['eval']!r}")
+        kw["eval"] = options["eval"]
     return NSSpec(mode, bases, options=options, **kw)
 
 
@@ -223,6 +256,13 @@ class StepCounter:
 
     def __repr__(self):
         return f"StepCounter(value={self.value}, auto={self.auto})"
+
+
+class PinnedCounter(StepCounter):
+    """A counter that stays at one value: an evaluation env pinned to one task of a chain."""
+
+    def __init__(self, value: int):
+        super().__init__(value, auto=False)
 
 
 class FollowCounter:
@@ -493,10 +533,30 @@ def make(
 
 
 def follow(vector_env, counter) -> None:
-    """Make the non-stationary members of ``vector_env`` read (never advance) ``counter``."""
+    """Make the non-stationary members of ``vector_env`` read (never advance) ``counter``; members
+    pinned to a task (``pin_tasks``) stay pinned."""
     for e in getattr(vector_env, "envs", []):
-        if isinstance(e, NonStationaryEnv):
+        if isinstance(e, NonStationaryEnv) and not isinstance(e.counter, PinnedCounter):
             e.bind_counter(FollowCounter(counter))
+
+
+def eval_tasks(env_id: str) -> tuple[str, ...] | None:
+    """The distinct tasks every evaluation runs, in chain order, for a ``chain`` id with ``eval=all``;
+    None otherwise (evaluations run the task being trained)."""
+    if not is_nonstationary(env_id):
+        return None
+    spec = parse(env_id)
+    if spec.mode != "chain" or spec.eval != "all":
+        return None
+    return tuple(dict.fromkeys(spec.bases))
+
+
+def pin_tasks(vector_env, tasks) -> None:
+    """Pin member ``i`` of ``vector_env`` (a chain's vector env) to task ``tasks[i % len(tasks)]``: its
+    counter stays at the first step of that task's first phase, so every episode runs that task."""
+    for i, e in enumerate(vector_env.envs):
+        spec = e.spec_ns
+        e.bind_counter(PinnedCounter(spec.bases.index(tasks[i % len(tasks)]) * spec.every))
 
 
 def is_nonstationary(env_id: str) -> bool:

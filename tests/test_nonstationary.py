@@ -36,6 +36,20 @@ def test_grammar_parses_modes_options_and_dmc_bases():
     assert ns.parse("ns:reward_flip:dmc:cheetah-run:term=all").term == "all"
 
 
+def test_plasticine_scenarios_expand_to_their_task_lists_with_the_protocols_defaults():
+    s = ns.parse("ns:chain:plasticine-walker")
+    assert s.bases == ("dmc:walker-stand", "dmc:walker-walk", "dmc:walker-run")
+    assert (s.every, s.switch, s.eval) == (1_000_000, "hard", "all")
+    s = ns.parse("ns:chain:plasticine-quadruped:every=5000,eval=current,switch=lazy")  # options override
+    assert s.bases == ("dmc:quadruped-walk", "dmc:quadruped-run", "dmc:quadruped-walk")
+    assert (s.every, s.switch, s.eval) == (5000, "lazy", "current")
+    assert len(ns.parse("ns:chain:plasticine-dog").bases) == 4
+    assert ns.parse("ns:chain:A-v0,B-v0").eval == "current"  # a chain of ids keeps the old defaults
+    assert ns.eval_tasks("ns:chain:plasticine-quadruped") == ("dmc:quadruped-walk", "dmc:quadruped-run")
+    assert ns.eval_tasks("ns:chain:plasticine-walker:eval=current") is None
+    assert ns.eval_tasks("dmc:walker-walk") is None
+
+
 @pytest.mark.parametrize(
     "env_id,match",
     [
@@ -53,6 +67,9 @@ def test_grammar_parses_modes_options_and_dmc_bases():
         ("ns:dynamics:Hopper-v5:params=wind", "params must be"),
         ("ns:obs_permute:Hopper-v5:switch=soon", "switch must be lazy or hard"),
         ("ns:reward_flip:ns:reward_flip:Hopper-v5", "cannot be nested"),
+        ("ns:chain:plasticine-cheetah", "unknown scenario 'plasticine-cheetah'; scenarios: plasticine-walker"),
+        ("ns:chain:plasticine-walker:eval=some", "eval must be current or all"),
+        ("ns:reward_flip:HalfCheetah-v5:eval=all", "unknown option.*eval"),
     ],
 )
 def test_grammar_errors_are_clear(env_id, match):
@@ -251,3 +268,58 @@ def test_envpool_backend_emulates_same_step_autoreset():
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown vector-env backend 'gpu'"):
         make_vector_env("Pendulum-v1", 1, 0, backend="gpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# A chain scored on every task (eval=all)
+# ----------------------------------------------------------------------------------------------
+CARTPOLES = "ns:chain:dmc:cartpole-balance,dmc:cartpole-swingup:every=7"
+
+
+@pytest.mark.slow
+def test_a_chain_evaluated_on_all_tasks_runs_each_task_as_its_own_env_would():
+    from plasticity_zoo.training.evaluation import Evaluator
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(5, 1))
+    policy = lambda obs: np.tanh(obs @ w)  # noqa: E731  (a fixed policy on (seeds, episodes, obs_dim))
+    ev = Evaluator(CARTPOLES + ",eval=all", seeds=2, episodes=1, base_seed=100, action_repeat=8)
+    assert ev.tasks == ("dmc:cartpole-balance", "dmc:cartpole-swingup") and ev.episodes == 2
+    counter = ns.StepCounter(123, auto=False)  # the training schedule is in task 1's phase...
+    ns.follow(ev.env, counter)
+    returns = ev(policy)  # ...but every evaluation env stays on its own task
+    for j, k in ((0, 1), (1, 0)):  # seed j's episode k ran task k % 2 at the env seed of its slot
+        alone = Evaluator(ev.tasks[k], seeds=1, episodes=1, base_seed=ev.env_seeds[2 * j + k], action_repeat=8)
+        assert returns[j][k] == alone(policy)[0][0], (j, k)
+    assert returns[0][0] != returns[0][1]  # the two tasks differ
+    current = Evaluator(CARTPOLES, seeds=1, episodes=1, base_seed=100, action_repeat=8)
+    assert current.tasks is None and current.episodes == 1  # eval=current: one task, the one trained
+
+
+@pytest.mark.slow
+def test_a_chain_run_with_eval_all_writes_a_row_per_task_and_their_mean(tiny_sac_config, tmp_path):
+    import csv
+
+    from plasticity_zoo.agents import sac
+    from plasticity_zoo.training.offpolicy import train
+
+    cfg = tiny_sac_config(
+        env=CARTPOLES.replace("every=7", "every=25,eval=all"),
+        total_steps=50,
+        eval_every=50,
+        eval_episodes=1,
+        learning_starts=50,  # the rows are the point, not the learning
+        action_repeat=8,
+    )
+    train(cfg, sac, tmp_path / "r")
+    with open(tmp_path / "r" / "eval.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["task"]) for r in rows] == [
+        (step, task) for step in ("0", "50") for task in ("dmc:cartpole-balance", "dmc:cartpole-swingup", "all")
+    ]
+    for step in ("0", "50"):
+        own = {r["task"]: float(r["return_mean"]) for r in rows if r["step"] == step}
+        assert own["all"] == pytest.approx((own["dmc:cartpole-balance"] + own["dmc:cartpole-swingup"]) / 2)
+        assert float(next(r["score"] for r in rows if r["step"] == step and r["task"] == "all")) == pytest.approx(
+            own["all"] / 1000
+        )

@@ -116,6 +116,10 @@ def test_normalisation_references():
     assert agg.reference("Pendulum-v1", {})[0] is None
     assert agg.reference("Pendulum-v1", agg.parse_norm(["Pendulum-v1=-1600:0"]))[0] == (-1600.0, 0.0)
     assert agg.reference("ns:reward_flip:dmc:cheetah-run:every=10", {})[0] is None  # rewards change: --norm
+    # a chain scored on all its tasks reads as a multitask run: DMC's range, or the score's
+    assert agg.reference("ns:chain:plasticine-walker", {})[0] == (0.0, 1000.0)
+    assert agg.reference("ns:chain:plasticine-walker", {}, y="score")[0] == agg.SCORE_RANGE
+    assert agg.reference("ns:chain:plasticine-walker:eval=current", {})[0] is None  # the trained task's rewards
 
 
 def _run(root: Path, name, env, label, finals, steps=(1000, 2000)):

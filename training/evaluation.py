@@ -5,8 +5,10 @@ episode ``k`` resets its env with seed ``eval_base_seed(cfg) + j * eval_block(cf
 repeat is the run's and the action mode the loop's (``eval_action_mode``).  For a multitask
 (``mt:``) env ``--eval-episodes K`` counts episodes per task: a seed's block is K x T episodes
 (``eval_block``), episode ``k`` runs task ``k % T``, and ``training.logger.task_results`` summarises
-them per task.  ``SeedPolicy`` acts as ``Driver.evaluate`` does; ``analysis/restore.py`` loads a finished
-run's checkpoint for it, so ``scripts/evaluate.py`` reproduces a run's own evaluations.
+them per task.  A task chain with ``eval=all`` (``ns:chain:...:eval=all``) is scored the same way over
+its distinct tasks (``envs.nonstationary.eval_tasks``), each evaluation env pinned to its task.
+``SeedPolicy`` acts as ``Driver.evaluate`` does; ``analysis/restore.py`` loads a finished run's
+checkpoint for it, so ``scripts/evaluate.py`` reproduces a run's own evaluations.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from plasticity_zoo.envs import make_vector_env
+from plasticity_zoo.envs import make_vector_env, nonstationary
 from plasticity_zoo.envs.multitask import is_multitask, member_ids
 from plasticity_zoo.networks.runtime import cached_per_config
 
@@ -49,11 +51,13 @@ class Evaluator:
         stride: int | None = None,
         env_impl: str = "jax",
     ):
-        self.tasks = member_ids(env_id) if is_multitask(env_id) else None
+        self.tasks = eval_tasks(env_id)
         self.seeds, self.episodes = seeds, episodes * (len(self.tasks) if self.tasks else 1)
         self.env = make_vector_env(
             env_id, seeds * self.episodes, base_seed, action_repeat, action_mode=action_mode, env_impl=env_impl
         )
+        if self.tasks and not is_multitask(env_id):  # a chain scored on every task: env i runs task i % T
+            nonstationary.pin_tasks(self.env, self.tasks)
         stride = self.episodes if stride is None else stride
         self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(self.episodes)]
 
@@ -75,9 +79,18 @@ class Evaluator:
         return returns.reshape(self.seeds, self.episodes).tolist()
 
 
+def eval_tasks(env_id: str) -> tuple[str, ...] | None:
+    """The tasks each evaluation scores apart: an ``mt:`` env's members, a chain's distinct tasks with
+    ``eval=all``; None for an env evaluated as one task."""
+    if is_multitask(env_id):
+        return member_ids(env_id)
+    return nonstationary.eval_tasks(env_id)
+
+
 def eval_block(cfg) -> int:
-    """Evaluation episodes per seed of a run: ``--eval-episodes``, times the number of tasks of an ``mt:`` env."""
-    return cfg.eval_episodes * (len(member_ids(cfg.env)) if is_multitask(cfg.env) else 1)
+    """Evaluation episodes per seed of a run: ``--eval-episodes``, times the number of tasks ``eval_tasks`` scores."""
+    tasks = eval_tasks(cfg.env)
+    return cfg.eval_episodes * (len(tasks) if tasks else 1)
 
 
 def eval_base_seed(cfg) -> int:
