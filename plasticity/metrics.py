@@ -200,6 +200,34 @@ def weight_norm_ratio(params, init_params):
     return weight_norm(params) / jnp.maximum(weight_norm(init_params), EPS)
 
 
+def _count(tree) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(tree))
+
+
+def weight_magnitude(params):
+    """Root mean square of all parameters, sqrt(sum_i theta_i^2 / N): Plasticine's weight magnitude
+    (Yuan et al. 2025, arXiv 2504.17490; ``compute_weight_magnitude``), a width-free ``weight_norm``."""
+    return jnp.sqrt(_sq_norm(params) / max(_count(params), 1))
+
+
+def weight_distance(params, init_params):
+    """Root mean square distance from the initial parameters, sqrt(sum_i (theta_i - theta0_i)^2 / N):
+    Plasticine's L2 norm difference from the saved initial state (``compute_l2_norm_difference``)."""
+    diff = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), params, init_params)
+    return jnp.sqrt(_sq_norm(diff) / max(_count(params), 1))
+
+
+def feature_stats(features) -> dict:
+    """Plasticine's feature norm and feature variance of ``(..., B, H)`` features, averaged over the
+    leading (ensemble) axes: ``feature_norm`` the mean over samples of ||f_b||_2, ``feature_variance``
+    the mean over samples of the variance across the H features (Bessel-corrected, as ``torch.var``)."""
+    f = features.astype(jnp.float32)
+    return {
+        "feature_norm": jnp.mean(jnp.linalg.norm(f, axis=-1)),
+        "feature_variance": jnp.mean(jnp.var(f, axis=-1, ddof=1)),
+    }
+
+
 def _tap_order(name: str):
     """Natural order of tap names (layer2 before layer10); dict pytrees come back key-sorted."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
@@ -222,8 +250,9 @@ def network_metrics(
     ``effective_rank``, ``feature_rank`` (rank metrics of that layer's activations,
     averaged over ensemble members).  Network totals: ``{prefix}/dormant_{tau}`` and
     ``{prefix}/grama_{tau}`` (weighted by neuron count over all layers and members),
-    ``{prefix}/active_fraction`` (over all entries), ``{prefix}/weight_norm``, plus
-    ``weight_norm_ratio`` if ``init_params`` and ``grad_norm`` if ``param_grads`` is given.
+    ``{prefix}/active_fraction`` (over all entries), ``{prefix}/weight_norm`` and ``weight_magnitude``,
+    plus ``weight_norm_ratio`` and ``weight_distance`` if ``init_params`` and ``grad_norm`` if
+    ``param_grads`` is given.
     """
     out = {}
     n_total = 0
@@ -259,8 +288,10 @@ def network_metrics(
                 out[f"{prefix}/grama_{t}"] = inactive[t] / n_total
         out[f"{prefix}/active_fraction"] = active / entries
     out[f"{prefix}/weight_norm"] = weight_norm(params)
+    out[f"{prefix}/weight_magnitude"] = weight_magnitude(params)
     if init_params is not None:
         out[f"{prefix}/weight_norm_ratio"] = weight_norm_ratio(params, init_params)
+        out[f"{prefix}/weight_distance"] = weight_distance(params, init_params)
     if param_grads is not None:
         out[f"{prefix}/grad_norm"] = grad_norm(param_grads)
     return out
@@ -289,5 +320,6 @@ def compute(
         out.update(network_metrics(acts[name], grads[name], p, init, param_grads, prefix=f"{prefix}/{name}", **kw))
         # rank of the representation the head reads (spec section 8: penultimate features)
         feats = instrument.features(lambda: loss(p), [name])[name]
-        out.update({f"{prefix}/{name}/features/{metric}": v for metric, v in rank_metrics(feats).items()})
+        stats = {**rank_metrics(feats), **feature_stats(feats)}
+        out.update({f"{prefix}/{name}/features/{metric}": v for metric, v in stats.items()})
     return out

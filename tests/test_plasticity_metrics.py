@@ -125,6 +125,19 @@ def test_norms():
     assert float(M.grad_norm(p)) == pytest.approx(5.0)
     q = jax.tree.map(lambda x: 2 * x, p)
     assert float(M.weight_norm_ratio(q, p)) == pytest.approx(2.0)
+    assert float(M.weight_magnitude(p)) == pytest.approx(np.sqrt(25 / 3))  # 3 parameters
+    assert float(M.weight_distance(q, p)) == pytest.approx(np.sqrt(25 / 3))  # q - p = p
+    assert float(M.weight_distance(p, p)) == 0.0
+
+
+def test_feature_norm_and_variance_against_numpy():
+    f = np.random.default_rng(0).normal(size=(2, 7, 5)).astype(np.float32)  # (members, batch, features)
+    out = M.feature_stats(jnp.asarray(f))
+    assert float(out["feature_norm"]) == pytest.approx(np.sqrt((f**2).sum(-1)).mean(), rel=1e-6)
+    assert float(out["feature_variance"]) == pytest.approx(f.var(-1, ddof=1).mean(), rel=1e-6)
+    one = M.feature_stats(jnp.array([[3.0, 4.0, 0.0]]))  # hand values: ||f|| = 5, var = (4/9+25/9+49/9)/2
+    assert float(one["feature_norm"]) == pytest.approx(5.0)
+    assert float(one["feature_variance"]) == pytest.approx(78 / 18)
 
 
 def test_network_metrics_totals_are_neuron_weighted():
@@ -142,6 +155,8 @@ def test_network_metrics_totals_are_neuron_weighted():
     assert float(out["plasticity/x/active_fraction"]) == pytest.approx(5 / 10)
     assert float(out["plasticity/x/weight_norm"]) == pytest.approx(2.0)
     assert float(out["plasticity/x/weight_norm_ratio"]) == pytest.approx(0.5)
+    assert float(out["plasticity/x/weight_magnitude"]) == pytest.approx(1.0)
+    assert float(out["plasticity/x/weight_distance"]) == pytest.approx(1.0)
     assert float(out["plasticity/x/grad_norm"]) == 0.0
 
 
@@ -187,6 +202,9 @@ def _check_values(out, with_init=True):
         for m in ("dormant_0.0", "dormant_0.025", "grama_0.01", "active_fraction", "weight_norm", "grad_norm"):
             assert f"plasticity/{net}/{m}" in out
         assert (f"plasticity/{net}/weight_norm_ratio" in out) == with_init
+        assert (f"plasticity/{net}/weight_distance" in out) == with_init
+        for m in ("weight_magnitude", "features/feature_norm", "features/feature_variance"):
+            assert f"plasticity/{net}/{m}" in out
     for k, v in out.items():
         v = np.asarray(v)
         assert np.all(np.isfinite(v)), k
@@ -207,6 +225,7 @@ def test_compute_on_sac_under_jit(sac_setup):
     out = _jit_metrics(state, batch, key, sac.plastic_params(state))
     _check_values(out)
     assert float(out["plasticity/critic/weight_norm_ratio"]) == pytest.approx(1.0)
+    assert float(out["plasticity/critic/weight_distance"]) == 0.0  # at its initial weights
     assert float(out["plasticity/critic/grad_norm"]) > 0
     # param grad norm equals that of an explicit jax.grad of the critic loss
     g = jax.grad(
