@@ -20,8 +20,9 @@ Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
     buffer_add(buffer, transitions) -> buffer
     sample_batch(state, buffer, key, n) -> batch         (plasticity metrics / resets use it too)
     train_block(state, buffer, key, num_updates, replay_control) -> (state, buffer, metrics)
-                              the updates of one env step as one scan; ``replay_control``: NE's
-                              ``plasticity.expansion.ReplayControl`` (review probability, half batch; None: off)
+                              the updates of one vector step as one scan (``updates_per_vector_step``);
+                              ``replay_control``: NE's ``plasticity.expansion.ReplayControl``
+                              (review probability, half batch; None: off)
 
 On-policy (``OnPolicyAgent``): rollouts with observation / reward normalisers in the state.
     Rollout                   the rollout buffer type (T + 1 observation slots per env)
@@ -100,6 +101,7 @@ __all__ = [
     "KINDS",
     "OffPolicyConfig",
     "protocol_for",
+    "updates_per_vector_step",
 ]
 
 
@@ -197,13 +199,25 @@ class OffPolicyConfig:
     """uniform-random env steps before learning starts"""
     updates_per_step: int = 1
     """gradient steps per env step (update-to-data ratio)"""
+    updates_per_vector_step: Optional[int] = None
+    """device loop: gradient steps per vector step of all --num-envs envs, whatever their number (Playground's
+    SAC, FastSAC: many envs, a few large-batch updates); None: --updates-per-step x --num-envs"""
 
     RANGES = {
         "buffer_size": AT_LEAST_ONE,
         "batch_size": AT_LEAST_ONE,
         "learning_starts": NON_NEGATIVE,
         "updates_per_step": AT_LEAST_ONE,
-    }  # learning_starts None: the agent's protocol sets it
+        "updates_per_vector_step": AT_LEAST_ONE,
+    }  # learning_starts None: the agent's protocol sets it; updates_per_vector_step None: per env step
+
+
+def updates_per_vector_step(cfg: OffPolicyConfig, num_envs: int) -> int:
+    """Gradient updates after each vector step of ``num_envs`` envs: ``--updates-per-vector-step`` where
+    set (independent of the env count, as Brax's SAC ``grad_updates_per_step`` and FastSAC / FastTD3's
+    ``num_updates``), else ``--updates-per-step`` per env step, ``updates_per_step x num_envs``."""
+    k = cfg.updates_per_vector_step
+    return cfg.updates_per_step * num_envs if k is None else k
 
 
 @dataclass(frozen=True)
@@ -225,4 +239,9 @@ def check_replay(cfg: OffPolicyConfig):
         raise ValueError(
             f"--batch-size {cfg.batch_size} is larger than --buffer-size {cfg.buffer_size}: "
             "every batch would repeat rows of a replay smaller than itself"
+        )
+    if cfg.updates_per_vector_step is not None and cfg.updates_per_step != 1:
+        raise ValueError(
+            f"--updates-per-vector-step {cfg.updates_per_vector_step} sets the updates per vector step itself; "
+            f"--updates-per-step {cfg.updates_per_step} would be ignored: leave it at 1"
         )

@@ -16,10 +16,13 @@ of every seed step as one batch of S * E (seed j owns envs ``j*E .. j*E+E-1``).
   V(true final observation) at truncations, observation statistics, the next actions), then the
   update (``agent.update``: GAE, epochs x minibatches) per seed.
 - **Off-policy (SAC, MR.Q)**, ``DeviceOffPolicyIteration``: an iteration is one vector step:
-  the env step, ``agent.buffer_add`` of the transitions into the replay (on the device, in the
-  carry), then once learning has started ``agent.train_block`` (``updates_per_step * num_envs``
-  updates) and the next actions (uniform random before ``learning_starts``), as
-  ``training/offpolicy.py`` does per step (FastTD3 / FastSAC run many envs this way).
+  the env step, ``agent.buffer_add`` of all ``num_envs`` transitions into the replay (on the device,
+  in the carry), then once learning has started ``agent.train_block`` and the next actions (uniform
+  random before ``learning_starts``, counted in env steps per seed), as ``training/offpolicy.py``
+  does per step.  The updates per vector step are ``updates_per_step * num_envs`` by default, or
+  ``--updates-per-vector-step K`` whatever the number of envs (``agents.api.updates_per_vector_step``):
+  many envs with a few large-batch updates per vector step, as Brax's SAC (``grad_updates_per_step``,
+  Playground's DM Control recipe) and FastSAC / FastTD3 (``num_updates``) run them.
 
 Differences from the host loops (``--loop host``): evaluations and log rows fall at the first
 iteration boundary at or past their step (the on-policy host loop evaluates inside a rollout); a
@@ -39,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from plasticity_zoo.agents.api import updates_per_vector_step
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.envs import playground
 from plasticity_zoo.plasticity.hooks import Hooks
@@ -81,7 +85,7 @@ def check(cfg: RunConfig, agent=None):
             raise ValueError(
                 "--plasticity.least cuts episodes from the host; it does not run in the device loop: pass --loop host"
             )
-        return offpolicy.check(cfg)
+        return offpolicy.check(cfg, device=True)
     if cfg.agent.backend not in ("sync", "gymnasium"):
         raise ValueError(
             f"--backend {cfg.agent.backend} steps envs on the host; the device loop steps "
@@ -432,7 +436,7 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
     """``chunk(carry, n, step, replay_control) -> (carry, report)``: ``n`` vector steps (traced) from
     env step ``step`` (per seed), jitted with the carry donated.  Per step the keys are drawn as in
     ``training/offpolicy.py``: one split of the run key, then (train key, act key)."""
-    num_updates = agent_cfg.updates_per_step * E
+    num_updates = updates_per_vector_step(agent_cfg, E)
     block = offpolicy.make_train_block(agent, agent_cfg, num_updates)
     learning_starts, act_dim = agent_cfg.learning_starts, env.act_dim
 
@@ -505,7 +509,7 @@ class DeviceOffPolicyIteration(_DeviceIteration):
         a = cfg.agent
         self._setup(cfg, agent, "rescale")
         self.steps_per_iteration = self.E
-        self.updates_per_iteration = a.updates_per_step * self.E
+        self.updates_per_iteration = updates_per_vector_step(a, self.E)
         state, buffer, key = offpolicy.init_state(agent, cfg, self.env.obs_dim, self.env.act_dim)
         learning_iters = cfg.total_steps // self.E - max(0, -(-a.learning_starts // self.E) - 1)
         self.hooks = Hooks(

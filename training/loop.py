@@ -72,8 +72,11 @@ class Schedule:
 
     Evaluations and log rows fall on the grids ``0, eval_every, ...`` and ``log_every, 2 log_every, ...``
     (at the first loop step at or past each point); checkpoints at the first step past each
-    multiple of ``checkpoint_every`` and at the end.  ``host()`` is what a checkpoint stores, and
-    ``Schedule(cfg, step, host)`` continues from it.
+    multiple of ``checkpoint_every`` and at the end.  An iteration that steps past several points of
+    a grid (a device-loop iteration of 2048 envs x 30 steps is 61,440 steps) gets one evaluation or
+    log row, and the schedule moves past all of them (``_next``), as it always did for checkpoints;
+    where iterations are shorter than the intervals nothing changes.  ``host()`` is what a
+    checkpoint stores, and ``Schedule(cfg, step, host)`` continues from it.
     """
 
     def __init__(self, cfg, step: int = 0, host: dict | None = None):
@@ -82,10 +85,16 @@ class Schedule:
         self.next_log = host["next_log"] if host else cfg.log_every
         self.next_ckpt = (step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
 
+    @staticmethod
+    def _next(point: int, every: int, step: int) -> int:
+        """The grid's next point after ``point`` that lies past ``step`` (``point + every`` unless the
+        loop stepped past more than one point at once)."""
+        return max(point + every, (step // every + 1) * every)
+
     def eval_due(self, step: int) -> bool:
         if step < self.next_eval:
             return False
-        self.next_eval += self.eval_every
+        self.next_eval = self._next(self.next_eval, self.eval_every, step)
         return True
 
     def log_due(self, step: int, last: int | None = None) -> bool:
@@ -93,7 +102,7 @@ class Schedule:
         if step < self.next_log and (last is None or step < last):
             return False
         if step >= self.next_log:
-            self.next_log += self.log_every
+            self.next_log = self._next(self.next_log, self.log_every, step)
         return True
 
     def checkpoint_due(self, step: int, end: int) -> bool:

@@ -125,9 +125,15 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir)}
 
 
-def check(cfg: RunConfig):
-    """Settings the off-policy loop cannot run with (a ValueError naming the flag)."""
+def check(cfg: RunConfig, device: bool = False):
+    """Settings the off-policy loop cannot run with (a ValueError naming the flag); ``device``: the
+    device loop's checks (``training/device.py``), which also takes ``--updates-per-vector-step``."""
     check_positive(**run_counts(cfg))
+    if not device and getattr(cfg.agent, "updates_per_vector_step", None) is not None:
+        raise ValueError(
+            "--updates-per-vector-step is the device loop's (playground: envs, --loop auto or device); the host "
+            "loop runs --updates-per-step x --num-envs updates per vector step"
+        )
     pc, batch = cfg.plasticity, getattr(cfg.agent, "batch_size", 2)
     if pc.ne and pc.ne_auto_batch != "off" and batch % 2:
         raise ValueError(

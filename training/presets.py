@@ -122,10 +122,14 @@ PRESETS: dict[str, Preset] = {
                 "--ent-coef",
                 "0.01",
                 "--norm-obs",
+                "--eval-every",
+                "6000000",
+                "--checkpoint-every",
+                "6000000",
             ),
             "Zakka et al. 2025 (MuJoCo Playground, arXiv 2502.08844), the DM Control Suite PPO settings "
             "(dm_control_suite_params.py): 60M steps, 2048 envs, unroll 30, 32 minibatches, 16 updates per batch, "
-            "lr 1e-3, discount 0.995, entropy cost 1e-2, observation normalisation",
+            "lr 1e-3, discount 0.995, entropy cost 1e-2, observation normalisation, 10 evaluations (num_evals)",
             agents=("ppo",),
             env_family="playground",
             note="Brax gathers 16 unrolls of the 2048 envs per update batch (1024 x 32 trajectories of 30 steps); here "
@@ -133,6 +137,164 @@ PRESETS: dict[str, Preset] = {
             "normalises them by the return's std.  Brax's networks are not reproduced.  Playground uses "
             "discount 0.95 for BallInCup and FingerSpin and 100M steps for AcrobotSwingup, SwimmerSwimmer6 and "
             "WalkerRun: add --gamma 0.95 / --total-steps 100000000",
+        ),
+        Preset(
+            "ppo-brax",
+            (
+                "--total-steps",
+                "60000000",
+                "--num-envs",
+                "2048",
+                "--num-steps",
+                "480",
+                "--num-minibatches",
+                "32",
+                "--update-epochs",
+                "16",
+                "--learning-rate",
+                "1e-3",
+                "--no-anneal-lr",
+                "--gamma",
+                "0.995",
+                "--gae-lambda",
+                "0.95",
+                "--clip-coef",
+                "0.3",
+                "--no-clip-vloss",
+                "--vf-coef",
+                "0.5",
+                "--ent-coef",
+                "0.01",
+                "--max-grad-norm",
+                "inf",
+                "--norm-obs",
+                "--no-norm-reward",
+                "--network.activation",
+                "silu",
+                "--eval-every",
+                "6000000",
+                "--checkpoint-every",
+                "6000000",
+            ),
+            "Zakka et al. 2025 (MuJoCo Playground, arXiv 2502.08844), mujoco_playground/config/"
+            "dm_control_suite_params.py brax_ppo_config, as Brax's PPO (brax/training/agents/ppo/train.py, "
+            "losses.py, networks.py) runs it: 60M steps, 2048 envs, batch 1024 x 32 minibatches of 30-step unrolls "
+            "(16 unrolls of every env per update batch: --num-steps 480), 16 epochs, constant lr 1e-3, discount 0.995, "
+            "GAE lambda 0.95, clip 0.3, no value clipping, value loss 0.5 x 0.5 MSE, entropy cost 1e-2, no gradient "
+            "clipping (--max-grad-norm inf), observation normalisation, Brax's swish activation; 10 evaluations",
+            agents=("ppo",),
+            env_family="playground",
+            note="not expressed: Brax's networks (policy 4 x 32, value 5 x 256, LeCun-uniform init, tanh-Normal "
+            "policy with a learned scale) -- the zoo's PPO keeps one width and depth for both, 64 x 64 orthogonal, "
+            "and a Gaussian with a state-independent log-std; reward scaling by 10 (rewards enter unscaled; the "
+            "critic has its own Adam, so this mostly rescales the value loss); GAE per 30-step unroll (here over "
+            "480 steps) and minibatches of whole unrolls (here of shuffled transitions); the observation statistics' "
+            "clip at +-10; stochastic evaluation on 128 envs (the zoo evaluates the deterministic policy); resets per "
+            "evaluation.  Per task, Playground uses discount 0.95 for BallInCup and FingerSpin, 100M steps for "
+            "AcrobotSwingup, Swimmer* and WalkerRun (add --gamma 0.95 / --total-steps 100000000), and action repeat "
+            "4 with 4 epochs for PendulumSwingup",
+        ),
+        # SAC with many envs and a few large-batch updates per vector step (the device loop).
+        Preset(
+            "sac-playground",
+            (
+                "--total-steps",
+                "5000000",
+                "--num-envs",
+                "128",
+                "--updates-per-vector-step",
+                "8",
+                "--batch-size",
+                "512",
+                "--buffer-size",
+                "4194304",
+                "--learning-starts",
+                "8192",
+                "--gamma",
+                "0.99",
+                "--actor-lr",
+                "1e-3",
+                "--critic-lr",
+                "1e-3",
+                "--alpha-lr",
+                "3e-4",
+                "--tau",
+                "0.005",
+                "--init-alpha",
+                "1.0",
+                "--network.layer-norm",
+                "--eval-every",
+                "500000",
+                "--eval-episodes",
+                "128",
+                "--log-every",
+                "50000",
+                "--checkpoint-every",
+                "500000",
+            ),
+            "Zakka et al. 2025 (MuJoCo Playground, arXiv 2502.08844), mujoco_playground/config/"
+            "dm_control_suite_params.py brax_sac_config, as Brax's SAC (brax/training/agents/sac/train.py) runs it: "
+            "5M steps, 128 envs, 8 gradient updates of batch 512 per vector step (grad_updates_per_step), replay "
+            "4 x 2^20, 8192 transitions before learning (min_replay_size), discount 0.99, policy and Q lr 1e-3, "
+            "temperature lr 3e-4 from alpha 1, tau 0.005, LayerNorm in the Q network, 2 x 256 ReLU networks, "
+            "10 evaluations of 128 episodes",
+            agents=("sac",),
+            env_family="playground",
+            note="not expressed: observation normalisation (the zoo's SAC has none); target entropy -|A|/2 (the zoo's "
+            "default is -|A|: pass --target-entropy for the task's action width); LayerNorm in the actor too (the "
+            "zoo's --network.layer-norm is every network's); Brax fills its first 8192 transitions with the "
+            "untrained policy and learns one vector step later, the zoo with uniform actions; Brax evaluates the "
+            "stochastic policy.  Playground runs 10M steps for Acrobot*, Swimmer*, Finger*, Hopper*, CheetahRun, "
+            "HumanoidWalk, PendulumSwingUp and WalkerRun (add --total-steps 10000000) and action repeat 4 for "
+            "PendulumSwingUp",
+        ),
+        Preset(
+            "sac-fastsac",
+            (
+                "--total-steps",
+                "153600000",
+                "--num-envs",
+                "1024",
+                "--updates-per-vector-step",
+                "2",
+                "--batch-size",
+                "32768",
+                "--buffer-size",
+                "10485760",
+                "--learning-starts",
+                "12288",
+                "--gamma",
+                "0.97",
+                "--tau",
+                "0.1",
+                "--actor-lr",
+                "3e-4",
+                "--critic-lr",
+                "3e-4",
+                "--alpha-lr",
+                "3e-4",
+                "--init-alpha",
+                "0.001",
+                "--eval-every",
+                "5120000",
+                "--eval-episodes",
+                "1024",
+                "--log-every",
+                "102400",
+                "--checkpoint-every",
+                "5120000",
+            ),
+            "Seo et al. 2025 (FastTD3, arXiv 2505.22642) and its FastSAC (younggyoseo/FastTD3 fast_sac/hyperparams.py "
+            "MuJoCoPlaygroundArgs / CheetahRunArgs, fast_sac/train.py): 1024 envs, 2 updates of batch 32768 per "
+            "vector step, replay 10240 per env, learning after 11 vector steps, 150,000 vector steps, discount 0.97, "
+            "tau 0.1, lr 3e-4 for actor, critics and temperature, alpha from 0.001, target entropy -|A|, clipped "
+            "double Q; evaluation and checkpoints every 5000 vector steps, 1024 evaluation episodes",
+            agents=("sac",),
+            env_family="playground",
+            note="not expressed: observation normalisation; AdamW with weight decay 0.1; the actor and temperature "
+            "updated on every second update only; CheetahRun's 3-step returns; the networks (critic 1024-512-256, "
+            "actor 512-256-128, log-std squashed into [-5, 2]; the zoo's SAC keeps 2 x 256); bf16 mixed precision; "
+            "batches drawn as batch/num_envs rows from each env (here uniformly from the whole replay)",
         ),
         Preset(
             "ppo-sb3",
