@@ -110,6 +110,7 @@ from plasticity_zoo.networks.config import (
 )
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.injection import injectable
 from plasticity_zoo.plasticity.sigreg import regularized
 
 # ----------------------------------------------------------------------------- config
@@ -497,8 +498,13 @@ def init(
         lambda r: StateActionEncoder(w["zs"], act_dim, za_spec, sa_spec, w["zsa"], model_dim, rngs=r),
         k[1],
     )
-    value, v_params = _build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2)
-    policy, p_params = _build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3])
+    # injectable: the heads plasticity injection may give a residual head (the encoders are the representation)
+    value, v_params = injectable(
+        *_build("value", lambda r: MLPHead(w["zsa"], 1, value_spec, rngs=r), k[2], ensemble=2), plasticity
+    )
+    policy, p_params = injectable(
+        *_build("policy", lambda r: DeterministicPolicyHead(w["zs"], act_dim, policy_spec, rngs=r), k[3]), plasticity
+    )
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (distinct buffers: the loop donates state)
     tx_f, tx_g, tx_v, tx_p = _optimizers(cfg, plasticity)
     zero = lambda: jnp.zeros((), jnp.float32)  # noqa: E731  (a fresh buffer per leaf: the loop donates state)

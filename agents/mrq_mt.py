@@ -90,6 +90,7 @@ from plasticity_zoo.networks.config import (
 )
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.injection import injectable
 from plasticity_zoo.plasticity.sigreg import regularized
 
 # ----------------------------------------------------------------------------- config
@@ -453,14 +454,21 @@ def init(
         lambda r: StateActionEncoder(lat, a, za_spec, trunk(size["mlp_dim"], 2), lat, lat + cfg.num_bins, rngs=r),
         k[1],
     )
-    value, v_params = _build(
-        "value",
-        lambda r: MLPHead(lat, cfg.num_bins, trunk(size["mlp_dim"], 2), rngs=r, squeeze=False),
-        k[2],
-        ensemble=size["num_q"],
+    # injectable: the heads plasticity injection may give a residual head (the encoders are the representation)
+    value, v_params = injectable(
+        *_build(
+            "value",
+            lambda r: MLPHead(lat, cfg.num_bins, trunk(size["mlp_dim"], 2), rngs=r, squeeze=False),
+            k[2],
+            ensemble=size["num_q"],
+        ),
+        plasticity,
     )
-    policy, p_params = _build(
-        "policy", lambda r: DeterministicPolicyHead(lat + task_dim, a, trunk(size["mlp_dim"], 2), rngs=r), k[3]
+    policy, p_params = injectable(
+        *_build(
+            "policy", lambda r: DeterministicPolicyHead(lat + task_dim, a, trunk(size["mlp_dim"], 2), rngs=r), k[3]
+        ),
+        plasticity,
     )
     if learned:
         table = jax.random.uniform(k[4], (t, task_dim), jnp.float32, -0.02, 0.02)

@@ -74,6 +74,7 @@ from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE,
 from plasticity_zoo.networks.distributions import gaussian_log_prob
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.injection import injectable
 from plasticity_zoo.plasticity.sigreg import regularized
 
 LOG_2PI_E = math.log(2.0 * math.pi) + 1.0
@@ -306,8 +307,13 @@ def init(
     check_ranges(cfg)
     spec = network.trunk(TrunkSpec(64, 2, activation="tanh"))
     k_actor, k_critic = jax.random.split(key)
-    actor, actor_params = build("actor", lambda r: PPOActor(obs_dim, act_dim, spec, rngs=r), k_actor)
-    critic, critic_params = build("critic", lambda r: PPOCritic(obs_dim, spec, rngs=r), k_critic)
+    # injectable: the networks plasticity injection may give a residual head (when the run asks for it)
+    actor, actor_params = injectable(
+        *build("actor", lambda r: PPOActor(obs_dim, act_dim, spec, rngs=r), k_actor), plasticity
+    )
+    critic, critic_params = injectable(
+        *build("critic", lambda r: PPOCritic(obs_dim, spec, rngs=r), k_critic), plasticity
+    )
     tx_a, tx_c = _optimizers(cfg, plasticity)
     if cfg.trust_region == "gtr":
         anchors = jax.tree.map(lambda p: jnp.broadcast_to(p, (cfg.gtr_anchors, *p.shape)).copy(), actor_params)

@@ -38,6 +38,7 @@ from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE,
 from plasticity_zoo.networks.distributions import tanh_gaussian_mode, tanh_gaussian_sample, tanh_max_entropy
 from plasticity_zoo.plasticity import optim as optim_lib
 from plasticity_zoo.plasticity.api import StaticPlasticity, declared_nets, declared_params
+from plasticity_zoo.plasticity.injection import injectable
 from plasticity_zoo.plasticity.sigreg import regularized
 
 
@@ -131,16 +132,25 @@ def init(
         check_replay(cfg)
     spec = network.trunk(TrunkSpec(256, 2, hidden_bias_init=0.1 if cfg.edac_init else 0.0))
     k_actor, k_critic = jax.random.split(key)
-    actor, actor_params = build(
-        "actor",
-        lambda r: GaussianPolicyHead(obs_dim, act_dim, spec, rngs=r, out_init_scale=1e-3 if cfg.edac_init else None),
-        k_actor,
+    # injectable: the networks plasticity injection may give a residual head (when the run asks for it)
+    actor, actor_params = injectable(
+        *build(
+            "actor",
+            lambda r: GaussianPolicyHead(
+                obs_dim, act_dim, spec, rngs=r, out_init_scale=1e-3 if cfg.edac_init else None
+            ),
+            k_actor,
+        ),
+        plasticity,
     )
-    critic, critic_params = build(
-        "critic",
-        lambda r: MLPHead(obs_dim + act_dim, 1, spec, rngs=r, out_init_scale=3e-3 if cfg.edac_init else None),
-        k_critic,
-        ensemble=cfg.critics,
+    critic, critic_params = injectable(
+        *build(
+            "critic",
+            lambda r: MLPHead(obs_dim + act_dim, 1, spec, rngs=r, out_init_scale=3e-3 if cfg.edac_init else None),
+            k_critic,
+            ensemble=cfg.critics,
+        ),
+        plasticity,
     )
     log_alpha = jnp.log(jnp.asarray(cfg.init_alpha, jnp.float32))
     tx_a, tx_c, tx_t = _optimizers(cfg, plasticity)

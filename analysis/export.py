@@ -133,6 +133,8 @@ def export_policy(run_dir, out, step: int | None = None, seed: int = 0, warn=Non
         "step": restored.step,
         "seed": seed,
         "checkpoint": restored.path.name,
+        # plasticity injection builds the networks with residual heads: the loader builds them alike
+        "injection_layers": cfg.plasticity.injection_layers if cfg.plasticity.injects else None,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     members = {
@@ -203,6 +205,7 @@ def load_policy(path) -> Policy:
     from plasticity_zoo import agents
     from plasticity_zoo.networks.config import NetworkConfig
     from plasticity_zoo.plasticity.api import StaticPlasticity
+    from plasticity_zoo.plasticity.injection import InjectionSpec
 
     path = Path(path)
     meta, stored = _read(path)
@@ -212,9 +215,9 @@ def load_policy(path) -> Policy:
     agent_cfg = agent.CONFIG(**meta["agent_config"])
     network = NetworkConfig(**meta["network"])
     obs_dim, act_dim = int(meta["obs_dim"]), int(meta["act_dim"])
-    abstract = jax.eval_shape(
-        lambda: agent.init(jax.random.key(0), obs_dim, act_dim, agent_cfg, network, StaticPlasticity())
-    )
+    layers = meta.get("injection_layers")  # files written before injection existed have no such key
+    static = StaticPlasticity(injection=None if layers is None else InjectionSpec(int(layers)))
+    abstract = jax.eval_shape(lambda: agent.init(jax.random.key(0), obs_dim, act_dim, agent_cfg, network, static))
     params = {k.removeprefix("params/"): v for k, v in stored.items() if k.startswith("params/")}
     state = fill_state(abstract, POLICY_FIELDS[name], params, str(path))
     actions = EnvActions(stored["bounds/low"], stored["bounds/high"], meta["action_mode"], meta["action_dtype"])

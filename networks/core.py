@@ -61,10 +61,13 @@ class Net:
         """Forward pass -> (output, taps).  ``member_inputs``: inputs carry a leading member axis."""
         x = inputs[0] if len(inputs) == 1 else jnp.concatenate(inputs, axis=-1)
         if not self.ensemble:
-            return nnx.merge(self.graphdef, params)(x, probes)
-        one = lambda p, x, pr: nnx.merge(self.graphdef, p)(x, pr)  # noqa: E731
+            return self._forward(params, x, probes)
         axes = (0, 0 if member_inputs else None, None if probes is None else 0)
-        return jax.vmap(one, in_axes=axes)(params, x, probes)
+        return jax.vmap(self._forward, in_axes=axes)(params, x, probes)
+
+    def _forward(self, params, x, probes):
+        """One member's forward pass -> (output, taps)."""
+        return nnx.merge(self.graphdef, params)(x, probes)
 
     def __call__(self, params, *inputs, member_inputs: bool = False):
         rec = instrument.active()

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 
+from plasticity_zoo.plasticity.injection import InjectionSpec
 from plasticity_zoo.plasticity.optim import OptimSpec
 from plasticity_zoo.plasticity.sigreg import SIGRegSpec
 
@@ -32,14 +33,18 @@ from plasticity_zoo.plasticity.sigreg import SIGRegSpec
 class StaticPlasticity:
     """The plasticity choices that change an agent's traced program, fixed when it is built.
 
-    ``optim``: Kron / NE masks in the plastic networks' optimizers (``plasticity.optim.optimizer(...,
-    spec=optim)``); ``sigreg``: SIGReg in the losses wrapped with ``plasticity.sigreg.regularized``
-    (``sigreg=``).  An agent's ``init(..., plasticity)`` stores it as a static field of its state
-    (``state.plasticity``), so ``update`` reads it there and jit's cache keys on it.
+    ``optim``: Kron / NE masks / regularisers / TRAC in the plastic networks' optimizers
+    (``plasticity.optim.optimizer(..., spec=optim)``); ``sigreg``: SIGReg in the losses wrapped with
+    ``plasticity.sigreg.regularized`` (``sigreg=``); ``injection``: the residual heads of plasticity
+    injection (``plasticity.injection.injectable``).  An agent's ``init(..., plasticity)`` stores it as a
+    static field of its state (``state.plasticity``), so ``update`` reads it there and jit's cache keys on it.
     """
 
     optim: Optional[OptimSpec] = None
     sigreg: Optional[SIGRegSpec] = None
+    injection: Optional[InjectionSpec] = None
+    """plasticity injection: the networks an agent passes through ``plasticity.injection.injectable`` get a
+    residual head of this many layers (their optimizers, from ``optim``, freeze what is frozen)"""
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, UNIT, Ran
 
 @dataclass(frozen=True)
 class PlasticityConfig:
-    """Plasticity metrics and interventions (ReDo, ReGraMa, NE, SIGReg, LEAST, Kron); periods count updates."""
+    """Plasticity metrics and interventions (ReDo, ReGraMa, NE, SIGReg, LEAST, Kron, ...); periods count updates."""
 
     metrics_every: int = 10_000
     """log plasticity metrics every K gradient updates on a fixed held-out batch (0: off)"""
@@ -102,6 +102,19 @@ class PlasticityConfig:
     nap: bool = False
     """Normalize-and-Project (Lyle et al. 2024, sec. 4): after every step each hidden layer (kernel and bias) and
     LayerNorm (scale and offset) is rescaled to its initial norm; needs --network.layer-norm (preset nap)"""
+    injection_step: int = 0
+    """Plasticity injection (Nikishin et al. 2023, sec. 3): after this many updates freeze each network's head
+    theta and add a fresh head theta' minus a frozen copy of it, h_theta + h_theta' - h_theta'_frozen (0: off)"""
+    injection_at: float = 0.0
+    """Plasticity injection at this share of the run's updates, in (0, 1) (0: off; instead of injection-step)"""
+    injection_layers: int = 2
+    """the head plasticity injection replaces: the last k layers of each network, output layer included
+    (0: the whole network; the paper's DQN head is its two fully connected layers)"""
+    trac: bool = False
+    """TRAC (Muppidi et al. 2024, Algorithm 1): a parameter-free scale tuner over every plastic network's
+    optimizer (Adam), theta = theta_ref + S Delta with S from the erfi tuner over six betas (preset trac)"""
+    trac_s_init: float = 1e-8
+    """TRAC's s_init (the authors' package: 1e-8)"""
 
     # Dormancy thresholds are shares of a layer's mean score: at 1 or more, every unit at or below the
     # layer's mean counts as dormant.
@@ -126,7 +139,16 @@ class PlasticityConfig:
         "sp_perturb": NON_NEGATIVE,
         "layer_reset_every": AT_LEAST_ONE,
         "layer_reset_layers": NON_NEGATIVE,
+        "injection_step": NON_NEGATIVE,
+        "injection_at": Range(0, 1, high_open=True),
+        "injection_layers": NON_NEGATIVE,
+        "trac_s_init": Range(0, low_open=True),
     }
+
+    @property
+    def injects(self) -> bool:
+        """Whether plasticity injection is on (``injection_step`` or ``injection_at``)."""
+        return self.injection_step > 0 or self.injection_at > 0
 
     def validate(self):
         check_ranges(self, prefix="--plasticity.")
@@ -153,6 +175,21 @@ class PlasticityConfig:
                 "parseval_scale": Range(0, low_open=True),
             },
         )
+        if self.injection_step and self.injection_at:
+            raise ValueError(
+                "--plasticity.injection-step and --plasticity.injection-at both set the injection's update; pick one"
+            )
+        if self.injects and self.ne:
+            raise ValueError(
+                "--plasticity.injection-step/-at does not combine with --plasticity.ne: NE grows and prunes the "
+                "connections of every layer, the frozen copy theta'_frozen's included, so theta' - theta'_frozen "
+                "would no longer cancel at the injection"
+            )
+        if self.injects and self.layer_reset:
+            raise ValueError(
+                "--plasticity.injection-step/-at and --plasticity.layer-reset are alternatives (Nikishin et al. "
+                "2023 propose injection in place of resets): pick one"
+            )
         if self.nap and self.ne:
             raise ValueError(
                 "--plasticity.nap does not combine with --plasticity.ne: NaP holds each layer at its "

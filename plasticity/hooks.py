@@ -8,7 +8,11 @@ losses with ``plasticity.sigreg.regularized`` and list them in ``SIGREG_NETWORKS
 NE need the agent to build its plastic networks' optimizers with ``plasticity.optim.optimizer``
 (``static_plasticity`` is what the loop builds the agent with: ``agent.init(..., plasticity)``).
 Layer resets also re-draw the agent's target copies of the networks it names in ``PLASTIC_TARGETS``
-({network: target params field}; optional).
+({network: target params field}; optional), and plasticity injection gives them the injected pair.
+Plasticity injection needs the agent to pass the networks it offers through
+``plasticity.injection.injectable`` in its ``init`` (their heads then carry a residual pair from the
+start); the event runs once, after the update count given by ``--plasticity.injection-step`` (or the
+share ``--plasticity.injection-at`` of the run's updates).
 Interventions an agent cannot take are refused with a clear error.
 
 NE (``plasticity.expansion``) runs here every ``ne_every`` updates: its host-side ``Schedule``
@@ -28,10 +32,12 @@ import numpy as np
 import optax
 
 from plasticity_zoo.networks import instrument
+from plasticity_zoo.networks.residual import has_residual
 from plasticity_zoo.networks.runtime import cached_per_config
-from plasticity_zoo.plasticity import expansion, perturb, resets
+from plasticity_zoo.plasticity import expansion, injection, perturb, resets
 from plasticity_zoo.plasticity import metrics as metrics_lib
 from plasticity_zoo.plasticity import optim as optim_lib
+from plasticity_zoo.plasticity import trac as trac_lib
 from plasticity_zoo.plasticity.api import (
     ExplorationNoiseAgent,
     LEASTAgent,
@@ -68,6 +74,8 @@ def check_applicable(cfg: PlasticityConfig, agent, agent_name: str):
             ("--plasticity.l2-init", cfg.l2_init > 0),
             ("--plasticity.parseval", cfg.parseval > 0),
             ("--plasticity.nap", cfg.nap),
+            (injection_flag(cfg), cfg.injects),
+            ("--plasticity.trac", cfg.trac),
         )
         if on
     ]
@@ -119,18 +127,26 @@ def auto_batch_on(cfg: PlasticityConfig, agent) -> bool:
     return cfg.ne and (cfg.ne_auto_batch == "on" or (cfg.ne_auto_batch == "auto" and agent.EXPERIENCE_REVIEW))
 
 
+def injection_flag(cfg: PlasticityConfig) -> str:
+    """The flag that turned plasticity injection on, for messages."""
+    return "--plasticity.injection-at" if cfg.injection_at and not cfg.injection_step else "--plasticity.injection-step"
+
+
 def optim_spec(cfg: PlasticityConfig, agent) -> optim_lib.OptimSpec | None:
     """What ``plasticity.optim.optimizer`` builds for this run (None: the agents' defaults)."""
     reg = regularizer_spec(cfg)
-    if not (cfg.kron or cfg.ne or reg):
+    if not (cfg.kron or cfg.ne or reg or cfg.trac or cfg.injects):
         return None
     ne = optim_lib.NESpec(cfg.ne_initial_sparsity) if cfg.ne else None
-    return optim_lib.OptimSpec(cfg.kron, ne, tuple(agent.PLASTIC) if cfg.ne else None, reg)
+    tracs = trac_lib.TracSpec(cfg.trac_s_init) if cfg.trac else None
+    return optim_lib.OptimSpec(cfg.kron, ne, tuple(agent.PLASTIC) if cfg.ne else None, reg, tracs, cfg.injects)
 
 
 def static_plasticity(cfg: PlasticityConfig, agent) -> StaticPlasticity:
-    """What the agent is built with: its optimizers' Kron / NE masks / L2, L2 Init, Parseval, NaP, and SIGReg."""
-    return StaticPlasticity(optim_spec(cfg, agent), sigreg_spec(cfg))
+    """What the agent is built with: its optimizers' Kron / NE masks / L2, L2 Init, Parseval, NaP / TRAC, SIGReg,
+    and plasticity injection's residual heads."""
+    spec = injection.InjectionSpec(cfg.injection_layers) if cfg.injects else None
+    return StaticPlasticity(optim_spec(cfg, agent), sigreg_spec(cfg), spec)
 
 
 def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, state):
@@ -140,6 +156,10 @@ def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, state):
     without LayerNorm.  ``state`` may be abstract (``jax.eval_shape``)."""
     if regularizer_spec(cfg) is not None:
         check_regularizers(cfg, agent, agent_name, state)
+    if cfg.trac:
+        check_trac(agent, agent_name, state)
+    if cfg.injects:
+        check_injection(cfg, agent, agent_name, state)
     if not (cfg.kron or cfg.ne):
         return
     opt_states = {name: getattr(state, o_field) for name, (_, o_field) in agent.PLASTIC.items()}
@@ -155,6 +175,36 @@ def check_optimizers(cfg: PlasticityConfig, agent, agent_name: str, state):
         raise ValueError(
             f"--plasticity.ne does not apply to agent {agent_name!r}: the optimizers of "
             f"{', '.join(missing)} are not built with plasticity.optim.optimizer"
+        )
+
+
+def check_trac(agent, agent_name: str, state):
+    """Refuse TRAC where a plastic network's optimizer holds no TRAC state (not built by ``plasticity.optim``)."""
+    missing = sorted(
+        name for name, (_, o_field) in agent.PLASTIC.items() if trac_lib.find(getattr(state, o_field)) is None
+    )
+    if missing:
+        raise ValueError(
+            f"--plasticity.trac does not apply to agent {agent_name!r}: the optimizers of {', '.join(missing)} "
+            "are not built with plasticity.optim.optimizer"
+        )
+
+
+def check_injection(cfg: PlasticityConfig, agent, agent_name: str, state):
+    """Refuse plasticity injection on an agent that offers no network for it (``plasticity.injection.injectable``
+    in its ``init``), or whose residual networks' optimizers ignore the frozen head."""
+    flag = injection_flag(cfg)
+    heads = [name for name, (p_field, _) in agent.PLASTIC.items() if has_residual(getattr(state, p_field))]
+    if not heads:
+        raise ValueError(
+            f"{flag} does not apply to agent {agent_name!r}: none of its networks is built with a residual head "
+            "(plasticity.injection.injectable in its init)"
+        )
+    missing = sorted(n for n in heads if injection.find(getattr(state, agent.PLASTIC[n][1])) is None)
+    if missing:
+        raise ValueError(
+            f"{flag} does not apply to agent {agent_name!r}: the optimizers of {', '.join(missing)} are not built "
+            "with plasticity.optim.optimizer, so their frozen heads would train"
         )
 
 
@@ -232,6 +282,28 @@ def layer_reset_step(agent, cfg: PlasticityConfig, state, key):
     return state, out
 
 
+def injection_event(agent, state, key):
+    """Plasticity injection for one seed (``plasticity.injection``) -> (state, {plasticity/<net>/injected}).
+
+    Every plastic network with a residual head gets theta' from its own initialiser; the agent's target
+    copies of it (``PLASTIC_TARGETS``) take the same pair, so targets are unchanged too."""
+    targets = getattr(agent, "PLASTIC_TARGETS", {})
+    out = {}
+    for i, (name, (p_field, o_field)) in enumerate(agent.PLASTIC.items()):
+        params = getattr(state, p_field)
+        if not has_residual(params):
+            continue
+        new, new_opt = injection.inject(
+            _net(agent, state, name), params, getattr(state, o_field), jax.random.fold_in(key, i)
+        )
+        state = state.replace(**{p_field: new, o_field: new_opt})
+        if name in targets:
+            t_field = targets[name]
+            state = state.replace(**{t_field: injection.with_pair_of(getattr(state, t_field), new)})
+        out[f"plasticity/{name}/injected"] = jnp.ones((), jnp.float32)
+    return state, out
+
+
 def review_network(agent) -> str:
     """The network whose FAU drives experience review: ``critic`` if plastic, else the first one."""
     return "critic" if "critic" in agent.PLASTIC else next(iter(agent.PLASTIC))
@@ -300,6 +372,12 @@ def _perturb_programs(agent, cfg: PlasticityConfig):
 
 
 @cached_per_config
+def _injection_program(agent):
+    """Plasticity injection over the seed axis, jitted and cached like the resets."""
+    return jax.jit(jax.vmap(partial(injection_event, agent)), donate_argnums=(0,))
+
+
+@cached_per_config
 def _metrics_programs(agent, batch_size: int):
     """(metrics(state, batch, init_params, key), sample(state, buffer, key)) over the seed axis, jitted and cached."""
     return (
@@ -325,6 +403,14 @@ class Hooks:
             self._reset = _reset_program(agent, cfg)
         if cfg.shrink_perturb or cfg.layer_reset:
             self._shrink_perturb, self._layer_reset = _perturb_programs(agent, cfg)
+        # the update count after which plasticity injection happens (0: never)
+        self.injection_update = cfg.injection_step or (
+            max(1, round(cfg.injection_at * total_updates)) if cfg.injection_at and total_updates else 0
+        )
+        if cfg.injection_at and not total_updates:
+            raise ValueError("--plasticity.injection-at needs the run's total number of updates")
+        if self.injection_update:
+            self._inject = _injection_program(agent)
         if cfg.metrics_every:
             self._metrics, self._sample = _metrics_programs(agent, cfg.metrics_batch)
         if cfg.ne:
@@ -367,11 +453,14 @@ class Hooks:
     def after_updates(self, before: int, after: int, state, buffer, key):
         """Run the events due between update counts ``before`` and ``after`` -> (state, per-seed rows)."""
         rows = None
+        if self.injection_update and before < self.injection_update <= after:
+            state, out = self._inject(state, jax.random.split(jax.random.fold_in(key, 5), _seeds(state)))
+            rows = _rows(out)
         every = self.cfg.reset_every
         if self.resetting and every and after // every > before // every:
             keys = jax.random.split(key, jax.tree.leaves(state)[0].shape[0])
             state, out = self._reset(state, buffer, keys)
-            rows = _rows(out)
+            rows = _merge(rows, _rows(out))
         every = self.cfg.sp_every
         if self.cfg.shrink_perturb and after // every > before // every:
             state = self._shrink_perturb(state, jax.random.split(jax.random.fold_in(key, 3), _seeds(state)))

@@ -18,6 +18,12 @@ static configuration rather than a context, it is part of every jitted program's
   regulariser's gradient is added before the transformation above (outside NE's mask, so pruned
   weights get none) and NaP's projection is the last step, ``chain(add_regularizer_grads, tx,
   nap_projection)``; theta_0 and the initial norms live in the optimizer state.
+- ``trac``: TRAC (``plasticity.trac``) wraps the base transformation (Adam, or Kron), inside NE's mask
+  and the regularisers: ``chain(add_regularizer_grads, masked(trac(adam)), nap_projection)``, so TRAC
+  sees the regularised gradient and NaP projects the params TRAC plays.
+- ``injection``: plasticity injection's ``frozen_head`` (``plasticity.injection``) wraps all of it, for
+  the networks whose params carry a residual head (others are untouched): the head's two trained
+  parts each get their own state of the chain above, and frozen params get no update.
 
 With ``spec=None`` (or the default spec) ``optimizer`` returns ``make(lr, **kw)``.
 """
@@ -34,7 +40,8 @@ import jax.numpy as jnp
 import optax
 
 from plasticity_zoo.networks.core import path_names
-from plasticity_zoo.plasticity import regularizers
+from plasticity_zoo.plasticity import injection, regularizers
+from plasticity_zoo.plasticity import trac as trac_lib
 from plasticity_zoo.plasticity.regularizers import RegSpec
 
 KRON_LR_DIVISOR = 3.0  # spec section 6: Kron lr = Adam lr / 3
@@ -55,6 +62,10 @@ class OptimSpec:
     """names of the networks NE masks (None: every network built with ``optimizer``)"""
     reg: Optional[RegSpec] = None
     """L2 / L2 Init / Parseval / NaP for every network built with ``optimizer`` (None: none)"""
+    trac: Optional[trac_lib.TracSpec] = None
+    """TRAC over the base optimizer of every network built with ``optimizer`` (None: off)"""
+    injection: bool = False
+    """plasticity injection's frozen-head wrapper for networks whose params carry a residual head"""
 
 
 def optimizer(
@@ -77,10 +88,14 @@ def optimizer(
     """
     spec = spec or OptimSpec()
     tx = kron(lr / KRON_LR_DIVISOR, ensemble, kw.get("weight_decay", 0.0)) if spec.kron else make(lr, **kw)
+    if spec.trac is not None:
+        tx = trac_lib.trac(tx, spec.trac, post_scaled)
     if spec.ne is not None and (spec.ne_networks is None or name in spec.ne_networks):
         tx = masked(tx, spec.ne.initial_sparsity)
     if spec.reg is not None:
         tx = regularizers.wrap(tx, spec.reg, ensemble, post_scaled)
+    if spec.injection:
+        tx = injection.frozen_head(tx)
     return tx
 
 
@@ -250,12 +265,23 @@ def apply_mask(opt_state, params):
 
 
 def constrain(opt_state, params):
-    """``params`` with every constraint ``opt_state`` holds applied: NE's masks (pruned weights 0) and
-    NaP's projection of each layer to its initial norm (unchanged without either).
+    """``params`` with every constraint ``opt_state`` holds applied: TRAC's scaled iterate, NE's masks
+    (pruned weights 0) and NaP's projection of each layer to its initial norm (unchanged without any);
+    for a network with a residual head (plasticity injection) each trained part with its own state.
 
     For callers that scale the optimizer's update themselves after the chain (``optimizer(...,
     post_scaled=True)``: PPO's annealed lr), applied to the params after ``apply_updates``.
     """
+    injected = injection.find(opt_state)
+    if injected is not None:
+        return injection.constrain(injected, params, _constrain)
+    return _constrain(opt_state, params)
+
+
+def _constrain(opt_state, params):
+    tracked = trac_lib.find(opt_state)
+    if tracked is not None and tracked.anchor:  # TRAC built post_scaled: the caller's base step -> TRAC's
+        params = trac_lib.combine(tracked, params)
     params = apply_mask(opt_state, params)
     nap = regularizers.find(opt_state, regularizers.NaPState)
     if nap is None:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from plasticity_zoo.networks import instrument
 from plasticity_zoo.networks.core import Net, path_names
+from plasticity_zoo.networks.residual import RESIDUAL, head_paths, split
 from plasticity_zoo.plasticity.metrics import grama_scores, neuron_scores
 
 
@@ -62,11 +63,22 @@ def _roles(layout):
 
 
 def _map_roles(params, layout, fn):
-    """Fold ``fn(keys, role, tap, leaf_name, leaf)`` over every (role, tap) of each leaf."""
+    """Fold ``fn(keys, role, tap, leaf_name, leaf)`` over every (role, tap) of each leaf.
+
+    A network with a residual head (plasticity injection, ``networks.residual``): the copies of its
+    head's first layer also read the encoder's units, so a reset encoder unit's outgoing rows are zeroed
+    in them too (the output stays unchanged); the copies' own units are not the network's and keep theirs."""
     roles = _roles(layout)
+    _, pair = split(params)
+    head = {p[:-1] for p in head_paths(pair)} if pair is not None else set()
 
     def visit(path, leaf):
         keys = path_names(path)
+        if keys[0] == RESIDUAL:
+            for role, tap in roles.get(keys[2:-1], []):
+                if role == "outgoing" and tuple(layout[tap]["incoming"]) not in head:
+                    leaf = fn(keys[2:], role, tap, keys[-1], leaf)
+            return leaf
         for role, tap in roles.get(keys[:-1], []):
             leaf = fn(keys, role, tap, keys[-1], leaf)
         return leaf
@@ -113,18 +125,28 @@ def touched_mask(params, layout, masks, reset_norm: bool = True):
 
 
 def zero_moments(opt_state, params, touched):
-    """Zero every optimizer-state subtree shaped like ``params`` (Adam's mu, nu) where ``touched``."""
-    treedef = jax.tree.structure(params)
+    """Zero every optimizer-state subtree shaped like ``params`` (Adam's mu, nu) where ``touched``.
+
+    With a residual head (plasticity injection) the optimizer keeps one state over the network's own
+    params and one over the trained copy theta': subtrees shaped like either are zeroed where their
+    part of ``touched`` is."""
+    base, pair = split(params)
+    if pair is None:
+        parts = {jax.tree.structure(params): touched}
+    else:
+        t_base, t_pair = split(touched)
+        parts = {jax.tree.structure(base): t_base, jax.tree.structure(pair["fresh"]): t_pair["fresh"]}
 
     def is_param_tree(node):
         try:
-            return jax.tree.structure(node) == treedef
+            return jax.tree.structure(node) in parts
         except Exception:
             return False
 
     def fn(node):
         if is_param_tree(node):
-            return jax.tree.map(lambda x, t: jnp.where(t, jnp.zeros_like(x), x), node, touched)
+            mask = parts[jax.tree.structure(node)]
+            return jax.tree.map(lambda x, t: jnp.where(t, jnp.zeros_like(x), x), node, mask)
         return node
 
     return jax.tree.map(fn, opt_state, is_leaf=is_param_tree)

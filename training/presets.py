@@ -448,6 +448,32 @@ PRESETS: dict[str, Preset] = {
             note="the paper finds an explicit learning-rate decay helps its Rainbow agents under NaP; the zoo keeps "
             "each agent's own schedule",
         ),
+        Preset(
+            "injection-nikishin",
+            ("--plasticity.injection-at", "0.25", "--plasticity.injection-layers", "2"),
+            "Nikishin et al. 2023 (Deep RL with plasticity injection, NeurIPS, arXiv 2305.15555), sec. 3 and its "
+            "Atari runs: one injection, a quarter into training (50M of Double DQN's 200M frames), into the head: "
+            "the network's two fully connected layers after its convolutional encoder",
+            note="the zoo's MLPs have no convolutional encoder: the head is their last two Linear layers (SAC, RAVL: "
+            "actor and critics; PPO: actor and critic; MR.Q, mrq-mt: value and policy)",
+        ),
+        Preset(
+            "injection-plasticine",
+            ("--plasticity.injection-at", "0.5", "--plasticity.injection-layers", "1"),
+            "Yuan et al. 2025 (Plasticine, arXiv 2504.17490), continual/td3_dmc_pi.py: the output layer of the actor "
+            "and of each critic injected once, at half the run",
+            note="Plasticine detaches the frozen copy's output and never adds the new layer to its optimizer; the "
+            "zoo trains theta' (and the encoder through all three heads) as Nikishin et al. describe",
+        ),
+        Preset(
+            "trac",
+            ("--plasticity.trac", "--plasticity.trac-s-init", "1e-8"),
+            "Muppidi, Zhang, Yang 2024 (Fast TRAC, NeurIPS, arXiv 2405.16642), Algorithm 1 with the authors' "
+            "package defaults (trac-optimizer 0.0.2): betas 0.9 ... 0.999999 (six), s_init 1e-8, eps 1e-8, over "
+            "Adam at the agent's own learning rate",
+            note="MR.Q's and mrq-mt's base is their AdamW, PPO's its Adam at the annealed learning rate "
+            "(plasticity.trac.combine); the package's erfi is about 1% low for small arguments, the zoo's is exact",
+        ),
     )
 }
 

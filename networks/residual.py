@@ -1,0 +1,166 @@
+"""Frozen + residual heads: a network with a second and third copy of its head beside it.
+
+``ResidualHeadNet`` wraps a ``Net`` whose module has a root output layer ``out`` (every head in
+``networks.heads`` and the agents' own modules do).  Its params are the network's own tree plus, under
+``RESIDUAL``, two trees shaped like the head's part of it (``head``: the param-path prefixes of the
+head's layers, e.g. ``("trunk", "layers", 1)`` and ``("out",)``): ``fresh`` and ``frozen``.  The
+forward pass is
+
+    y = out_theta(z) + (out_fresh(z) - out_frozen(z))
+
+at the output of ``out``, where each term runs the network's layers with the head's params taken from
+the network's own tree, ``fresh`` or ``frozen`` (the layers before the head, the encoder, are the same
+params in all three, so ``z`` is the same), and the module's own output transform (tanh, the split into
+mean and log-std, their clip) applies to the sum.  That is the function of plasticity injection
+(Nikishin et al. 2023, "Deep RL with plasticity injection", NeurIPS, arXiv 2305.15555, sec. 3,
+Expression (1)); which params train is the optimizer's business (``plasticity.injection``).
+
+Two exact properties the mechanism relies on:
+
+- while ``fresh`` and ``frozen`` are zero, a zero output layer gives exactly 0 for any finite input, so
+  both extra terms are 0 and their gradients into the encoder are 0: the network computes what the
+  wrapped one computes, bit for bit, and so does its gradient with respect to the wrapped params;
+- while ``fresh`` equals ``frozen``, ``out_fresh(z) - out_frozen(z)`` is exactly 0 (the same operations
+  on the same numbers), so the output is unchanged.
+
+Gradients follow what trains, read from the params themselves: ``frozen`` never gets one; while ``fresh``
+is zero (before an injection) it gets none and the head's own params do, once it is not, the other way
+round.  So the pair is inert before an injection (an agent's global-norm clip sees the gradients it saw
+without it) and, after it, gradient norms count only what trains.  The values are untouched.
+
+Hidden-layer taps (metrics, ReDo / ReGraMa scores) are those of the network's own pass; the copies are
+neither recorded nor probed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from plasticity_zoo.networks.core import Net, path_names
+
+RESIDUAL = "residual"  # the params key of the residual pair: {"fresh": head tree, "frozen": head tree}
+
+
+def has_residual(params) -> bool:
+    """Whether ``params`` carry a residual pair (``ResidualHeadNet`` params)."""
+    return isinstance(params, nnx.State) and RESIDUAL in params.raw_mapping
+
+
+def _raw(tree):
+    """A tree's nested mappings as plain dicts (the layout ``nnx.split`` gives below the root ``State``)."""
+    if isinstance(tree, nnx.State):
+        tree = tree.raw_mapping
+    if isinstance(tree, dict):
+        return {k: _raw(v) for k, v in tree.items()}
+    return tree
+
+
+def _state(tree) -> nnx.State:
+    """``tree`` as a root ``State`` over plain dicts: one pytree structure per layout, whatever built it."""
+    return nnx.State(_raw(tree))
+
+
+def split(params):
+    """(the network's own params, the residual pair {"fresh", "frozen"}); the pair is None without one."""
+    if not has_residual(params):
+        return params, None
+    raw = params.raw_mapping
+    return nnx.State({k: v for k, v in raw.items() if k != RESIDUAL}), raw[RESIDUAL]
+
+
+def join(base, pair):
+    """The inverse of ``split``."""
+    if pair is None:
+        return base
+    return nnx.State({**_raw(base), RESIDUAL: {"fresh": _state(pair["fresh"]), "frozen": _state(pair["frozen"])}})
+
+
+def head_part(params, head: tuple):
+    """The sub-tree of ``params`` under the prefixes in ``head`` (param-path prefixes), as an ``nnx.State``."""
+    raw = _raw(params)
+    out: dict = {}
+    for prefix in head:
+        node = raw
+        for k in prefix:
+            node = node[k]
+        d = out
+        for k in prefix[:-1]:
+            d = d.setdefault(k, {})
+        d[prefix[-1]] = node
+    return nnx.State(out)
+
+
+def override(params, part):
+    """``params`` with every leaf that ``part`` holds (same path) taken from ``part``."""
+    leaves = {path_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(part)[0]}
+    return jax.tree_util.tree_map_with_path(lambda p, x: leaves.get(path_names(p), x), params)
+
+
+def head_paths(pair) -> set:
+    """The param paths (``path_names``) the residual copies cover, i.e. the head's leaves."""
+    return {path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(pair["fresh"])[0]}
+
+
+def _gated(v, on):
+    """``v`` with its gradient multiplied by ``on`` (0 or 1): the same value, exactly (``v - v`` is 0)."""
+    fixed = jax.lax.stop_gradient(v)
+    return fixed + on.astype(v.dtype) * (v - fixed)
+
+
+@dataclass(frozen=True)
+class ResidualHeadNet(Net):
+    """A ``Net`` whose head (the layers under ``head``) has a residual pair beside it (module docstring)."""
+
+    head: tuple = ()
+
+    @classmethod
+    def wrap(cls, net: Net, params, head: tuple):
+        """(ResidualHeadNet, params with a zero residual pair) for a built network and its params."""
+        if not hasattr(net.module(params), "out"):
+            raise ValueError(f"network {net.name!r} has no root output layer 'out' for a residual head")
+        wrapped = cls(net.name, net.graphdef, net.ensemble, net.make, net.initializer, tuple(head))
+        return wrapped, wrapped.with_zero_pair(params)
+
+    def with_zero_pair(self, params):
+        """The network's own ``params`` with a zero residual pair added."""
+        zeros = jax.tree.map(jnp.zeros_like, head_part(params, self.head))
+        return join(params, {"fresh": zeros, "frozen": jax.tree.map(jnp.copy, zeros)})
+
+    def init(self, key):
+        """A fresh draw of the network's own params (``Net.init``) with a zero residual pair."""
+        return self.with_zero_pair(super().init(key))
+
+    def module(self, params):
+        return super().module(split(params)[0])
+
+    def _forward(self, params, x, probes):
+        base, pair = split(params)
+        # the injection has happened iff theta' is not zero (a fresh draw never is); gradients reach theta'
+        # only then, theta's head only before, theta'_frozen never; values pass through unchanged
+        on = jnp.any(jnp.stack([jnp.any(v != 0) for v in jax.tree.leaves(pair["fresh"])])).astype(jnp.float32)
+        base = override(base, jax.tree.map(lambda v: _gated(v, 1.0 - on), head_part(base, self.head)))
+        fresh = self._out(override(base, jax.tree.map(lambda v: _gated(v, on), pair["fresh"])), x)
+        frozen = self._out(override(base, jax.tree.map(jax.lax.stop_gradient, pair["frozen"])), x)
+        return self._with_out(base, lambda y: y + (fresh - frozen))(x, probes)
+
+    def _with_out(self, params, fn):
+        """The merged module with its output layer's result passed through ``fn``."""
+        module = nnx.merge(self.graphdef, params)
+        layer = module.out
+        module.out = lambda h: fn(layer(h))
+        return module
+
+    def _out(self, params, x):
+        """The output layer's result (before the module's output transform) under ``params``."""
+        seen = {}
+
+        def keep(y):
+            seen["y"] = y
+            return y
+
+        self._with_out(params, keep)(x, None)
+        return seen["y"]
