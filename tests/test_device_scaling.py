@@ -86,7 +86,7 @@ def test_the_old_rule_lagged_behind_and_a_resume_cut_evaluations_it_had_written(
 
 
 # ----------------------------------------------------------------------------------------------
-# Host calls of the presets at their own sizes (the real driver and run_one; chunks stubbed)
+# Host calls of the presets at their own sizes (the real driver and step; chunks stubbed)
 # ----------------------------------------------------------------------------------------------
 def _counted_iteration(kind, cfg, agent):
     """A device iteration of ``cfg``'s sizes whose chunks do no work (they only advance the step)."""
@@ -209,9 +209,9 @@ def test_updates_per_vector_step_replaces_updates_per_env_step_times_the_envs(ti
     from plasticity_zoo.training.device import DeviceOffPolicyIteration
 
     default = DeviceOffPolicyIteration(_toy_sac(tiny_sac_config, seeds=2), sac)
-    assert default.updates_per_iteration == 4 and default._updates_in(SimpleNamespace(step=0), 5) == 12
+    assert default.updates_per_iteration == 4 and default._updates_in(0, 5) == 12
     it = DeviceOffPolicyIteration(_toy_sac(tiny_sac_config, seeds=2, updates_per_vector_step=2), sac)
-    assert it.updates_per_iteration == 2 and it._updates_in(SimpleNamespace(step=0), 5) == 6
+    assert it.updates_per_iteration == 2 and it._updates_in(0, 5) == 6
     it.fresh()
     it.carry, report = it.chunk_fn(it.carry, jnp.int32(5), jnp.int32(0), None)
     assert bool(report.learned)

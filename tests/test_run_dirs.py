@@ -212,23 +212,29 @@ class _Counting:
     def __init__(self, kill, kill_in_save=None):
         import jax.numpy as jnp
 
-        self.kill, self.kill_in_save, self.step, self.x = kill, kill_in_save, 0, jnp.zeros(3)
+        self.kill, self.kill_in_save, self.at, self.x = kill, kill_in_save, 0, jnp.zeros(3)
 
     def fresh(self):
         pass
 
     def tree(self):
-        if self.step == self.kill_in_save:
+        if self.at == self.kill_in_save:
             os.kill(os.getpid(), signal.SIGINT)
         return {"x": self.x}
 
     def host(self):
         return {}
 
-    def run_one(self, drv):
-        drv.step = self.step = drv.step + 1
-        for _ in range(self.kill.get(drv.step, 0)):
+    def eval_state(self):
+        return self.x
+
+    def step(self, at, room):
+        from plasticity_zoo.training.driver import StepReport
+
+        self.at = at + 1
+        for _ in range(self.kill.get(self.at, 0)):
             os.kill(os.getpid(), signal.SIGINT)
+        return StepReport(1, 1)
 
 
 def _interrupted(cfg, run_dir, iteration, capsys):
@@ -237,6 +243,7 @@ def _interrupted(cfg, run_dir, iteration, capsys):
 
     hooks = types.SimpleNamespace(host_state=lambda: {}, restore=lambda host: None)
     driver = Driver(cfg, sac, run_dir, hooks, evaluator=None)
+    driver.evaluate = lambda step, state: 0.0  # (no policy to evaluate)
     driver.begin(iteration, resume=False)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):

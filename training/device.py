@@ -48,7 +48,7 @@ from plasticity_zoo.envs import playground
 from plasticity_zoo.plasticity.hooks import Hooks
 from plasticity_zoo.training import offpolicy, onpolicy
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.driver import Driver, StepReport
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity_zoo.training.onpolicy import seed_fns
 from plasticity_zoo.training.seeds import add_over_seeds, over_seeds
@@ -204,13 +204,13 @@ class _DeviceIteration:
     def _start(self):
         raise NotImplementedError
 
-    def _chunk_args(self, drv: Driver) -> tuple:
+    def _chunk_args(self, at: int) -> tuple:
         raise NotImplementedError
 
-    def _updates_in(self, drv: Driver, n: int) -> int:
+    def _updates_in(self, at: int, n: int) -> int:
         raise NotImplementedError
 
-    def _learning_iterations_before(self, drv: Driver) -> int:
+    def _learning_iterations_before(self, at: int) -> int:
         raise NotImplementedError
 
     def _plasticity_data(self):
@@ -260,46 +260,54 @@ class _DeviceIteration:
     def eval_state(self):
         return self.carry.state
 
-    def iterations_to_next_event(self, drv: Driver) -> int:
-        """Iterations until the next host work: log row, evaluation, checkpoint, plasticity event or the end."""
-        per, step, sched = self.steps_per_iteration, drv.step, drv.schedule
-        targets = [t for t in (sched.next_log, sched.next_eval, sched.next_ckpt, drv.end) if t > step]
-        n = min(_ceil_div(t - step, per) for t in targets) if targets else 1
+    @property
+    def state(self):
+        return self.carry.state
+
+    @state.setter
+    def state(self, state):
+        self.carry = self.carry._replace(state=state)
+
+    def iterations_to_next_event(self, at: int, room: int) -> int:
+        """Iterations from step ``at`` until the next host work: ``room`` steps to the next log row,
+        evaluation, checkpoint or the end (``Schedule.room``), or the next plasticity event."""
+        n = _ceil_div(room, self.steps_per_iteration) if room > 0 else 1
         p, u = self.cfg.plasticity, self.updates_done
         for every in (p.reset_every if (p.redo or p.regrama) else 0, p.metrics_every, p.ne_every if p.ne else 0):
             if every:
                 wanted = (u // every + 1) * every - u
-                n = min(n, self._learning_iterations_before(drv) + _ceil_div(wanted, self.updates_per_iteration))
+                n = min(n, self._learning_iterations_before(at) + _ceil_div(wanted, self.updates_per_iteration))
         if self.cfg.device_chunk:
             n = min(n, self.cfg.device_chunk)
         return max(1, n)
 
-    def run_one(self, drv: Driver):
-        drv.evaluate_if_due(drv.step, lambda: self.carry.state)
-        n = self.iterations_to_next_event(drv)
-        self.carry, report = self.chunk_fn(self.carry, jnp.int32(n), *self._chunk_args(drv))
-        updates = self._updates_in(drv, n)
-        drv.step += n * self.steps_per_iteration
-        drv.advance(n * self.steps_per_iteration * self.S)
-        if bool(report.learned):
+    def step(self, at: int, room: int) -> StepReport:
+        """One jitted chunk of iterations from step ``at``, ending at the next host work."""
+        n = self.iterations_to_next_event(at, room)
+        self.carry, report = self.chunk_fn(self.carry, jnp.int32(n), *self._chunk_args(at))
+        updates = self._updates_in(at, n)
+        steps = n * self.steps_per_iteration
+        learned = bool(report.learned)
+        if learned:
             self.metrics = report.metrics
-            drv.stop_if_non_finite(
-                report.finite,
-                {k: v for k, v in report.metrics.items() if k.startswith("losses/")} or report.metrics,
-                drv.step,
-            )
-        drv.episode_totals(report.return_sum, report.length_sum, report.episodes)
-        if updates:
-            before, self.updates_done = self.updates_done, self.updates_done + updates
-            state = drv.plasticity(
-                before,
-                self.updates_done,
-                self.carry.state,
-                self._plasticity_data(),
-                jax.random.fold_in(report.last_key, 1),
-            )
-            self.carry = self.carry._replace(state=state)
-        drv.log_if_due(drv.step, self.metrics, last=self._last_log())
+        before, self.updates_done = self.updates_done, self.updates_done + updates
+        return StepReport(
+            steps,
+            steps * self.S,
+            self.metrics,
+            [
+                [(float(r), float(length), int(c))] if c > 0 else []
+                for r, length, c in zip(
+                    np.asarray(report.return_sum), np.asarray(report.length_sum), np.asarray(report.episodes)
+                )
+            ],
+            finite=report.finite if learned else None,
+            stats={k: v for k, v in report.metrics.items() if k.startswith("losses/")} or report.metrics,
+            updates=(before, self.updates_done) if updates else None,
+            data=self._plasticity_data() if updates else None,
+            key=jax.random.fold_in(report.last_key, 1) if updates else None,
+            last_log=self._last_log(),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,13 +411,13 @@ class DeviceOnPolicyIteration(_DeviceIteration):
     def _start(self):
         self.carry = _onpolicy_start(self.agent, self.env, self.carry, _env_keys(self.cfg), self.S, self.E, self.T)
 
-    def _chunk_args(self, drv):
+    def _chunk_args(self, at):
         return ()
 
-    def _updates_in(self, drv, n: int) -> int:
+    def _updates_in(self, at, n: int) -> int:
         return n * self.updates_per_iteration
 
-    def _learning_iterations_before(self, drv) -> int:
+    def _learning_iterations_before(self, at) -> int:
         return 0
 
     def _plasticity_data(self):
@@ -522,15 +530,15 @@ class DeviceOffPolicyIteration(_DeviceIteration):
     def _start(self):
         self.carry = _offpolicy_start(self.env, self.carry, _env_keys(self.cfg), self.S, self.E)
 
-    def _chunk_args(self, drv):
-        return jnp.int32(drv.step), self.hooks.replay_control
+    def _chunk_args(self, at):
+        return jnp.int32(at), self.hooks.replay_control
 
-    def _learning_iterations_before(self, drv) -> int:
-        """Iterations from now that do not learn (their step is still below ``learning_starts``)."""
-        return max(0, _ceil_div(self.cfg.agent.learning_starts - drv.step, self.E) - 1)
+    def _learning_iterations_before(self, at) -> int:
+        """Iterations from step ``at`` that do not learn (their step is still below ``learning_starts``)."""
+        return max(0, _ceil_div(self.cfg.agent.learning_starts - at, self.E) - 1)
 
-    def _updates_in(self, drv, n: int) -> int:
-        return max(0, n - self._learning_iterations_before(drv)) * self.updates_per_iteration
+    def _updates_in(self, at, n: int) -> int:
+        return max(0, n - self._learning_iterations_before(at)) * self.updates_per_iteration
 
     def _plasticity_data(self):
         return self.carry.buffer

@@ -1,11 +1,12 @@
 """The one loop driver: everything a training run does around its iterations, written once.
 
 Each kind of agent supplies an *iteration* (``training/offpolicy.py``: one vector-env step;
-``training/onpolicy.py``: one rollout and its update; ``training/offline.py``: one epoch); the
-``Driver`` owns the rest: the run directory's logs, starting fresh or resuming from the last
-checkpoint, the evaluation / log / checkpoint schedule, the plasticity hooks' events and the rows
-they log, the NaN stop, Ctrl-C / SIGTERM (checkpoint at the iteration's end), the progress bar
-and the final evaluation.
+``training/onpolicy.py``: one rollout and its update, a vector step per call; ``training/offline.py``:
+one epoch; ``training/device.py``: a chunk of iterations in one jitted call); the ``Driver`` owns the
+rest: the run directory's logs, starting fresh or resuming from the last checkpoint, the evaluation /
+log / checkpoint schedule, the step counter, the plasticity hooks' events and the rows they log, the
+NaN stop, Ctrl-C / SIGTERM (checkpoint at the iteration's end), the progress bar and the final
+evaluation.
 
 An iteration object provides:
 
@@ -13,15 +14,18 @@ An iteration object provides:
   a checkpoint's device tree and host dict;
 - ``tree()``: the device pytree a checkpoint stores (agent states, buffers, rng);
   ``host()``: the kind's own host-side state (envs, counters), merged into the checkpoint's dict;
-- ``eval_state()``: the vmapped agent state to evaluate now;
-- ``run_one(driver)``: one iteration.  It advances ``driver.step`` and calls back, in its own
-  order: ``driver.evaluate_if_due(step, state_fn)`` where an evaluation may fall,
-  ``driver.stop_if_non_finite`` on the learning step's flag, ``driver.plasticity(...)`` after
-  updates, ``driver.episodes(env, E)`` after env steps, ``driver.advance(n)`` for the speed
-  counter, and ``driver.log_if_due(step, metrics, extra)`` where a log row may fall.
+- ``eval_state()``: the vmapped agent state to evaluate now; ``state``: the agent state the
+  plasticity events read and replace (an attribute or property);
+- ``step(at, room) -> StepReport``: advance from step ``at``, with ``room`` steps to the next host event
+  (log row, evaluation, checkpoint or the loop's end; ``Schedule.room``: a device chunk ends there),
+  and say what happened in a ``StepReport``.  It never calls the driver;
+- optionally ``log_columns()``: per-seed extra columns of a log row, called only when one is written.
 
-Host work (logs, evaluation, checkpoints) happens only at those points, so an iteration whose
-whole body runs on the device (a later, accelerator-side env) fits the same driver.
+Per call the driver evaluates if due (before the call), then from the report: advances its step
+counter and speed count, stops on a non-finite statistic, runs the plasticity events due in the
+updates the call made, collects the finished episodes and writes a log row if due (the on-policy
+host loop's update comes after its rollout's last row: ``StepReport.learn_after_log``).  Checkpoints and
+Ctrl-C fall only where ``StepReport.whole`` says the iteration is whole.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +51,34 @@ from plasticity_zoo.training.loop import (
     restore,
 )
 from plasticity_zoo.training.provenance import provenance
+
+
+class StepReport(NamedTuple):
+    """What one ``iteration.step`` call did, for the driver's host work.
+
+    ``steps``: the run's units per seed it advanced (env steps, or an offline run's updates); ``work``:
+    the units of all seeds (the logged speed); ``metrics``: the per-seed arrays a log row at this step
+    shows; ``episodes``: per seed, the training episodes that ended (``(return, length)`` each, or a
+    device loop's ``(return sum, length sum, count)``), None for a loop without episodes; ``finite``:
+    whether the statistics ``stats`` of this call's learning stayed finite (None: it did not learn);
+    ``updates``: the update counts ``(before, after)`` of this call's learning, whose plasticity events
+    run on samples of ``data`` with ``key`` (None: no updates); ``learn_after_log``: the learning comes
+    after this step's log row (the on-policy host loop's rollout, whose rows show the last update's
+    metrics); ``last_log``: a log row falls at this step or past it whatever the schedule; ``whole``:
+    the iteration is whole after this call (a checkpoint or a stop may follow)."""
+
+    steps: int
+    work: int
+    metrics: dict | None = None
+    episodes: list | None = None
+    finite: Any = None
+    stats: dict | None = None
+    updates: tuple[int, int] | None = None
+    data: Any = None
+    key: Any = None
+    learn_after_log: bool = False
+    last_log: int | None = None
+    whole: bool = True
 
 
 class Driver:
@@ -106,7 +139,7 @@ class Driver:
         self.schedule = Schedule(self.cfg, self.step, host)
         return host
 
-    # ------------------------------------------------------------------------- within an iteration
+    # ------------------------------------------------------------------------- host work around a step
     def evaluate(self, step: int, state) -> float:
         returns = self.evaluator(self.eval_policy(state))
         extras = None if self.eval_extras is None else self.eval_extras(returns)
@@ -131,10 +164,28 @@ class Driver:
         if self.schedule.eval_due(step):
             self.evaluate(step, state_fn())
 
-    def stop_if_non_finite(self, finite, metrics: dict, step: int):
-        """Stop the run naming the non-finite statistics and the last good checkpoint."""
-        if not bool(finite):
-            raise_non_finite(metrics, step, self.run_dir, unit=self.unit)
+    def record(self, iteration, report: StepReport):
+        """The host work of one ``iteration.step`` call, from its report: the step counter and speed
+        count, the NaN stop, the plasticity events, the finished episodes and the log row (if due)."""
+        self.step += report.steps
+        self.advance(report.work)
+        if not report.learn_after_log:
+            self._learned(iteration, report)
+        if report.episodes is not None and self.episode_log is not None:
+            for log, finished in zip(self.episode_log, report.episodes):
+                log.extend(finished)
+        self.log_if_due(self.step, report.metrics, getattr(iteration, "log_columns", None), last=report.last_log)
+        if report.learn_after_log:
+            self._learned(iteration, report)
+
+    def _learned(self, iteration, report: StepReport):
+        """Stop on a non-finite statistic (naming it and the last good checkpoint), then run the
+        plasticity events due in the call's updates on ``iteration.state``."""
+        if report.finite is not None and not bool(report.finite):
+            raise_non_finite(report.stats or {}, self.step, self.run_dir, unit=self.unit)
+        if report.updates is not None:
+            before, after = report.updates
+            iteration.state = self.plasticity(before, after, iteration.state, report.data, report.key)
 
     def plasticity(self, before: int, after: int, state, data, key):
         """The plasticity events due between update counts ``before`` and ``after`` -> state.
@@ -144,20 +195,6 @@ class Driver:
         if rows is not None:
             self.pending = rows if self.pending is None else [{**p, **r} for p, r in zip(self.pending, rows)]
         return state
-
-    def episodes(self, env, envs_per_seed: int):
-        """Collect the finished training episodes of a vector env of ``seeds x envs_per_seed`` envs."""
-        assert self.episode_log is not None, "a loop that counts episodes itself has no episode log"
-        for i, ret, length in env.pop_finished():
-            self.episode_log[i // envs_per_seed].append((ret, length))
-
-    def episode_totals(self, return_sums, length_sums, counts):
-        """Per seed, the summed returns and lengths of ``counts`` finished episodes (a device loop's
-        totals since it last reported); the next log row shows their means with every episode
-        weighted once."""
-        for j, (r, n, c) in enumerate(zip(np.asarray(return_sums), np.asarray(length_sums), np.asarray(counts))):
-            if c > 0 and self.episode_log is not None:
-                self.episode_log[j].append((float(r), float(n), int(c)))
 
     def advance(self, n: int):
         """Count ``n`` units of work (env steps of all seeds, or updates) for the logged speed."""
@@ -225,7 +262,12 @@ class Driver:
         ):
             while self.step < end:
                 stop.begin()
-                iteration.run_one(self)
+                whole = False
+                while not whole:  # one call, or (an on-policy host rollout) one per vector step
+                    self.evaluate_if_due(self.step, iteration.eval_state)
+                    report = iteration.step(self.step, self.schedule.room(self.step, end))
+                    self.record(iteration, report)
+                    whole = report.whole
                 if self.schedule.checkpoint_due(self.step, end):
                     save(self.step)
                 stop.end(self.step)

@@ -27,6 +27,15 @@ class RunTree(NamedTuple):
     key: Any
 
 
+def finished_episodes(env, seeds: int, envs_per_seed: int) -> list[list]:
+    """Per seed, ``(return, length)`` of the training episodes a host vector env of ``seeds x
+    envs_per_seed`` envs finished since it was last asked (``env.pop_finished()``)."""
+    out: list[list] = [[] for _ in range(seeds)]
+    for i, ret, length in env.pop_finished():
+        out[i // envs_per_seed].append((ret, length))
+    return out
+
+
 class NonFiniteLossError(RuntimeError):
     """A loss or training statistic became NaN/inf; the run stops and keeps its last checkpoint."""
 
@@ -110,6 +119,11 @@ class Schedule:
             return False
         self.next_ckpt = (step // self.checkpoint_every + 1) * self.checkpoint_every
         return True
+
+    def room(self, step: int, end: int) -> int:
+        """Steps from ``step`` to the next host event: log row, evaluation, checkpoint or ``end`` (0 if
+        none lies past ``step``).  The device loop ends its chunks there (``training/device.py``)."""
+        return min((t - step for t in (self.next_log, self.next_eval, self.next_ckpt, end) if t > step), default=0)
 
     def final_eval_due(self, step: int, last: int) -> bool:
         """After the loop: evaluate the finished agent unless an evaluation already ran at this step."""

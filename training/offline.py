@@ -36,7 +36,7 @@ from plasticity_zoo.envs import datasets
 from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library_fusion
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.driver import Driver, StepReport
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
 from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
 from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
@@ -167,6 +167,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
             f"({host['dataset']} != {iteration.meta['fingerprint']})"
         )
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
+    iteration.last_log = end  # a log row at the loop's end, also where stop_at ends it early
     last_eval = driver.run(iteration, end, cfg.total_steps)
     return {
         "state": iteration.state,
@@ -210,6 +211,7 @@ class OfflineIteration:
         self.state = self.hooks.start(self.state)
         self.epoch_fn = epoch_program(agent, a, env_id)
         self.meta = {"dataset": str(path), "env_id": env_id, "fingerprint": fingerprint(dataset)}
+        self.last_log = cfg.total_steps  # the step of the run's last log row (``train``: the loop's end)
 
     def fresh(self):
         pass
@@ -227,18 +229,24 @@ class OfflineIteration:
     def eval_state(self):
         return self.state
 
-    def run_one(self, drv: Driver):
-        drv.evaluate_if_due(drv.step, self.eval_state)
+    def step(self, at: int, room: int) -> StepReport:
+        """One epoch from update ``at``: ``updates_per_epoch`` updates of every seed."""
         self.key, k = jax.random.split(self.key)
         self.state, self.data, metrics = self.epoch_fn(
             self.state, self.data, self.aux, jax.random.split(k, self.cfg.seeds)
         )
         finite = all(bool(jnp.all(jnp.isfinite(m))) for m in jax.tree.leaves(metrics))
-        drv.stop_if_non_finite(finite, metrics, drv.step + self.U)
-        self.state = drv.plasticity(drv.step, drv.step + self.U, self.state, self.data, jax.random.fold_in(k, 1))
-        drv.step += self.U
-        drv.advance(self.U)
-        drv.log_if_due(drv.step, metrics, last=drv.end)
+        return StepReport(
+            self.U,
+            self.U,
+            metrics,
+            finite=finite,
+            stats=metrics,
+            updates=(at, at + self.U),
+            data=self.data,
+            key=jax.random.fold_in(k, 1),
+            last_log=self.last_log,
+        )
 
 
 def _buffers(data):

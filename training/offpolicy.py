@@ -22,9 +22,16 @@ from plasticity_zoo.networks.runtime import cached_per_config
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.plasticity.least import LEAST
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.driver import Driver, StepReport
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity_zoo.training.loop import NonFiniteLossError, RunTree, agent_config, check_positive, run_counts
+from plasticity_zoo.training.loop import (
+    NonFiniteLossError,
+    RunTree,
+    agent_config,
+    check_positive,
+    finished_episodes,
+    run_counts,
+)
 from plasticity_zoo.training.seeds import add_over_seeds, init_over_seeds, over_seeds
 
 __all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
@@ -210,13 +217,13 @@ class OffPolicyIteration:
     def eval_state(self):
         return self.state
 
-    def run_one(self, drv: Driver):
+    def step(self, at: int, room: int) -> StepReport:
+        """One vector step from env step ``at``: act, store, learn (from ``learning_starts``), next actions."""
         a, S, E, env = self.cfg.agent, self.S, self.E, self.env
-        drv.evaluate_if_due(drv.step, self.eval_state)
         action = np.asarray(self.action).reshape(S * E, self.act_dim)
         new_obs, reward, terminated, truncated, next_obs = env.step(action)
         transition = replay.Transition(self.obs, action, reward, next_obs, terminated, truncated)
-        if self.least is not None and drv.step >= a.learning_starts:
+        if self.least is not None and at >= a.learning_starts:
             transition, new_obs = _least_step(
                 self.least,
                 self.least_signals,
@@ -224,16 +231,15 @@ class OffPolicyIteration:
                 transition,
                 new_obs,
                 env,
-                drv.step,
+                at,
                 jax.random.fold_in(self.key, 2),
                 S,
                 E,
             )
-        drv.step += E
-        drv.advance(E * S)
+        step = at + E
         self.obs = new_obs
         self.key, k = jax.random.split(self.key)
-        learning = drv.step >= a.learning_starts
+        learning = step >= a.learning_starts
         self.state, self.buffer, self.action, new_metrics, finite = self.step_fn(
             self.state,
             self.buffer,
@@ -244,16 +250,27 @@ class OffPolicyIteration:
             train=learning,
             replay_control=self.hooks.replay_control,
         )
-        if learning:
-            self.metrics = new_metrics
-            drv.stop_if_non_finite(finite, new_metrics, drv.step)
-            before, self.updates_done = self.updates_done, self.updates_done + self.num_updates
-            self.state = drv.plasticity(before, self.updates_done, self.state, self.buffer, jax.random.fold_in(k, 1))
-        drv.episodes(env, E)
-        drv.log_if_due(drv.step, self.metrics, self._least_rows, last=self.cfg.total_steps)
+        episodes = finished_episodes(env, S, E)
+        if not learning:
+            return StepReport(E, E * S, self.metrics, episodes, last_log=self.cfg.total_steps)
+        self.metrics = new_metrics
+        before, self.updates_done = self.updates_done, self.updates_done + self.num_updates
+        return StepReport(
+            E,
+            E * S,
+            self.metrics,
+            episodes,
+            finite=finite,
+            stats=new_metrics,
+            updates=(before, self.updates_done),
+            data=self.buffer,
+            key=jax.random.fold_in(k, 1),
+            last_log=self.cfg.total_steps,
+        )
 
-    def _least_rows(self):
-        """LEAST's columns of a log row; its optional noise increase is applied here, at log steps."""
+    def log_columns(self):
+        """LEAST's columns of a log row (the driver asks only when it writes one); its optional noise
+        increase is applied here, at log steps."""
         pc = self.cfg.plasticity
         if self.least is None:
             return None

@@ -37,9 +37,9 @@ import numpy as np
 from plasticity_zoo.envs import make_vector_env, nonstationary
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.driver import Driver
+from plasticity_zoo.training.driver import Driver, StepReport
 from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
-from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
+from plasticity_zoo.training.loop import RunTree, check_positive, finished_episodes, run_counts
 from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 
 
@@ -285,6 +285,7 @@ class OnPolicyIteration:
         self.state = self.hooks.start(self.state)
         self.metrics: dict | None = None  # the last iteration's (set by each iteration; None before the first)
         self.updates_done, self.phase = 0, 0
+        self.t, self.k_roll, self.ff, self.fm = 0, None, None, None  # the rollout's vector step; its key, flat leaves
 
     def _shaped(self, x):
         return np.asarray(x).reshape(self.S, self.E, *np.shape(x)[1:])
@@ -326,45 +327,59 @@ class OnPolicyIteration:
         }
 
     def eval_state(self):
-        return self.state
+        if self.t == 0:
+            return self.state
+        return self.step_fn.unflatten(self.fm)[0]  # inside a rollout: the flat leaves hold the live state
 
-    def run_one(self, drv: Driver):
-        a, S, E, env, shaped, step_fn = self.cfg.agent, self.S, self.E, self.env, self._shaped, self.step_fn
-        self.key, k_roll = jax.random.split(self.key)
-        ff, fm = step_fn.flatten(self.state, self.loop)
-        for t in range(self.T):
-            drv.evaluate_if_due(drv.step, lambda: step_fn.unflatten(fm)[0])
-            new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(self.action).reshape(S * E, -1))
-            drv.step += E
-            drv.advance(E * S)
-            if self.counter is not None and a.ns_reset_norm:
-                now = env.global_phase()
-                if now != self.phase:
-                    self.state, self.loop = self.reset_norm_fn(*step_fn.unflatten(fm))
-                    ff, fm = step_fn.flatten(self.state, self.loop)
-                self.phase = now
-            fm, self.action = step_fn(
-                ff,
-                fm,
-                np.int32(t),
-                shaped(reward),
-                shaped(terminated),
-                shaped(truncated),
-                shaped(next_obs),
-                shaped(new_obs),
-                k_roll,
-            )
-            drv.episodes(env, E)
-            drv.log_if_due(drv.step, self.metrics, self._task_rows)
-        self.state, self.loop = step_fn.unflatten(fm)
+    def step(self, at: int, room: int) -> StepReport:
+        """One vector step of the rollout; the last one also runs the update (after its log row: the
+        rollout's rows show the last update's metrics), and the iteration is whole after it."""
+        a, S, E, env, shaped, step_fn, t = self.cfg.agent, self.S, self.E, self.env, self._shaped, self.step_fn, self.t
+        if t == 0:
+            self.key, self.k_roll = jax.random.split(self.key)
+            self.ff, self.fm = step_fn.flatten(self.state, self.loop)
+        new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(self.action).reshape(S * E, -1))
+        if self.counter is not None and a.ns_reset_norm:
+            now = env.global_phase()
+            if now != self.phase:
+                self.state, self.loop = self.reset_norm_fn(*step_fn.unflatten(self.fm))
+                self.ff, self.fm = step_fn.flatten(self.state, self.loop)
+            self.phase = now
+        self.fm, self.action = step_fn(
+            self.ff,
+            self.fm,
+            np.int32(t),
+            shaped(reward),
+            shaped(terminated),
+            shaped(truncated),
+            shaped(next_obs),
+            shaped(new_obs),
+            self.k_roll,
+        )
+        episodes, logged = finished_episodes(env, S, E), self.metrics
+        self.t = (t + 1) % self.T
+        if self.t:
+            return StepReport(E, E * S, logged, episodes, whole=False)
+        self.state, self.loop = step_fn.unflatten(self.fm)
+        self.ff = self.fm = None
         self.key, k = jax.random.split(self.key)
         self.state, self.loop, self.action, self.metrics, finite = self.iterate_fn(self.state, self.loop, k)
-        drv.stop_if_non_finite(finite, {k: v for k, v in self.metrics.items() if k.startswith("losses/")}, drv.step)
         before, self.updates_done = self.updates_done, self.updates_done + self.updates_per_iteration
-        self.state = drv.plasticity(before, self.updates_done, self.state, self.loop.buffer, jax.random.fold_in(k, 1))
+        return StepReport(
+            E,
+            E * S,
+            logged,
+            episodes,
+            finite=finite,
+            stats={name: v for name, v in self.metrics.items() if name.startswith("losses/")},
+            updates=(before, self.updates_done),
+            data=self.loop.buffer,
+            key=jax.random.fold_in(k, 1),
+            learn_after_log=True,
+        )
 
-    def _task_rows(self):
-        """Non-stationary envs: the seeds' mean task id and the global phase."""
+    def log_columns(self):
+        """Non-stationary envs: the seeds' mean task id and the global phase (per seed, at a log row)."""
         if not hasattr(self.env, "task_ids"):
             return None
         tasks, E = self.env.task_ids(), self.E
