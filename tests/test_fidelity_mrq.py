@@ -13,7 +13,12 @@ draws, and what the reference computed from them:
   encoder parameter;
 * ``Agent.train_rl`` on the H_Q = 3 windows: the target y, Q, the value loss and its gradient, the policy
   loss and its gradient, and the LAP priorities of ``Agent.train``'s priority block;
-* the parameters after one torch AdamW step of ``train_encoder`` and of ``train_rl``.
+* the parameters after one torch AdamW step of ``train_encoder`` and of ``train_rl``;
+* the replay (``buffer.py``'s ``ReplayBuffer``, run alone): its mask after each of 46 adds over 8 episodes, its
+  priorities, maximum and reward scale, two samples of each kind with torch's uniform numbers, and a priority
+  update;
+* the schedule (``Agent.train`` whole, with its own buffer, after each of 30 adds): every draw in order, the
+  reward scales, priorities and encoder steps after each call, every network and target at the end.
 
 Repository, commit and the generator's command are in the fixture's ``meta`` field; the generator is
 ``scripts/fidelity/mrq_reference.py`` (torch lives only in its own venv; this test needs none).
@@ -59,8 +64,20 @@ Deliberate differences (agents/mrq.py's module docstring), checked on the quanti
    whose lr x wd x |p| ~ 3e-9 in one step would not show) are set on both sides;
    the Q windows are the first H_Q = 3 steps of the encoder windows, as the zoo's ``_first`` takes them.
 6. The docstring's other two deviations: the priority from the sampled action's TD error is the released
-   reference's (compared; ``priority_from_policy_q`` is not); window validity belongs to the replay,
-   which is not run here.
+   reference's (compared; ``priority_from_policy_q`` is not).  Which windows may be sampled: ours once all
+   H = 5 transitions are stored and none of the first H - 1 is truncated; the reference's mask differs
+   exactly on (i) a window ending on a truncation (ours only), (ii) a window past a termination into
+   transitions not yet stored (the reference's only), (iii) the newest window of the running episode (ours
+   only) and (iv) a window past a termination into a truncation (the reference's only).
+7. Reward scale: the reference averages |r| over its slots, which include one final-observation slot (reward
+   0) per ended episode: its rbar is ours x transitions / slots.
+8. The next state at a terminating step that is not a window's last: the reference's is the state stored
+   for its final-observation slot, an index ``add`` never writes (the first stored state here); ours is the
+   episode's final observation.
+
+The replay and schedule tests run ``lap.add``, ``lap.update_priorities``, ``lap.draw_tree`` / ``lap.draw``,
+``lap.window``, ``lap.reward_scale`` and ``mrq.train_block``.  In the schedule the reference's draws (slots,
+noise) are fed through ``lap.draw_tree`` and ``jax.random.normal``, swapped for ordered host callbacks.
 """
 
 from __future__ import annotations
@@ -73,10 +90,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import io_callback
 
 from plasticity_zoo.agents import mrq
 from plasticity_zoo.buffers import lap
 from plasticity_zoo.buffers.lap import Window
+from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.networks.config import NetworkConfig
 from plasticity_zoo.plasticity.sigreg import regularized
 from tests.fidelity import flat, load_into, torch_linear
@@ -157,8 +176,10 @@ def _cfg(fx):
     return mrq.MRQConfig(**{k: hp[k] for k in SET_HERE}, batch_size=8)
 
 
-def _state(fx, torch_eps: bool):
-    cfg, network = _cfg(fx), NetworkConfig(width=WIDTH)
+def _state(fx, torch_eps: bool, cfg=None, reward_scales=None):
+    """Our state with the fixture's weights and fresh optimizers; by default the config and reward scales
+    sections 1-3 ran with."""
+    cfg, network = cfg or _cfg(fx), NetworkConfig(width=WIDTH)
     with pytest.MonkeyPatch.context() as mp:
         if torch_eps:
             mp.setattr(nnx, "LayerNorm", _TorchEpsLayerNorm)
@@ -175,6 +196,7 @@ def _state(fx, torch_eps: bool):
     }
     tx_f, tx_g, tx_v, tx_p = mrq._optimizers(cfg, shape.plasticity)
     meta = json.loads(str(fx["meta"]))
+    rbar, rbar_target = reward_scales or (meta["reward_scale"], meta["target_reward_scale"])
     zero = jnp.zeros((), jnp.int32)
     return shape.replace(
         **params,
@@ -182,8 +204,8 @@ def _state(fx, torch_eps: bool):
         sa_encoder_opt=tx_g.init(params["sa_encoder_params"]),
         value_opt=tx_v.init(params["value_params"]),
         policy_opt=tx_p.init(params["policy_params"]),
-        reward_scale=jnp.float32(meta["reward_scale"]),
-        target_reward_scale=jnp.float32(meta["target_reward_scale"]),
+        reward_scale=jnp.float32(rbar),
+        target_reward_scale=jnp.float32(rbar_target),
         updates=zero,
         syncs=zero,
         encoder_updates=zero,
@@ -307,7 +329,7 @@ def test_fixture_records_reference_and_command(fx):
     meta = json.loads(str(fx["meta"]))
     assert meta["mrq"]["repository"].endswith("facebookresearch/MRQ") and len(meta["mrq"]["commit"]) == 40
     assert "scripts/fidelity/mrq_reference.py" in meta["command"]
-    assert FIXTURE.stat().st_size < 200_000
+    assert FIXTURE.stat().st_size < 300_000
     # the reference's Hyperparameters defaults are our MRQConfig defaults (paper sizes: 512 / 256)
     ours = mrq.MRQConfig()
     for k, v in meta["hp_defaults"].items():
@@ -417,3 +439,306 @@ def test_parameters_after_one_adamw_step(fx, ours):
         for k, v in flat(out[name]).items():
             if "norms" in k:
                 assert np.all(v == (1.0 if k[-1] == "scale" else 0.0)), (name, k)
+
+
+# ----------------------------------------------------------------------------- 4. the replay (buffer.py)
+# The reference's ReplayBuffer writes each episode's final observation into a slot of its own (``terminal``),
+# so its slot of a transition is ``replay/slot``; ours, with one env and no wrap, is the transition's index.
+REPLAY_H = 5  # the validity horizon max(H_enc, H_Q) both buffers keep
+
+
+def _replay_meta(fx):
+    return json.loads(str(fx["meta"]))["replay"]
+
+
+def _episodes(fx):
+    """Per transition: its episode's first and last index, and how that episode ended (None: still running)."""
+    first, last, ending, k = [], [], [], 0
+    for length, end in _replay_meta(fx)["episodes"]:
+        first += [k] * length
+        last += [k + length - 1] * length
+        ending += [end] * length
+        k += length
+    return np.array(first), np.array(last), ending
+
+
+def _transition(fx, prefix, k):
+    f = lambda name: jnp.asarray(fx[f"{prefix}/inputs/{name}"][k : k + 1])  # noqa: E731
+    return Transition(f("obs"), f("action"), f("reward"), f("next_obs"), f("terminated"), f("truncated"))
+
+
+@pytest.fixture(scope="module")
+def replay(fx):
+    """Our LAP buffer (one env, MR.Q's horizon 5, initial priority 1) fed the reference's transitions one by
+    one: ``valid`` after every add, the buffer at each snapshot, and the reference's Q-batch priority update
+    applied at the first snapshot (the reference's slots mapped to our slots)."""
+    meta = _replay_meta(fx)
+    add = jax.jit(lap.add)
+    update = jax.jit(lap.update_priorities)
+    to_ours = {int(s): k for k, s in enumerate(fx["replay/slot"])}
+    buf = lap.init(meta["capacity"], OBS_DIM, ACT_DIM, initial_priority=meta["initial_priority"], horizon=REPLAY_H)
+    valid, at = [], {}
+    for k in range(len(fx["replay/slot"])):
+        buf = add(buf, _transition(fx, "replay", k))
+        valid.append(np.asarray(buf.valid))
+        if k + 1 in meta["snapshots"]:
+            at[k + 1] = buf
+            if f"replay/at{k + 1}/new_priority" in fx:
+                idx = jnp.asarray([to_ours[int(s)] for s in fx[f"replay/at{k + 1}/q/ind"]], jnp.int32)
+                buf = at[f"{k + 1}/updated"] = update(buf, idx, jnp.asarray(fx[f"replay/at{k + 1}/new_priority"]))
+    return {"valid": np.stack(valid), "at": at, "to_ours": to_ours}
+
+
+def _predicted_differences(fx, n):
+    """The windows (by first transition) on which the two validity rules differ after ``n`` adds, by the rules
+    as documented (docs/fidelity.md, MR.Q difference 6): ours only, (i) a window ending on a truncation and
+    (iii) the newest window of the running episode; the reference's only, a window running past a termination
+    (ii) into transitions not yet stored or (iv) into a truncation among its first H - 1."""
+    first, last, ending = _episodes(fx)
+    trunc = fx["replay/inputs/truncated"]
+    ours, refs = {}, {}
+    for k in range(n):
+        end = k + REPLAY_H - 1
+        inside = end <= last[k]  # all H transitions in k's episode
+        if inside and end < n and trunc[end]:
+            ours[k] = "i: ends on a truncation"
+        elif inside and end == n - 1 and (ending[k] is None or last[k] > n - 1):  # n - 1 does not end it
+            ours[k] = "iii: newest window of the running episode"
+        elif ending[k] == "terminated" and last[k] < n and not inside:  # runs past its episode's termination
+            if end >= n:
+                refs[k] = "ii: past a termination, not yet stored"
+            elif trunc[k:end].any():
+                refs[k] = "iv: past a termination into a truncation"
+    return ours, refs
+
+
+def test_replay_validity_after_every_add(fx, replay):
+    """After every add, the windows each buffer may sample agree except exactly where the documented rules
+    differ; each kind of difference occurs in this run."""
+    slot, masks = fx["replay/slot"], fx["replay/mask"]
+    seen = set()
+    for n in range(1, len(slot) + 1):
+        theirs = masks[n - 1][slot[:n]]  # the reference's mask at each transition's slot
+        ours = replay["valid"][n - 1][:n]
+        final_slots = np.setdiff1d(np.arange(slot[n - 1] + 1), slot[:n])  # the reference's final observations
+        assert not masks[n - 1][final_slots].any(), n
+        assert not replay["valid"][n - 1][n:].any(), n
+        want_ours, want_refs = _predicted_differences(fx, n)
+        got_ours = {int(k) for k in np.flatnonzero(ours & ~theirs)}
+        got_refs = {int(k) for k in np.flatnonzero(theirs & ~ours)}
+        assert got_ours == set(want_ours), (n, got_ours, want_ours)
+        assert got_refs == set(want_refs), (n, got_refs, want_refs)
+        assert (ours & theirs).sum() >= n // 2 - 5, n
+        seen |= {v[:3] for v in (*want_ours.values(), *want_refs.values())}
+    assert seen == {"i: ", "ii:", "iii", "iv:"}, seen
+
+
+def test_replay_priorities_and_sampling_probabilities(fx, replay):
+    """At each snapshot: every transition's priority and the running maximum are the reference's exactly
+    (new transitions take the maximum; the first snapshot's Q batch sets 8 of them), our weight tree is
+    priority x valid, and on the windows both may sample the weights, so the sampling probabilities
+    conditioned on those windows, are equal."""
+    slot = fx["replay/slot"]
+    snapshots = [(n, f"replay/at{n}", replay["at"][n]) for n in _replay_meta(fx)["snapshots"]]
+    first = snapshots[0][0]
+    snapshots.append((first, f"replay/at{first}/after", replay["at"][f"{first}/updated"]))
+    for n, tag, buf in snapshots:
+        prio, top = (
+            (fx[f"replay/at{n}/priority_after"], fx[f"replay/at{n}/max_after"])
+            if tag.endswith("after")
+            else (fx[f"{tag}/priority"], fx[f"{tag}/max_priority"])
+        )
+        np.testing.assert_array_equal(np.asarray(buf.priority)[:n], prio[slot[:n]], err_msg=tag)
+        assert float(buf.max_priority) == float(top), tag
+        leaves = np.asarray(buf.weights)[buf.weights.shape[0] // 2 :][: lap.capacity(buf)]
+        np.testing.assert_array_equal(leaves, np.asarray(buf.priority) * np.asarray(buf.valid), err_msg=tag)
+        np.testing.assert_allclose(float(buf.weights[1]), leaves.sum(), rtol=1e-6)
+        theirs = fx["replay/mask"][n - 1][slot[:n]] * prio[slot[:n]]
+        both = (leaves[:n] > 0) & (theirs > 0)
+        np.testing.assert_array_equal(leaves[:n][both], theirs[both], err_msg=tag)
+        np.testing.assert_allclose(
+            leaves[:n][both] / leaves[:n][both].sum(), theirs[both] / theirs[both].sum(), rtol=1e-6, err_msg=tag
+        )
+        if not tag.endswith("after"):
+            close(fx[f"{tag}/csum_total"], (fx["replay/mask"][n - 1] * prio).sum(), f"{tag}: reference total")
+    assert float(snapshots[-1][2].max_priority) > _replay_meta(fx)["initial_priority"]  # the update raised it
+
+
+class _FixedUniform:
+    """Stands in for jax.random.uniform while our draw is traced: the 'key' is the uniform array itself."""
+
+    def __call__(self, key, shape, dtype=jnp.float32, minval=0.0, maxval=1.0):
+        assert key.shape == tuple(shape), (key.shape, shape)
+        return key.astype(dtype)
+
+
+def test_replay_draws_match_the_references_searchsorted(fx):
+    """The slots each of the reference's samples drew, from its own weights (priority x mask) and torch's
+    uniform numbers: our tree descent (``draw_tree``, what training samples with) and our inverse CDF
+    (``draw``) map the same numbers to the same slots."""
+    cap = _replay_meta(fx)["capacity"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.random, "uniform", _FixedUniform())
+
+        def both(weights, u):
+            tree = lap._set_leaves(jnp.zeros(2 * cap, jnp.float32), jnp.arange(cap), weights)
+            return lap.draw_tree(tree, u, u.shape[0]), lap.draw(jnp.cumsum(weights), u, u.shape[0])
+
+        draw = jax.jit(both)
+        for n in _replay_meta(fx)["snapshots"]:
+            weights = jnp.asarray(fx[f"replay/at{n}/priority"] * fx["replay/mask"][n - 1])
+            for kind in ("enc", "q"):
+                tag = f"replay/at{n}/{kind}"
+                by_tree, by_cdf = draw(weights, jnp.asarray(fx[f"{tag}/u"]))
+                np.testing.assert_array_equal(np.asarray(by_tree), fx[f"{tag}/ind"], err_msg=tag)
+                np.testing.assert_array_equal(np.asarray(by_cdf), fx[f"{tag}/ind"], err_msg=tag)
+
+
+def test_replay_windows_gathered(fx, replay):
+    """Given the reference's drawn slots (mapped to ours), our ``lap.window`` gathers the reference's
+    subtrajectories: H_enc = 5 steps (its ``include_intermediate=True`` layout) and H_Q = 3 (the first state
+    and action, and the state after 3 steps), exactly, on every step up to and including a window's first
+    termination.  After it the reference reads its final-observation slot and what follows, we read the next
+    episode: data both sides' losses mask (checked to occur here)."""
+    past_termination = terminating_steps = 0
+    gather = jax.jit(lap.window, static_argnums=2)
+    for n in _replay_meta(fx)["snapshots"]:
+        buf = replay["at"][n]
+        for kind, h in (("enc", 5), ("q", 3)):
+            tag = f"replay/at{n}/{kind}"
+            idx = jnp.asarray([replay["to_ours"][int(s)] for s in fx[f"{tag}/ind"]], jnp.int32)
+            win = jax.device_get(gather(buf, idx, h))
+            done = win.terminated.astype(np.float32)
+            alive = np.cumprod(np.concatenate([np.ones_like(done[:, :1]), 1.0 - done[:, :-1]], 1), 1) > 0
+            past_termination += int((~alive).sum())
+            states = np.concatenate([win.obs[:, None], win.next_obs[:, :-1]], 1)
+            reward, not_done = fx[f"{tag}/reward"][..., 0], fx[f"{tag}/not_done"][..., 0]
+            np.testing.assert_array_equal(win.reward[alive], reward[alive], err_msg=tag)
+            np.testing.assert_array_equal(1.0 - done[alive], not_done[alive], err_msg=tag)
+            if kind == "enc":
+                np.testing.assert_array_equal(states[alive], fx[f"{tag}/state"][alive], err_msg=tag)
+                np.testing.assert_array_equal(win.action[alive], fx[f"{tag}/action"][alive], err_msg=tag)
+                # difference 8: at a terminating step other than the window's last, the reference's next state is
+                # ``obs[state_ind[slot]]`` of its final-observation slot, an index ``add`` never wrote (0 here: the
+                # first stored state); ours is the episode's final observation, which the reference reads at a
+                # window's last step (``next_ind``) and in its Q sample
+                at_end = alive & win.terminated
+                at_end[:, -1] = False
+                same = alive & ~at_end
+                np.testing.assert_array_equal(win.next_obs[same], fx[f"{tag}/next_state"][same], err_msg=tag)
+                terminating_steps += int(at_end.sum())
+                stale = np.broadcast_to(fx["replay/inputs/obs"][0], fx[f"{tag}/next_state"][at_end].shape)
+                np.testing.assert_array_equal(fx[f"{tag}/next_state"][at_end], stale, err_msg=tag)
+                assert not np.any(np.all(win.next_obs[at_end] == stale, axis=-1)), tag
+            else:
+                np.testing.assert_array_equal(win.obs, fx[f"{tag}/state"], err_msg=tag)
+                np.testing.assert_array_equal(win.action[:, 0], fx[f"{tag}/action"], err_msg=tag)
+                survives = alive[:, -1] & (done[:, -1] == 0)  # c_H = 1: the state after H steps bootstraps
+                np.testing.assert_array_equal(
+                    win.next_obs[survives, -1], fx[f"{tag}/next_state"][survives], err_msg=tag
+                )
+    assert past_termination > 0 and terminating_steps > 0, (past_termination, terminating_steps)
+
+
+def test_replay_reward_scale(fx, replay):
+    """Difference 7: ours is the mean |r| over the stored transitions; the reference's ``reward_scale`` is over
+    its first ``size`` slots, which include each ended episode's final-observation slot (reward 0), so it is
+    ours x transitions / slots (46 / 53 at the end here)."""
+    r = np.abs(fx["replay/inputs/reward"].astype(np.float64))
+    for n in _replay_meta(fx)["snapshots"]:
+        ours = float(lap.reward_scale(replay["at"][n]))
+        close(ours, r[:n].mean(), f"ours at {n}")
+        slots = int(fx["replay/size"][n - 1])
+        assert slots > n
+        close(fx[f"replay/at{n}/reward_scale"], ours * n / slots, f"reference at {n}")
+
+
+# ----------------------------------------------------------------------------- 5. the schedule (Agent.train)
+class _Draws:
+    """The reference's random draws in the order ``Agent.train`` made them: each slot batch it sampled (its
+    encoder burst's, then its Q batch's) and each target-policy noise array.  ``draw_tree`` (both of our
+    samplers) and ``jax.random.normal`` (``value_target``'s noise) are swapped, while ``train_block`` is traced,
+    for ordered host callbacks that hand out the next one, checking that ours asks for the same kind next."""
+
+    def __init__(self, fx):
+        ind, noise = iter(fx["sched/ind"]), iter(fx["sched/noise"])
+        self.queue = [("ind", next(ind)) if k == 0 else ("noise", next(noise)) for k in fx["sched/draw_kind"]]
+        self.used = 0
+
+    def _next(self, kind, shape):
+        def give():
+            assert self.used < len(self.queue), f"{kind}: the reference drew nothing more"
+            got, x = self.queue[self.used]
+            assert got == kind and x.shape == shape, (self.used, kind, got, shape, x.shape)
+            self.used += 1
+            return x
+
+        return give
+
+    def draw_tree(self, tree, key, n):
+        want = jax.ShapeDtypeStruct((n,), jnp.int32)
+        return io_callback(self._next("ind", (n,)), want, ordered=True)
+
+    def normal(self, key, shape, dtype=jnp.float32):
+        return io_callback(self._next("noise", tuple(shape)), jax.ShapeDtypeStruct(tuple(shape), dtype), ordered=True)
+
+
+def _schedule_cfg(fx):
+    meta = json.loads(str(fx["meta"]))
+    hp = meta["schedule"]["hp"]
+    wd = {k: meta["hp"][k] for k in ("enc_wd", "value_wd", "policy_wd")}
+    return mrq.MRQConfig(
+        batch_size=hp["batch_size"], target_update_freq=hp["target_update_freq"], min_priority=hp["min_priority"], **wd
+    )
+
+
+@pytest.mark.slow  # compiling train_block: about 8 s on 2 shared cores
+def test_schedule_matches_agent_train(fx):
+    """``Agent.train`` after each add, against our ``lap.add`` and ``train_block`` (one update per env step, as
+    the loop runs them): given the reference's draws, the target syncs (every network copied) with the reward
+    scale rbar <- mean |r| and rbar' <- rbar, the T_target-step encoder burst after each, the LAP priorities
+    and their running maximum after every step, and every network and target at the end (12 encoder and 12
+    value / policy steps, the replay wrapping after 24 transitions)."""
+    meta = json.loads(str(fx["meta"]))
+    cfg = _schedule_cfg(fx)
+    state = _state(fx, torch_eps=True, cfg=cfg, reward_scales=(1.0, 0.0))  # the reference's until its first sync
+    buffer = mrq.buffer_init(meta["schedule"]["hp"]["buffer_size"], OBS_DIM, ACT_DIM, cfg)
+    draws = _Draws(fx)
+    got = {k: [] for k in ("reward_scale", "target_reward_scale", "max_priority", "priority", "encoder_steps")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lap, "draw_tree", draws.draw_tree)
+        mp.setattr(jax.random, "normal", draws.normal)
+        add = jax.jit(lap.add).lower(buffer, _transition(fx, "sched", 0)).compile(FAST_COMPILE)
+        block = (
+            jax.jit(lambda s, b: mrq.train_block(s, b, jax.random.key(0), 1)[:2])
+            .lower(state, buffer)
+            .compile(FAST_COMPILE)
+        )
+        for t, trained in enumerate(fx["sched/trained"]):
+            buffer = add(buffer, _transition(fx, "sched", t))
+            if trained:
+                first = draws.used
+                state, buffer = block(state, buffer)
+                fed = [x for kind, x in draws.queue[first : draws.used] if kind == "ind"]
+                assert fed and all(np.asarray(buffer.valid)[x].all() for x in fed), t  # ours may sample them
+            for k in ("reward_scale", "target_reward_scale"):
+                got[k].append(float(getattr(state, k)))
+            got["max_priority"].append(float(buffer.max_priority))
+            got["priority"].append(np.asarray(buffer.priority))
+            got["encoder_steps"].append(int(state.encoder_updates))
+    assert draws.used == len(draws.queue), (draws.used, len(draws.queue))
+    assert int(state.syncs) == 4 and int(state.updates) == int(fx["sched/trained"].sum()) == 12
+    np.testing.assert_array_equal(got["encoder_steps"], fx["sched/encoder_steps"])
+    for k in ("reward_scale", "target_reward_scale", "max_priority"):
+        close(got[k], fx[f"sched/{k}"], k)
+    close(np.stack(got["priority"]), fx["sched/priority"], "priorities after each step")
+    for name, ours in (
+        ("encoder", (state.encoder_params, state.sa_encoder_params)),
+        ("encoder_target", (state.target_encoder_params, state.target_sa_encoder_params)),
+    ):
+        close_tree(ours[0], state_encoder_tree(fx, f"sched/final/{name}", norms=False), f"{name}: f")
+        close_tree(ours[1], sa_encoder_tree(fx, f"sched/final/{name}", norms=False), f"{name}: g, m")
+    close_tree(state.value_params, value_tree(fx, "sched/final/value", norms=False), "value")
+    close_tree(state.target_value_params, value_tree(fx, "sched/final/value_target", norms=False), "value target")
+    close_tree(state.policy_params, policy_tree(fx, "sched/final/policy", norms=False), "policy")
+    close_tree(state.target_policy_params, policy_tree(fx, "sched/final/policy_target", norms=False), "policy target")

@@ -16,7 +16,10 @@ fixed random draws:
   N(0, 0.05^2); the encoders' outputs and final states on the tape; the actor's evaluation branch for
   3 steps of 3 episodes carrying its memory (deterministic); one ``sac_update`` (critic, Polyak target,
   actor, alpha) with fixed a' / a noise and fixed target heads (3, 1): losses and every parameter after
-  it; two more updates with the gradient clip at 0.05 (each group's clip acting).
+  it; two more updates with the gradient clip at 0.05 (each group's clip acting);
+* the posterior fit to its early stop (``train_model`` with its own rule: 89 epochs): every epoch's holdout
+  MSE per member, the members improved, each epoch's permutation key and the kept ensemble, against our
+  ``dynamics.train`` (``fit``: the rows, split and keys handed over; seams for differences 1 and 2).
 
 The weights are mapped into our param trees here (Equinox ``Linear.weight`` [out, in] -> flax kernel
 [in, out]; ``Block``'s Linear / LayerNorm -> ``trunk.layers.i`` / ``trunk.norms.i``; the encoder's
@@ -53,6 +56,7 @@ Deliberate differences, each measured here:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -74,6 +78,7 @@ EPOCH_ATOL = 2e-7
 EPS_AS_BUILT = 3e-4  # difference 1: measured 1.1e-4 absolute, see test_layer_norm_epsilon_as_built
 EPOCH_AS_BUILT = 0.02  # measured 0.012, see test_one_training_epoch_as_built
 LOGVAR_HEAD_SCALE = 1.0  # our head's raw output is the reference's log sigma (head_output="log_sigma")
+FIT_WEIGHT_ATOL = 1e-4  # the fit's kept weights, of each leaf's largest entry (see test_posterior_fit_to_early_stop)
 OBS, ACT = 3, 2
 FAST_COMPILE = {
     "xla_backend_optimization_level": 0,
@@ -626,3 +631,117 @@ def test_layer_norm_epsilon_as_built(fx, meta):
     err_lru = np.abs(np.asarray(y) - fx["lru/q_y"]).max()
     print(f"LayerNorm epsilon 1e-6 vs 1e-5: world model {err_wm:.3g}, critic encoder {err_lru:.3g} (absolute)")
     assert 1e-5 < max(err_wm, err_lru) < EPS_AS_BUILT  # above RTOL / ATOL: the swap is not idle
+
+
+# ----------------------------------------------------------------------------- the posterior fit to its early stop
+class _FitRandom:
+    """The ``jax.random`` that ``agents.dynamics`` sees during the fit: eager calls (outside ``jit``) to
+    ``permutation`` and ``split(key)`` get the reference's split and each epoch's permutation key; traced calls
+    (inside ``_train_epoch``: each member's permutation from that key) are JAX's own, so our epochs shuffle as
+    the reference's do."""
+
+    def __init__(self, split_perm, perm_keys):
+        self.split_perm, self.perm_keys = [np.asarray(split_perm)], [np.asarray(k, np.uint32) for k in perm_keys]
+
+    def permutation(self, key, n, *args, **kw):
+        if isinstance(key, jax.core.Tracer):
+            return jax.random.permutation(key, n, *args, **kw)
+        perm = self.split_perm.pop(0)
+        assert perm.shape == (n,), (perm.shape, n)
+        return jnp.asarray(perm, jnp.int32)
+
+    def split(self, key, num=2):
+        if isinstance(key, jax.core.Tracer) or num != 2:
+            return jax.random.split(key, num)
+        assert self.perm_keys, "more epochs than the reference ran"
+        data = jnp.stack([jax.random.key_data(key), jnp.asarray(self.perm_keys.pop(0))])
+        return jax.random.wrap_key_data(data)
+
+    def __getattr__(self, name):
+        return getattr(jax.random, name)
+
+
+class _FitJax:
+    def __init__(self, random):
+        self.random = random
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+@pytest.fixture(scope="module")
+def fit(fx, meta):
+    """``dynamics.train`` with NeuBay's config, to its early stop, from the reference's initial weights, with its
+    holdout split (the rows handed over training rows first, in the reference's order, then the holdout) and
+    each epoch's permutation key; differences 1 and 2 removed by their seams, as for one epoch above."""
+    f = meta["fit"]
+    cfg = dataclasses.replace(world_config(meta), lr=f["lr"])
+    assert (cfg.patience, cfg.improvement, cfg.min_epochs) == (
+        f["max_epochs_since_update"],
+        f["improve_thres"],
+        0,
+    ) and f["total_epochs"] is None
+    train_rows, valid_rows = fx["wm/train_rows"], fx["wm/valid_rows"]
+    rows = np.r_[train_rows, valid_rows]
+    n_train = len(train_rows)
+    split_perm = np.r_[np.arange(n_train, len(rows)), np.arange(n_train)]  # holdout first, as ``train`` cuts it
+    init_model, nll, m = dynamics.init_model, dynamics.gaussian_nll, cfg.members
+
+    def reference_init(*args, **kw):
+        dynamics._initializer.cache_clear()
+        with pytest.MonkeyPatch.context() as inner:
+            inner.setattr(nnx, "LayerNorm", _EqxEpsLayerNorm)
+            model = init_model(*args, **kw)
+        dynamics._initializer.cache_clear()
+        return model.replace(params=load_into(model.params, world_tree(fx, "wm/init", logvar_scale=1.0)))
+
+    random = _FitRandom(split_perm, fx["fit/perm_keys"])
+    jax.clear_caches()  # the module-level jitted epoch must be traced through the seams below
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dynamics, "init_model", reference_init)
+        mp.setattr(dynamics, "gaussian_nll", lambda *a: (0.5 * nll(*a) + 0.5 * math.log(2 * math.pi)) / m)
+        mp.setattr(dynamics, "jax", _FitJax(random))
+        rows_logged = []
+        model, info = dynamics.train(
+            jax.random.key(0),
+            fx["data/observations"][rows],
+            fx["data/actions"][rows],
+            fx["data/rewards"][rows],
+            fx["data/next_observations"][rows],
+            cfg,
+            log=lambda epoch, row: rows_logged.append(row),
+        )
+    jax.clear_caches()
+    assert not random.split_perm and not random.perm_keys, "the reference's draws left unused"
+    return jax.device_get(model), info, rows_logged
+
+
+def _reference_best(fx):
+    """The reference's best holdout MSE per member after each epoch (its ``mse_best``), from its recorded
+    holdout MSEs and the members it improved."""
+    val, improved = fx["fit/val_mse"].astype(np.float64), fx["fit/improved"]
+    best, out = val[0].copy(), []
+    for e in range(1, len(val)):
+        best = np.where(improved[e], val[e], best)
+        out.append(best.copy())
+    return np.stack(out)
+
+
+@pytest.mark.slow  # the fit (its fixture): about 9 s on 2 shared cores
+def test_posterior_fit_to_early_stop(fx, meta, fit):
+    """``LearnedContEnv.train_model`` with its own stopping rule (a member improves when its holdout MSE falls
+    by more than 1%; stop after 5 epochs without one; no epoch cap) against our ``dynamics.train``: every
+    epoch's holdout MSE of every member (89 epochs of 3 AdamW steps; the closest call is 3.9e-5 from the
+    threshold, at epoch 23), the best MSE kept per member, the stop, and the kept members' weights."""
+    model, info, rows = fit
+    val = fx["fit/val_mse"]
+    close(info["val_curve"], val, what="holdout MSE per epoch (0: before training)")
+    close(np.stack([r["best_val_mse"] for r in rows]), _reference_best(fx), what="best holdout MSE per member")
+    np.testing.assert_array_equal([r["progress"] for r in rows], fx["fit/improved"][1:].any(1))
+    assert info["epochs"] == len(val) - 1 == meta["fit"]["epochs_run"] and info["stopped_early"]
+    assert [r["action"] for r in rows].count("stop") == 1 and "cut_lr" not in [r["action"] for r in rows]
+    close(info["val_mse"], fx["fit/final_val_mse"], what="the kept members' holdout MSE")
+    ours, want = flat(model.params), world_tree(fx, "fit/kept", logvar_scale=1.0)
+    for name in sorted(want, key=str):
+        scale = FIT_WEIGHT_ATOL * np.abs(want[name]).max()
+        close(ours[name], want[name], rtol=0, atol=scale, what=f"kept weights {name}")

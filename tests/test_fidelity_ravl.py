@@ -16,6 +16,10 @@ repository, commit and command in the fixture's ``meta``; torch lives only in th
   first Adam moment (0.1 g after one step: the gradients), the stepped actor, critics, target
   critics and log alpha.
 
+* ``generate_rollouts`` with k = 3 from 12 states: the survivors' draws at each step, the 21 transitions stored;
+* ``train_dynamics_model.train`` whole on the 24 rows, to its early stop: the split, bootstrap, member deals
+  and loader orders it drew, every epoch's holdout MSEs, the lr cut, the kept weights and the elites.
+
 The zoo's own functions run: ``dynamics.validation_mse`` / ``select_elites`` / ``ensemble_loss`` /
 ``_train_epoch`` (what ``dynamics.train`` calls per epoch), and the loop's per-seed epoch
 ``ravl.make_epoch(cfg, "hopper-medium-v2")`` (rollouts, FIFO, batch mix, ``sac.update``) with horizon 1,
@@ -49,10 +53,17 @@ Deliberate differences:
    log(1 - tanh(u)^2 + 1e-6) against our exact form; corrected by c(u) here in values and gradients.
 4. ``values/q_std_policy``: the reference logs torch's ``std`` (N - 1 denominator), ours ``jnp.std``
    (N): ours = ref * sqrt((N - 1) / N) (a logged diagnostic only).
+5. Input statistics: the reference's filter sees ``observations[0]`` and all ``next_observations``, ours all
+   observations; the fit test hands ours the reference's through ``dynamics.init_model`` (with its weights).
+
+The k = 3 rollouts run ``ravl.rollouts`` and the fit ``dynamics.train`` whole, jitted where they jit; their
+draws enter through ``_Served`` stand-ins (ordered host callbacks), so a call inside ``lax.scan`` or a cached
+jitted epoch gets the reference's draw of that step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -60,10 +71,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 from plasticity_zoo.agents import dynamics, ravl, sac
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.buffers.replay import Transition
+from plasticity_zoo.envs import termination
 from plasticity_zoo.networks import distributions
 from plasticity_zoo.networks.config import NetworkConfig
 from tests.fidelity import flat, load_into, torch_linear
@@ -97,9 +110,9 @@ def fx():
         return {k: f[k] for k in f.files}
 
 
-def close(got, want, what=""):
+def close(got, want, what="", atol=ATOL):
     np.testing.assert_allclose(
-        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=ATOL, err_msg=what
+        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=RTOL, atol=atol, err_msg=what
     )
 
 
@@ -494,3 +507,209 @@ def test_update_parameters_after_one_step(fx, epoch):
     close_tree(new_state.critic_params, corl_critic(fx, "update/critic"), "critics")
     close_tree(new_state.target_critic_params, corl_critic(fx, "update/target"), "target critics (Polyak)")
     assert int(new_state.updates) == 1
+
+
+# ----------------------------------------------------------------------------- (d) rollouts of k = 3 steps
+class _Served:
+    """A stand-in for one ``jax.random`` call that returns the given arrays in the order the calls *run*
+    (an ordered host callback), so a call inside ``lax.scan`` gets a new array at every step; each array's
+    shape is checked against the call's."""
+
+    def __init__(self, arrays, dtype):
+        self.left, self.dtype = [np.asarray(a) for a in arrays], dtype
+
+    def _give(self, shape):
+        def give():
+            assert self.left, "more random calls than fixed draws"
+            x = self.left.pop(0)
+            assert x.shape == shape, (x.shape, shape)
+            return x.astype(self.dtype)
+
+        return give
+
+    def __call__(self, key, shape, *args, **kw):
+        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        return io_callback(self._give(shape), jax.ShapeDtypeStruct(shape, self.dtype), ordered=True)
+
+
+def _served(mp, **modules):
+    """``_patched`` with run-time stand-ins (``_Served``) instead of trace-time ones."""
+    calls = []
+    for module, kw in modules.items():
+        fake = {
+            name: _Served(arrays, jnp.int32 if name in ("randint", "permutation") else jnp.float32)
+            for name, arrays in kw.items()
+        }
+        calls += fake.values()
+        mp.setattr(
+            {"ravl": ravl, "dynamics": dynamics, "replay": replay, "distributions": distributions}[module],
+            "jax",
+            _Jax(**fake),
+        )
+    jax.clear_caches()
+    return calls
+
+
+def test_rollouts_of_three_steps_into_the_fifo(fx, dyn):
+    """``RolloutGenerator.generate_rollouts`` with k = 3 from 12 dataset states against our ``ravl.rollouts``
+    (``dynamics.rollout``: static shapes and a ``valid`` mask where the reference drops a terminated row
+    from the batch).  The reference's draws of each step (the survivors') are given to our rows that are
+    still valid (the others get zeros, which only reach invalid entries).  The FIFO holds the same 21
+    transitions in the same order: 12 first steps, then the 6 and 3 rows still running."""
+    cfg = dataclasses.replace(CFG, horizon=3, rollout_batch=12, retain_epochs=1)
+    state = _agent_state(fx)
+    state = state.replace(actor_params=load_into(state.actor_params, corl_actor(fx, "update/actor")))
+    model = _model(fx, dyn["elites"])
+    rank = fx["dyn/rank"]
+    noise = np.zeros((3, M, 12, 4), np.float32)
+    noise[:, rank] = fx["rollk/noise"].transpose(0, 2, 1, 3)  # sorted member j is our member rank[j]
+    data = ravl.Data(_dataset(fx), replay.init(ravl.model_capacity(cfg), 3, 2))
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _served(
+            mp,
+            ravl={"randint": [fx["rollk/start_rows"]]},
+            distributions={"normal": list(fx["rollk/eps"])},
+            dynamics={"normal": list(noise), "randint": list(fx["rollk/pick"])},
+        )
+        run = jax.jit(lambda s, d, m, k: ravl.rollouts(s, d, m, k, cfg, termination.termination_fn("hopper-medium-v2")))
+        new_data, stats = jax.device_get(run(state, data, model, jax.random.key(0)))
+        assert not any(c.left for c in calls), "fixed draws left unused"
+    jax.clear_caches()
+    n = int(fx["rollk/transitions_added"])
+    assert int(new_data.model.size) == int(new_data.model.ptr) == n == fx["rollk/alive"].sum() == 21
+    got, want = (
+        new_data.model.data,
+        {k: fx[f"rollk/buffer/{k}"][:n] for k in ("obs", "action", "reward", "next_obs", "terminated")},
+    )
+    close(got.obs[:n], want["obs"], "rollout states")
+    close(got.action[:n], want["action"], "policy actions")
+    close(got.next_obs[:n], want["next_obs"], "model next states")
+    close(got.reward[:n], want["reward"], "model rewards")
+    np.testing.assert_array_equal(got.terminated[:n], want["terminated"] > 0.5)
+    # the survivors: a row that terminated at step t (stored, terminated) has no step t + 1
+    alive = fx["rollk/alive"]
+    np.testing.assert_array_equal(
+        alive[1:].sum(1), alive[:-1].sum(1) - [want["terminated"][:12].sum(), want["terminated"][12:18].sum()]
+    )
+    # logged statistics: the reference's ave_length is ours valid_fraction x k; its mean_reward sums the
+    # rewards over k x 12 slots, ours averages over the valid rows
+    close(stats["rollout/valid_fraction"] * 3, fx["rollk/ave_length"], "average rollout length")
+    close(stats["rollout/reward_mean"] * stats["rollout/valid_fraction"], fx["rollk/mean_reward"], "mean reward")
+    close(stats["rollout/terminated_fraction"], want["terminated"].sum() / 12, "terminated fraction")
+
+
+# ----------------------------------------------------------------------------- (e) the whole dynamics fit
+FIT_CFG = dataclasses.replace(DYN, lr=1e-2, min_epochs=46, max_epochs=60, holdout=0.25)
+# The kept weights are compared within FIT_WEIGHT_ATOL of each leaf's largest entry (largest measured 3.4e-6).
+# At lr 0.02 this fit amplified Adam's float32 constants (optax takes b2 as float32(0.999); docs/fidelity.md,
+# PPO: Found) to 1e-3 in the holdout MSE; at 0.01 everything stays within 6e-6.
+FIT_WEIGHT_ATOL = 1e-5
+
+
+def _fit_tree(fx, prefix, members):
+    """The reference's fit weights ``{prefix}/{j}/...`` -> ours, our member ``members[j]`` (no bounds)."""
+    tree = {}
+    for path, name in LAYERS.items():
+        k, b = zip(*(torch_linear(fx, f"{prefix}/{j}", name) for j in range(M)))
+        order = np.argsort(members)
+        tree[(*path, "kernel")], tree[(*path, "bias")] = np.stack(k)[order], np.stack(b)[order]
+    return tree
+
+
+@pytest.fixture(scope="module")
+def fit(fx):
+    """Our ``dynamics.train`` on the 24 rows, given the reference's draws: its final holdout split (train()
+    re-shuffles load_memory's), its bootstrap resamples, each epoch's member deal and row order; its initial
+    weights and input statistics (difference 5) enter through ``init_model``."""
+    meta = json.loads(str(fx["meta"]))["fit"]
+    assert (FIT_CFG.lr, FIT_CFG.min_epochs, FIT_CFG.max_epochs) == (
+        meta["model_lr"],
+        meta["min_epochs"],
+        meta["epochs"],
+    )
+    d = {k: fx[f"dataset/{k}"] for k in ("observations", "actions", "rewards", "next_observations")}
+    train_rows, val_rows = fx["fit/train_rows"], fx["fit/validate_rows"]
+    ours = np.sort(train_rows)  # our training row j is dataset row ours[j]
+    position = {int(r): j for j, r in enumerate(ours)}
+    boot = np.vectorize(lambda i: position[int(train_rows[i])])(fx["fit/boot"]).astype(np.int32)
+    perms = [np.concatenate([val_rows, train_rows])]
+    for deal, order in zip(fx["fit/deal"], fx["fit/order"]):
+        perms += [deal, order]
+    init_model = dynamics.init_model
+
+    def reference_init(*args, **kw):
+        model = init_model(*args, **kw)
+        tree = _fit_tree(fx, "fit/init", np.arange(M))
+        for name, bound in zip(("max_logvar", "min_logvar"), meta["bounds"]):  # far from the outputs (see below)
+            tree[(name,)] = np.full((M, 4), bound, np.float32)
+        return model.replace(
+            params=load_into(model.params, tree),
+            input_mean=jnp.asarray(fx["fit/input_mean"]),
+            input_std=jnp.asarray(fx["fit/input_std"]),
+        )
+
+    rows = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dynamics, "init_model", reference_init)
+        calls = _served(mp, dynamics={"permutation": perms, "randint": [boot]})
+        model, info = dynamics.train(
+            jax.random.key(0),
+            d["observations"],
+            d["actions"],
+            d["rewards"],
+            d["next_observations"],
+            FIT_CFG,
+            log=lambda epoch, row: rows.append(row),
+        )
+        assert not any(c.left for c in calls), "fixed draws left unused"
+    jax.clear_caches()
+    return jax.device_get(model), info, rows
+
+
+def _leaf_of(params, name):
+    return flat(params)[(name,)]
+
+
+@pytest.mark.slow  # the fit (its fixture): about 4 s on 2 shared cores
+def test_fit_holdout_curve_lr_cut_and_stop(fx, fit):
+    """Every epoch's holdout MSE of every member, the members that improved by more than 1% (the closest
+    call is 1.8e-4 from the threshold, at epoch 13), the epoch the lr was cut (46: the first stall ends at min_epochs,
+    where the reference's 0-based i >= min_epochs does not yet stop) and the epoch training stopped (51:
+    five epochs without progress after the cut, which resets the count)."""
+    _, info, rows = fit
+    val = fx["fit/val_mse"]
+    close(info["val_curve"], val, "holdout MSE per epoch (0: before training)")
+    np.testing.assert_array_equal([r["progress"] for r in rows], fx["fit/improved"][1:])
+    close(np.stack([r["best_val_mse"] for r in rows]), fx["fit/best"][1:], "best holdout MSE so far")
+    assert info["lr_cut_epoch"] == int(fx["fit/lr_cut_epoch"]) == FIT_CFG.min_epochs == 46
+    assert info["epochs"] == len(val) - 1 == 51 and info["stopped_early"]
+    assert [r["action"] for r in rows].count("cut_lr") == 1 and rows[-1]["action"] == "stop"
+    close([r["lr"] for r in rows], [1e-2] * 46 + [3e-3] * 5, "lr per epoch")
+
+
+@pytest.mark.slow  # the fit (its fixture): about 4 s on 2 shared cores
+def test_fit_best_weights_and_elites(fx, fit):
+    """The kept weights: each member's at its best epoch (the reference loads them at the stop), and the
+    elites by the kept holdout MSE.  Difference 1 (shared log-variance bounds): the reference's are the last
+    epoch's shared pair, ours each member's own at its best epoch."""
+    model, info, _ = fit
+    rank = fx["fit/rank"]
+    np.testing.assert_array_equal(np.asarray(model.elites), rank[fx["fit/elites_idx"]])
+    close(info["val_mse"][rank], fx["fit/final_val_mse"], "kept holdout MSE (reference: sorted)")
+    got = {k: v for k, v in flat(model.params).items() if k[-1] not in ("max_logvar", "min_logvar")}
+    want = _fit_tree(fx, "fit/final", rank)
+    for name in sorted(want, key=str):
+        scale = FIT_WEIGHT_ATOL * np.abs(want[name]).max()
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=scale, err_msg=f"kept weights {name}")
+    # the bounds: far from the outputs, their gradient is the penalty's +-0.01 alone, so every Adam step moves
+    # them by the lr: the reference's end at the last epoch's, ours at each member's best epoch
+    best = fx["fit/best"]
+    best_epoch = np.array([np.flatnonzero(best[1:, m] < best[:-1, m]).max() + 1 for m in range(M)])
+    lr = np.array([0.0] + [r["lr"] for r in fit[2]])
+    moved = lambda epoch: lr[: epoch + 1].sum()  # noqa: E731
+    bounds = json.loads(str(fx["meta"]))["fit"]["bounds"]
+    for name, bound, sign in (("max_logvar", bounds[0], -1.0), ("min_logvar", bounds[1], 1.0)):
+        close(fx[f"fit/final/{name}"], np.full(4, bound + sign * moved(len(lr) - 1)), f"reference {name}", atol=1e-4)
+        want = (bound + sign * np.vectorize(moved)(best_epoch))[:, None] * np.ones(4)
+        close(_leaf_of(model.params, name), want, f"our {name}, at each best epoch", atol=1e-4)
+    assert len(set(best_epoch)) > 1 and best_epoch.max() < len(lr) - 1  # the bounds kept differ from the last

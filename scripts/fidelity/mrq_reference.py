@@ -17,10 +17,23 @@ Reference (read from a fetched snapshot, never copied into this repository): fac
   ``Agent.train_encoder`` and ``Agent.train_rl`` are called on the fixed batch, and the priority block of
   ``Agent.train`` (the body of ``if self.prioritized:``) runs on ``train_rl``'s returned Q and target.
 
-Nothing else of the reference runs (``buffer.py`` is not executed: the batch it would sample is supplied
-in its layout, ``state (B, H, S)``, ``action (B, H, A)``, ``next_state (B, H, S)``, ``reward (B, H, 1)``,
-``not_done (B, H, 1)``; the Q batch is its ``include_intermediate=False`` form, first state and action
-and the state after H_Q steps).  Changes made from outside, none touching the reference's code:
+For sections 1-3 ``buffer.py`` is not executed: the batch it would sample is supplied in its layout,
+``state (B, H, S)``, ``action (B, H, A)``, ``next_state (B, H, S)``, ``reward (B, H, 1)``, ``not_done (B, H, 1)``;
+the Q batch is its ``include_intermediate=False`` form, first state and action and the state after H_Q steps.
+Sections 4 and 5 run ``MRQ/buffer.py``'s ``ReplayBuffer`` as it stands:
+
+* 4, the replay: the buffer as ``Agent.__init__`` builds it (horizon 5, LAP, initial priority 1; capacity 64,
+  batch 8) fed 46 transitions of 8 episodes (terminated, truncated, shorter than the horizon, still running):
+  its mask after every add; at 35 and 46 transitions its priorities, maximum, reward scale, one sample of
+  each kind (H_enc = 5 with ``include_intermediate=True``, H_Q = 3 without) with ``torch.rand``'s uniform
+  numbers recorded, and after the first, ``update_priority`` with fixed priorities;
+* 5, the schedule: ``Agent.train`` whole, after each ``add`` (as ``main.py``), with batch 3, buffer 24,
+  ``target_update_freq`` 3 and ``buffer_size_before_training`` 18, on one unending 30-step episode (the
+  ring wraps): every draw recorded in order (the slots of each ``sample_ind``, the noise of each
+  ``torch.randn_like``), the reward scales, priorities and encoder steps after each call, every network and
+  target at the end.
+
+Changes made from outside, none touching the reference's code:
 
 * weights: the reference's own init (Xavier-uniform, gain sqrt 2, zero biases) with ``torch.manual_seed(0)``;
   then every Linear bias is drawn N(0, 0.1^2) (zero biases would hide a bias mix-up) and every target
@@ -39,6 +52,11 @@ and the state after H_Q steps).  Changes made from outside, none touching the re
   they come from the buffer's mean |reward| at the last two target syncs); ``min_priority`` is 2.5
   (reference 1, below every TD error of this batch): the clamp max(|delta|, min_priority) then holds
   about half of the rows (asserted), so that it shows.
+* the replay (sections 4, 5): ``torch.cuda.mem_get_info`` answers (0, 0) (``ReplayBuffer.__init__`` asks it
+  where to store; a CPU-only torch raises), and the ``torch.empty`` priority array is zeroed after
+  construction (never-written slots are masked, but 0 x NaN is NaN).  The torch seeds are chosen so that no
+  batch whose priorities are updated repeats a slot (which of two writes wins is unspecified, in torch as in
+  XLA): 0 for section 4 (asserted), the first from 0 for section 5 (recorded in ``meta``).
 * multi-step return (the zoo's deliberate deviation E4): ``train_rl`` runs twice on the Q batch, once
   with the reference's own ``multi_step_reward`` (run ``asis``; only its target and Q are recorded) and
   once with the corrected return R = sum_i gamma^i c_i r_i, c_i = prod_{j<i} (1 - d_j) computed here
@@ -68,7 +86,7 @@ import torch
 from sac_reference import RecordingOptimizer, arr, frame_locals
 from snapshot import compile_reference, load_definitions, read_snapshot
 
-FILES = {"models": "MRQ/models.py", "utils": "MRQ/utils.py", "mrq": "MRQ/MRQ.py"}
+FILES = {"models": "MRQ/models.py", "utils": "MRQ/utils.py", "mrq": "MRQ/MRQ.py", "buffer": "MRQ/buffer.py"}
 OBS_DIM, ACT_DIM, BATCH, WIDTH = 5, 2, 8, 16
 SIZES = dict(zs_dim=WIDTH, zsa_dim=WIDTH, za_dim=WIDTH // 2, enc_hdim=WIDTH, value_hdim=WIDTH, policy_hdim=WIDTH)
 REWARD_SCALE, TARGET_REWARD_SCALE, MIN_PRIORITY = 1.7, 0.6, 2.5
@@ -151,6 +169,207 @@ def multistep_corrected(reward, not_done, gamma: float):
     c = torch.cumprod(torch.cat([torch.ones_like(not_done[:, :1]), not_done[:, :-1]], 1), 1)
     g = gamma ** torch.arange(reward.shape[1], dtype=torch.float32).reshape(1, -1, 1)
     return (g * c * reward).sum(1), not_done.prod(1)
+
+
+# ----------------------------------------------------------------------------- the replay and the schedule
+REPLAY_CAP, REPLAY_BATCH = 64, 8  # section 4: buffer.ReplayBuffer alone (no wrap: 46 transitions + 7 final obs)
+# episodes of the replay run, (length, ending): every kind of window end (see test_fidelity_mrq.py)
+EPISODES = (
+    (9, "terminated"),
+    (7, "truncated"),
+    (3, "terminated"),  # shorter than H_enc = 5 ...
+    (2, "truncated"),  # ... followed by a truncation within H - 1 steps of its termination
+    (8, "terminated"),
+    (10, "truncated"),
+    (3, "terminated"),
+    (4, None),  # still running at the end
+)
+SNAPSHOTS = (35, 46)  # transitions stored when the buffer is sampled (the sixth step of episode 5; the end)
+REPLAY_SEED = 0  # torch seed of the replay's draws: the Q batch that sets priorities has no repeated window
+# section 5: Agent.train with its own ReplayBuffer, one unending episode (no final-observation slots), which wraps
+SCHEDULE = dict(batch_size=3, buffer_size=24, target_update_freq=3, buffer_size_before_training=18, min_priority=0.5)
+SCHEDULE_STEPS = 30  # trains after adds 19..30: 12 calls, target syncs at the 1st, 4th, 7th and 10th; wraps at 25
+
+
+@contextlib.contextmanager
+def cpu_storage():
+    """``ReplayBuffer.__init__`` asks ``torch.cuda.mem_get_info()`` whether its storage fits on the GPU; on a
+    CPU-only torch that raises, so it answers (0, 0): the storage stays on the (CPU) device."""
+    original = torch.cuda.mem_get_info
+    torch.cuda.mem_get_info = lambda *args, **kwargs: (0, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.mem_get_info = original
+
+
+@contextlib.contextmanager
+def recording(module, name: str, log: list, tag: str):
+    """``module.name`` runs as it stands and each result is appended to ``log`` as ``(tag, result)``."""
+    original = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        log.append((tag, result.detach().clone()))
+        return result
+
+    setattr(module, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def episode_stream(rng, episodes):
+    """Transitions of ``episodes``: (state, action, next_state, reward, terminated, truncated) rows."""
+    rows = []
+    for length, ending in episodes:
+        obs = rng.normal(size=(length + 1, OBS_DIM)).astype(np.float32)
+        act = rng.uniform(-0.9, 0.9, size=(length, ACT_DIM)).astype(np.float32)
+        rew = rng.normal(scale=1.5, size=length).astype(np.float32)
+        for t in range(length):
+            last = t == length - 1
+            rows.append(
+                (obs[t], act[t], obs[t + 1], rew[t], last and ending == "terminated", last and ending == "truncated")
+            )
+    return rows
+
+
+def stream_arrays(rows) -> dict:
+    return {
+        "obs": np.stack([r[0] for r in rows]),
+        "action": np.stack([r[1] for r in rows]),
+        "next_obs": np.stack([r[2] for r in rows]),
+        "reward": np.array([r[3] for r in rows], np.float32),
+        "terminated": np.array([r[4] for r in rows]),
+        "truncated": np.array([r[5] for r in rows]),
+    }
+
+
+def record_sample(out: dict, tag: str, rb, horizon: int, include_intermediate: bool):
+    """One ``ReplayBuffer.sample`` call: torch's uniform draws, the slots they pick and the five arrays."""
+    log = []
+    with recording(torch, "rand", log, "u"):
+        batch = rb.sample(horizon, include_intermediate=include_intermediate)
+    assert len(log) == 1
+    out[f"{tag}/u"], out[f"{tag}/ind"] = arr(log[0][1]), np.asarray(rb.sampled_ind, np.int32)
+    for name, x in zip(("state", "action", "next_state", "reward", "not_done"), batch):
+        out[f"{tag}/{name}"] = arr(x)
+
+
+def run_replay(buffer_ns, out: dict):
+    """Section 4: ``buffer.ReplayBuffer`` as MR.Q builds it (horizon max(H_enc, H_Q) = 5, LAP, initial priority
+    1) fed the episodes one transition at a time; its mask after every add, its priorities, two samples of
+    each kind, one priority update and its reward scale at the snapshots."""
+    rows = episode_stream(np.random.default_rng(11), EPISODES)
+    assert len(rows) == SNAPSHOTS[-1]
+    out.update({f"replay/inputs/{k}": v for k, v in stream_arrays(rows).items()})
+    with cpu_storage():
+        rb = buffer_ns["ReplayBuffer"](
+            (OBS_DIM,), ACT_DIM, 1.0, False, torch.device("cpu"), 1, 5, REPLAY_CAP, REPLAY_BATCH, True, 1.0
+        )
+    rb.priority.zero_()  # torch.empty: never-written slots hold whatever memory held (always masked, 0 * NaN = NaN)
+    torch.manual_seed(REPLAY_SEED)
+    slots, masks, sizes = [], [], []
+    for k, (s, a, s2, r, term, trunc) in enumerate(rows):
+        slots.append(rb.ind)
+        rb.add(s, a, s2, float(r), bool(term), bool(trunc))
+        masks.append(rb.mask.numpy() > 0)
+        sizes.append(rb.size)
+        if k + 1 not in SNAPSHOTS:
+            continue
+        tag = f"replay/at{k + 1}"
+        out[f"{tag}/priority"], out[f"{tag}/max_priority"] = arr(rb.priority), np.float32(rb.max_priority)
+        out[f"{tag}/csum_total"] = arr(torch.cumsum(rb.priority * rb.mask, 0)[-1])
+        out[f"{tag}/reward_scale"] = np.float32(rb.reward_scale())
+        record_sample(out, f"{tag}/enc", rb, 5, True)
+        record_sample(out, f"{tag}/q", rb, 3, False)
+        if k + 1 == SNAPSHOTS[0]:  # Agent.train's update_priority on the Q sample, with fixed priorities
+            assert len(set(rb.sampled_ind.tolist())) == REPLAY_BATCH, rb.sampled_ind  # no repeated slot
+            new = torch.tensor([0.6, 1.7, 0.9, 2.3, 1.2, 0.45, 1.9, 0.75], dtype=torch.float32)
+            rb.update_priority(new)
+            out[f"{tag}/new_priority"] = arr(new)
+            out[f"{tag}/priority_after"], out[f"{tag}/max_after"] = arr(rb.priority), np.float32(rb.max_priority)
+    out["replay/slot"] = np.asarray(slots, np.int32)  # the reference's slot of each transition
+    out["replay/mask"] = np.stack(masks)  # (transitions, capacity) after each add
+    out["replay/size"] = np.asarray(sizes, np.int32)
+    assert rb.ind < REPLAY_CAP and not any(rb.mask.numpy()[slot] for slot in set(range(rb.ind)) - set(slots))
+
+
+def schedule_once(ns, weights: dict, rows, seed: int):
+    """``Agent.train`` after each add, torch seeded with ``seed``: (draws in order, per-call logs, agent)."""
+    torch.manual_seed(0)
+    with cpu_storage():
+        agent = ns["Agent"](
+            (OBS_DIM,),
+            ACT_DIM,
+            1.0,
+            False,
+            False,
+            torch.device("cpu"),
+            1,
+            dict(SIZES, **SCHEDULE, enc_wd=WEIGHT_DECAY, value_wd=WEIGHT_DECAY, policy_wd=WEIGHT_DECAY),
+        )
+    for name, sd in weights.items():  # sections 1-3's weights; the first target sync copies the online ones
+        getattr(agent, name).load_state_dict(sd)
+    rb = agent.replay_buffer
+    rb.priority.zero_()
+    draws, encoder_steps, noise = [], [0], []
+    original_sample_ind, original_train_encoder = rb.sample_ind, agent.train_encoder
+
+    def sample_ind():  # the instance's own method, recorded
+        ind = original_sample_ind()
+        draws.append(("ind", np.asarray(ind, np.int32).copy()))
+        return ind
+
+    def train_encoder(*args):
+        encoder_steps[0] += 1
+        return original_train_encoder(*args)
+
+    rb.sample_ind, agent.train_encoder = sample_ind, train_encoder
+    torch.manual_seed(seed)
+    log = {k: [] for k in ("trained", "reward_scale", "target_reward_scale", "priority", "max_priority", "encoder")}
+    with recording(torch, "randn_like", noise, "noise"):
+        for s, a, s2, r, term, trunc in rows:
+            rb.add(s, a, s2, float(r), bool(term), bool(trunc))
+            before, n_noise = agent.training_steps, len(noise)
+            agent.train()
+            draws.extend(noise[n_noise:])
+            log["trained"].append(agent.training_steps > before)
+            log["reward_scale"].append(agent.reward_scale)
+            log["target_reward_scale"].append(agent.target_reward_scale)
+            log["priority"].append(arr(rb.priority))
+            log["max_priority"].append(rb.max_priority)
+            log["encoder"].append(encoder_steps[0])
+    return draws, log, agent
+
+
+def run_schedule(ns, weights: dict, out: dict) -> int:
+    """Section 5: ``Agent.train`` as it stands, with its own ``ReplayBuffer``, on one unending episode: every
+    random draw (the slots of each sample, the target-policy noise) recorded in order, the reward scales, the
+    priorities and the encoder steps after each call, and every network (and target) at the end.  The torch
+    seed is the first from 0 whose Q batches (those that set priorities) repeat no slot: which of two updates
+    of one slot wins is unspecified, in torch's index_put_ as in XLA's scatter.  Returns the seed."""
+    rows = episode_stream(np.random.default_rng(12), ((SCHEDULE_STEPS, None),))
+    out.update({f"sched/inputs/{k}": v for k, v in stream_arrays(rows).items()})
+    for seed in range(100):
+        draws, log, agent = schedule_once(ns, weights, rows, seed)
+        q_batches = [x for (tag, x), (nxt, _) in zip(draws, draws[1:]) if tag == "ind" and nxt == "noise"]
+        if all(len(set(x.tolist())) == len(x) for x in q_batches):
+            break
+    else:
+        raise SystemExit("no seed below 100 gives Q batches without a repeated slot")
+    out["sched/draw_kind"] = np.array([0 if tag == "ind" else 1 for tag, _ in draws], np.int8)  # 0 slots, 1 noise
+    out["sched/ind"] = np.stack([x for tag, x in draws if tag == "ind"])
+    out["sched/noise"] = np.stack([arr(x) for tag, x in draws if tag == "noise"])
+    out["sched/trained"] = np.asarray(log["trained"])
+    out["sched/encoder_steps"] = np.asarray(log["encoder"], np.int32)
+    out["sched/priority"] = np.stack(log["priority"])
+    for k in ("reward_scale", "target_reward_scale", "max_priority"):
+        out[f"sched/{k}"] = np.asarray(log[k], np.float32)
+    for name in weights:
+        record_params(out, f"sched/final/{name}", getattr(agent, name))
+    return seed
 
 
 def main():
@@ -301,6 +520,21 @@ def main():
     record_params(out, "step/value", stepper.value)
     record_params(out, "step/policy", stepper.policy)
 
+    # ------------------------------------------------------------------ 4. the replay, 5. the schedule
+    buffer_ns = load_definitions(src["buffer"][0], FILES["buffer"], {"ReplayBuffer"})
+    run_replay(buffer_ns, out)
+    sched_ns = load_definitions(
+        src["mrq"][0],
+        FILES["mrq"],
+        {"Hyperparameters", "Agent", "TwoHot", "realign", "masked_mse", "multi_step_reward", "maybe_augment_state"},
+        {
+            "models": SimpleNamespace(**models),
+            "utils": SimpleNamespace(**utils),
+            "buffer": SimpleNamespace(ReplayBuffer=buffer_ns["ReplayBuffer"]),
+        },
+    )
+    schedule_seed = run_schedule(sched_ns, weights, out)
+
     command = f"/tmp/refvenv/bin/python scripts/fidelity/mrq_reference.py --mrq {shlex.quote(a.mrq)}"
     keys = (
         "discount",
@@ -351,6 +585,16 @@ def main():
         "reward_scale": REWARD_SCALE,
         "target_reward_scale": TARGET_REWARD_SCALE,
         "min_priority": MIN_PRIORITY,
+        "replay": {
+            "capacity": REPLAY_CAP,
+            "batch": REPLAY_BATCH,
+            "horizon": 5,
+            "initial_priority": 1.0,
+            "episodes": [list(e) for e in EPISODES],
+            "snapshots": list(SNAPSHOTS),
+            "seed": REPLAY_SEED,
+        },
+        "schedule": {"hp": SCHEDULE, "steps": SCHEDULE_STEPS, "seed": schedule_seed},
     }
     out["meta"] = np.array(json.dumps(meta, sort_keys=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

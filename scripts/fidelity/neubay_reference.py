@@ -46,6 +46,11 @@ Changes made from outside, none touching the reference's code:
 * a second agent run with ``gradient_scale`` 0.05, where every group's clip acts (the zoo clips encoder
   and head together: a deliberate difference measured by the test), two updates on the same tape.
 * the Equinox LayerNorm epsilon is 1e-5 (the zoo's Flax LayerNorms use 1e-6; the test measures it).
+* last, ``train_model`` once more with its own stopping rule (``improve_thres`` 0.01, 5 epochs without a member
+  improving, no epoch cap), from the same seed (so the same init, asserted): each epoch's holdout MSE per
+  member (its ``get_mse_and_unc`` calls, wrapped), the members it improved (``update_selected_members``'
+  mask), each epoch's permutation key (the reference's key chain, checked against the last epoch's) and the
+  kept ensemble.  It stops at epoch 89; the arrays above are unchanged by it.
 
 Usage, in a venv of its own (never the project's venv)::
 
@@ -295,6 +300,74 @@ def tape(rng, in_dim):
         "next_truncated": np.zeros(T, bool),
         "real": real,
     }
+
+
+# the posterior fit to its early stop (after everything above, whose arrays it leaves as they were): the
+# reference's own rule (improve_thres 0.01, 5 epochs without a member improving), from the same init
+FIT_WORLD = dict(WORLD, total_epochs=None, improve_thres=0.01)  # lr 1e-3 (base.yaml's); stops at epoch 89
+
+
+def run_fit(ref, world_kw: dict, save_dir: str, created: list, out: dict) -> int:
+    """``LearnedContEnv.train_model`` to its early stop: each epoch's holdout MSE per member (its
+    ``get_mse_and_unc`` calls on the holdout rows), the members it improved (``update_selected_members``'
+    mask), each epoch's permutation key (the reference's key chain: ``PRNGKey(seed)``, split off the model
+    key, then the evaluation key, then one per epoch; checked against the last epoch's), the kept ensemble."""
+    world_ns = ref["world"]
+    calls, masks, logs = [], {}, []
+    mse_and_unc, update_members, wandb = (
+        world_ns["get_mse_and_unc"],
+        world_ns["update_selected_members"],
+        world_ns["wandb"],
+    )
+
+    def recording_mse(model, x, y):
+        result = mse_and_unc(model, x, y)
+        calls.append(np.asarray(result[0]))
+        return result
+
+    def recording_update(best, current, improved):
+        masks[len(logs)] = np.asarray(improved)  # logged epochs so far = this epoch's index
+        return update_members(best, current, improved)
+
+    world_ns["get_mse_and_unc"], world_ns["update_selected_members"] = recording_mse, recording_update
+    world_ns["wandb"] = SimpleNamespace(init=lambda **k: None, log=lambda row, *a, **k: logs.append(dict(row)))
+    first = len(created)
+    world, frames = ref["world"]["LearnedContEnv"](), {}
+    try:
+        with locals_at_return({"train_model"}, frames):
+            world.train_model(
+                domain="stand-in", dataset_name="fit", seed=0, save_dir=save_dir, plot_dir=save_dir, **world_kw
+            )
+    finally:
+        world_ns["get_mse_and_unc"], world_ns["update_selected_members"], world_ns["wandb"] = (
+            mse_and_unc,
+            update_members,
+            wandb,
+        )
+    tm = frames["train_model"]
+    epochs = int(tm["epoch"])
+    # calls: holdout and training subset before the loop, the same pair each epoch, the kept ensemble's holdout
+    assert len(calls) == 2 * epochs + 3, (len(calls), epochs)
+    out["fit/val_mse"] = np.stack([calls[2 * e] for e in range(epochs + 1)])  # epoch 0 (before training) .. stop
+    out["fit/final_val_mse"] = calls[-1]
+    out["fit/improved"] = np.stack(
+        [np.zeros(world_kw["total_size"], bool)]
+        + [masks.get(e, np.zeros(world_kw["total_size"], bool)) for e in range(1, epochs + 1)]
+    )
+    assert [int(r["num_improved"]) for r in logs[1:]] == out["fit/improved"][1:].sum(1).tolist()
+    key = jax.random.PRNGKey(0)
+    key, _ = jax.random.split(key)  # the model's key
+    key, _ = jax.random.split(key)  # the evaluation rows' key
+    perm_keys = []
+    for _ in range(epochs):
+        key, perm_key = jax.random.split(key)
+        perm_keys.append(np.asarray(perm_key))
+    assert np.array_equal(perm_keys[-1], np.asarray(tm["perm_key"]))
+    out["fit/perm_keys"] = np.stack(perm_keys)
+    record(out, "fit/kept", world.ensemble)
+    init = leaves(created[first])
+    assert all(np.array_equal(v, out[f"wm/init/{k}"]) for k, v in init.items())  # seed 0: the same init as above
+    return epochs
 
 
 def main():
@@ -582,6 +655,10 @@ def main():
     record(out, "clip/q", state[0])
     record(out, "clip/pi", state[1])
 
+    # ------------------------------------------------------------------ 5. the posterior fit to its early stop
+    fit_world = dict(FIT_WORLD, weight_decay=config["ensemble"]["weight_decay"])
+    fit_epochs = run_fit(ref, fit_world, save_dir, created, out)
+
     command = f"/tmp/neubayvenv/bin/python scripts/fidelity/neubay_reference.py --neubay {shlex.quote(a.neubay)}"
     meta = {
         "generator": "scripts/fidelity/neubay_reference.py",
@@ -594,6 +671,7 @@ def main():
         },
         "neubay": {"repository": "https://github.com/twni2016/neubay", "commit": commit, "files": list(FILES.values())},
         "world": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in wm.items()},
+        "fit": {**fit_world, "epochs_run": fit_epochs},
         "elites": ELITES,
         "quantile": QUANTILE,
         "penalty": PENALTY,

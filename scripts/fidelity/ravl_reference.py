@@ -25,6 +25,21 @@ Reference (read from a fetched snapshot, never copied into this repository).  Ex
   defaults of its ``TrainConfig`` and of ``train_dynamics_model.py``'s ``EnsembleTrainConfig`` are
   recorded in ``meta``.
 
+After those, two more runs (their arrays are new; the ones above are unchanged):
+
+* ``RolloutGenerator.generate_rollouts`` with k = 3 from 12 dataset states into an empty one-epoch model
+  buffer (the updated actor, the elite-sorted ensemble): each step's draws have the survivors' shape and
+  are drawn at the call and recorded (model noise N(0, 0.2^2): at N(0, 1) the model's sigma ends every row
+  at the first step);
+* ``train_dynamics_model.py``'s ``train`` whole (without ``@pyrallis.wrap()``, which parses argv) on the 24
+  rows, lr 0.01, min_epochs 46: an lr cut at epoch 46, an early stop at 51 (asserted).  Stand-ins for gym
+  (shapes), d4rl (the dataset), the saver, and the datasets' ``.to("cuda:0")`` (``train`` asserts that
+  device; the tensors stay on the CPU).  Recorded: the final split, the bootstrap, each epoch's member deal
+  and loader order, each epoch's holdout MSEs (``check_validation_losses`` wrapped), the lr cut, the kept
+  weights (loaded at the stop, then sorted by ``select_elites``) and the shared bounds.  The buffers'
+  ``default_rng()`` is unseeded in the reference; here it is seeded (5).  The log-variance bounds start at
+  (20, -30), far from the outputs (see ``FIT_BOUNDS``).
+
 Order, as the reference's scripts run: the dynamics ensemble's holdout losses and elites
 (``select_elites``, on a copy of the initial weights), one Adam step of the ensemble on the training
 split, then (on the elite-sorted copy) a one-step rollout of the stochastic actor from 8 dataset
@@ -49,6 +64,7 @@ Changes made from outside, none touching the reference's code:
 * device: the reference asserts CUDA; on CPU ``Tensor.get_device()`` is -1, which ``.to()`` rejects, so
   during the rollout it returns "cpu" (on CUDA it returns 0 and ``.to(0)`` keeps the tensor where it is).
 * ``tqdm.trange`` (not installed) is ``range``; the logger is a stand-in.
+* ``shared/utils.py``'s ``set_seed`` runs as it stands inside ``train`` (its ``gym`` annotation unevaluated).
 
 Usage, in a venv of its own with torch (never the project's venv)::
 
@@ -85,6 +101,7 @@ FILES = {
     "rollout": "agent_training/rollout_generation.py",
     "train_dynamics": "train_dynamics_model.py",
     "train_agent": "train_ravl_agent.py",
+    "utils": "shared/utils.py",
 }
 OBS_DIM, ACT_DIM = 3, 2
 MEMBERS, ELITES, DYN_WIDTH = 5, 3, 16
@@ -449,6 +466,242 @@ def run_update(sources, agent, real_buffer, model_buffer, rng, out):
     out["update/exp_avg/log_alpha"] = arr(agent.alpha_optimizer.state[agent.log_alpha]["exp_avg"])[0]
 
 
+# ----------------------------------------------------------------------------- k-step rollouts
+ROLLOUTS_K, HORIZON_K = 12, 3  # 12 start states, k = 3: rows leave the batch as they terminate
+ROLLOUT_SEED = 21
+NOISE_SCALE_K = 0.2  # model noise N(0, 0.2^2): at N(0, 1) the model's sigma ends every row at the first step
+
+
+def run_rollouts_k(ref, sorted_ensemble, actor, dataset, rng, out):
+    """``RolloutGenerator.generate_rollouts`` with k = 3 into an empty model buffer of one epoch (12 x 3 rows).
+
+    Each step's draws have the survivors' shape (the reference drops a terminated row from the batch): they are
+    drawn here at the call (``Normal.rsample``'s eps, ``torch.randn_like``'s model noise, ``torch.randint``'s
+    elite per row) and recorded, with the rows they belong to, as full (k, 12, ...) arrays (0 where a row has
+    left)."""
+    roll = ref["rollout"]
+    model = roll["DynamicsModel"].__new__(roll["DynamicsModel"])
+    model.env_name, model.state_dim, model.action_dim = ENV_NAME, OBS_DIM, ACT_DIM
+    model.ensemble, done_func = sorted_ensemble, roll["get_done_func"](ENV_NAME)
+    draws = {"eps": [], "noise": [], "pick": [], "done": []}
+
+    def rsample(self, sample_shape=torch.Size()):
+        assert tuple(sample_shape) == ()
+        draws["eps"].append(rng.standard_normal(tuple(self.loc.shape)).astype(np.float32))
+        return self.loc + torch.as_tensor(draws["eps"][-1]) * self.scale
+
+    def randn_like(x, *args, **kw):
+        draws["noise"].append((NOISE_SCALE_K * rng.standard_normal(tuple(x.shape))).astype(np.float32))
+        return torch.as_tensor(draws["noise"][-1])
+
+    def randint(low, high, size, *args, **kw):
+        assert (low, high) == (0, ELITES)
+        draws["pick"].append(rng.integers(low, high, size))
+        return torch.as_tensor(draws["pick"][-1])
+
+    def done_fn(next_obs):
+        done = done_func(next_obs)
+        draws["done"].append(done.numpy().copy())
+        return done
+
+    model.done_func = done_fn
+    start_rows = rng.integers(0, N_DATA, ROLLOUTS_K)
+    buffer = ref["buffer"]["DataBuffer"](
+        state_dim=OBS_DIM, action_dim=ACT_DIM, buffer_size=ROLLOUTS_K * HORIZON_K, as_numpy=False
+    )
+    gen = roll["RolloutGenerator"](model, actor, steps_k=HORIZON_K, num_rollouts=ROLLOUTS_K, buffer=buffer)
+    with (
+        patched(torch.distributions.Normal, "rsample", rsample),
+        patched(torch, "randn_like", randn_like),
+        patched(torch, "randint", randint),
+        patched(torch.Tensor, "get_device", lambda self: "cpu"),
+    ):
+        info = gen.generate_rollouts(torch.as_tensor(dataset["observations"][start_rows]))
+    assert len(draws["done"]) == HORIZON_K, "a rollout step was skipped (all rows terminated)"
+    alive = np.zeros((HORIZON_K, ROLLOUTS_K), bool)
+    full = {
+        "eps": np.zeros((HORIZON_K, ROLLOUTS_K, ACT_DIM), np.float32),
+        "noise": np.zeros((HORIZON_K, ROLLOUTS_K, MEMBERS, OBS_DIM + 1), np.float32),
+        "pick": np.zeros((HORIZON_K, ROLLOUTS_K), np.int32),
+    }
+    rows = np.arange(ROLLOUTS_K)
+    for t in range(HORIZON_K):
+        alive[t, rows] = True
+        for k in full:
+            full[k][t, rows] = draws[k][t]
+        rows = rows[~draws["done"][t]]
+    ended = [int((~alive[t + 1] & alive[t]).sum()) if t + 1 < HORIZON_K else 0 for t in range(HORIZON_K)]
+    assert min(ended[:-1]) >= 1 and alive[-1].sum() >= 2, (ended, alive.sum(1))  # rows end at each step; some last
+    out["rollk/start_rows"] = start_rows.astype(np.int32)
+    out["rollk/alive"] = alive
+    for k, v in full.items():
+        out[f"rollk/{k}"] = v
+    states, actions, rewards, next_states, dones = (arr(x) for x in buffer.sample_all())
+    for k, v in dict(
+        obs=states, action=actions, reward=rewards[:, 0], next_obs=next_states, terminated=dones[:, 0]
+    ).items():
+        out[f"rollk/buffer/{k}"] = v
+    for k in ("transitions_added", "ave_length", "mean_reward"):
+        out[f"rollk/{k}"] = np.float32(info[f"rollouts/{k}"])
+
+
+# ----------------------------------------------------------------------------- the whole dynamics fit
+# train_dynamics_model.train on the same 24 rows, to its early stop: one minibatch per epoch (its batch is 256),
+# the reference's init, an lr cut before min_epochs and a stop after it (asserted)
+# the first stall ends at epoch 46 = min_epochs (an lr cut: the reference stops from i >= min_epochs, 0-based), no
+# gain right after the cut, a stop at 51
+FIT = dict(epochs=60, min_epochs=46, model_lr=1e-2, seed=0)
+# log-variance bounds far from the raw outputs (~0): at the defaults (0.5, -10) the upper soft clamp acts (its
+# slope is sigmoid(0.5 - 0) = 0.62) and difference 1 (shared bounds) alone separates the two fits from epoch 8
+FIT_BOUNDS = (20.0, -30.0)
+FIT_BUFFER_SEED = 5  # DataBuffer's default_rng() is unseeded in the reference: train()'s memory.sample draws here
+
+
+def fit_function(source: str, filename: str):
+    """``train_dynamics_model.train`` as it stands, without ``@pyrallis.wrap()`` (which parses argv)."""
+    for node in ast.parse(source, filename).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "train":
+            node.decorator_list = []
+            return compile_reference([node], filename)
+    raise SystemExit(f"{filename}: def train not found")
+
+
+@contextlib.contextmanager
+def recorded(obj, name: str, log: list, result=lambda r: r):
+    """``obj.name`` runs as it stands; ``result(return value)`` is appended to ``log``."""
+    original = getattr(obj, name)
+
+    def call(*args, **kw):
+        r = original(*args, **kw)
+        log.append(result(r))
+        return r
+
+    setattr(obj, name, call)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+def run_fit(ref, sources, dataset, out):
+    """Section (d): ``train_dynamics_model.train`` whole, with stand-ins for gym / d4rl (shapes, the dataset),
+    the device moves (``.to("cuda:0")`` keeps the tensor) and the saver; every random draw recorded."""
+    ens = ref["ensemble"]
+    created, checks, cuts, saved = [], [], [], []
+
+    class Ensemble(ens["Ensemble"]):
+        def __init__(self, params):
+            super().__init__(params)
+            created.append(self)
+            self.original = {id(m): i for i, m in self.networks.items()}
+            with torch.no_grad():  # in place: the optimizer's param groups and the members hold these tensors
+                self.max_logvar.fill_(FIT_BOUNDS[0]), self.min_logvar.fill_(FIT_BOUNDS[1])
+            for i, model in self.networks.items():
+                named(model.net, f"fit/init/{i}", out)
+
+    class StepLR(torch.optim.lr_scheduler.StepLR):
+        def step(self, *args, **kw):
+            if hasattr(self, "_h45_ready"):
+                cuts.append(len(checks) - 1)  # the epoch (1-based) whose check cut the lr
+            super().step(*args, **kw)
+            self._h45_ready = True
+
+    def check(loader, ensemble):
+        improved, losses = check_validation_losses(loader, ensemble)
+        checks.append((improved, np.array(losses), ensemble.current_best_losses.copy()))
+        return improved, losses
+
+    utils = load_definitions(sources["utils"], FILES["utils"], {"set_seed"}, lazy_annotations=True)
+    env = SimpleNamespace(
+        observation_space=SimpleNamespace(shape=(OBS_DIM,)), action_space=SimpleNamespace(shape=(ACT_DIM,))
+    )
+    ns = load_definitions(
+        sources["train_dynamics"],
+        FILES["train_dynamics"],
+        {"EnsembleTrainConfig", "check_validation_losses"},
+        {
+            "Ensemble": Ensemble,
+            "EnsembleTransitionDataset": ens["EnsembleTransitionDataset"],
+            "TransitionDataset": ens["TransitionDataset"],
+            "Transition": ens["Transition"],
+            "save_ensemble_model": lambda ensemble, path: saved.append(path),
+            "set_seed": utils["set_seed"],
+            "gym": SimpleNamespace(make=lambda name: env),
+            "d4rl": SimpleNamespace(qlearning_dataset=lambda env: dataset),
+        },
+    )
+    check_validation_losses = ns["check_validation_losses"]
+    ns["check_validation_losses"] = check
+    exec(fit_function(sources["train_dynamics"], FILES["train_dynamics"]), ns)
+    config = ns["EnsembleTrainConfig"](
+        env_name=ENV_NAME,
+        num_models=MEMBERS,
+        num_elites=ELITES,
+        train_memory=N_DATA,
+        val_memory=N_DATA,
+        train_val_ratio=VAL_RATIO,
+        hidden_dim=DYN_WIDTH,
+        save_model=False,
+        device="cuda:0",  # train() asserts it; the datasets' .to(device) keep their tensors on the CPU
+        **FIT,
+    )
+    draws = {"permutation": [], "randint": [], "choice": [], "rows": [], "order": []}
+    sampler_iter = torch.utils.data.RandomSampler.__iter__
+
+    def sampler_order(self):
+        order = list(sampler_iter(self))
+        draws["order"].append(np.asarray(order, np.int32))
+        return iter(order)
+
+    buffer_rng = ref["buffer"]["default_rng"]
+    frame = {}
+    with (
+        recorded(np.random, "permutation", draws["permutation"], np.copy),
+        recorded(np.random, "randint", draws["randint"], np.copy),
+        recorded(np.random, "choice", draws["choice"], np.copy),
+        patched(torch.utils.data.RandomSampler, "__iter__", sampler_order),
+        patched(torch.optim.lr_scheduler, "StepLR", StepLR),
+        patched(ens["TransitionDataset"], "to", lambda self, device: self),
+        patched(ens["EnsembleTransitionDataset"], "to", lambda self, device: self),
+        contextlib.redirect_stdout(open(os.devnull, "w")),
+        frame_locals("train", frame),
+    ):
+        ref["buffer"]["default_rng"] = lambda: np.random.default_rng(FIT_BUFFER_SEED)
+        try:
+            ns["train"](config)
+        finally:
+            ref["buffer"]["default_rng"] = buffer_rng
+    ensemble = created[0]
+    epochs = len(checks) - 1
+    # the rows of the final split (train() re-shuffles load_memory's split), as dataset row indices
+    rows = {tuple(r): i for i, r in enumerate(dataset["observations"].tolist())}
+    for name in ("samples_train", "samples_validate"):
+        out[f"fit/{name.split('_')[1]}_rows"] = np.array(
+            [rows[tuple(np.asarray(s).tolist())] for s in frame[name].state], np.int32
+        )
+    out["fit/boot"] = draws["randint"][0].astype(np.int32)  # EnsembleTransitionDataset's bootstrap, over train rows
+    out["fit/deal"] = np.stack(draws["choice"]).astype(np.int32)  # perm per epoch: member i trains on resample perm[i]
+    out["fit/order"] = np.stack(draws["order"])  # the loader's row order per epoch (one minibatch)
+    out["fit/val_mse"] = np.stack([c[1] for c in checks]).astype(np.float32)  # epoch 0 .. stop, original members
+    out["fit/improved"] = np.array([c[0] for c in checks])
+    out["fit/best"] = np.stack([c[2] for c in checks]).astype(np.float32)
+    out["fit/lr_cut_epoch"] = np.int32(cuts[0] if cuts else -1)
+    out["fit/input_mean"] = np.concatenate([ensemble.state_filter.mean, ensemble.action_filter.mean]).astype(np.float32)
+    out["fit/input_std"] = np.concatenate([ensemble.state_filter.stdev, ensemble.action_filter.stdev]).astype(
+        np.float32
+    )
+    # after the stop: every member's best weights loaded, then select_elites sorted the members by holdout MSE
+    out["fit/rank"] = np.array([ensemble.original[id(m)] for m in ensemble.networks.values()], np.int32)
+    for j, model in ensemble.networks.items():
+        named(model.net, f"fit/final/{j}", out)
+    out["fit/final/max_logvar"], out["fit/final/min_logvar"] = arr(ensemble.max_logvar), arr(ensemble.min_logvar)
+    out["fit/elites_idx"] = np.array(ensemble._elites_idx, np.int32)
+    out["fit/final_val_mse"] = np.array(sorted(ensemble.current_best_losses), np.float32)
+    assert not saved  # save_model=False
+    assert cuts and FIT["min_epochs"] < epochs < FIT["epochs"], (cuts, epochs)  # an lr cut, then an early stop
+    return epochs
+
+
 # ----------------------------------------------------------------------------- main
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -498,6 +751,9 @@ def main():
     out["rollout/start_rows"] = start_rows.astype(np.int32)
     run_rollout(ref, sorted_ensemble, agent.actor, model_buffer, dataset["observations"][start_rows], rng, out)
     run_update(sources, agent, real_buffer, model_buffer, rng, out)
+    # after the checks above (their arrays are as before): k = 3 rollouts of the updated actor, the whole fit
+    run_rollouts_k(ref, sorted_ensemble, agent.actor, dataset, np.random.default_rng(ROLLOUT_SEED), out)
+    fit_epochs = run_fit(ref, sources, dataset, out)
 
     command = f"/tmp/refvenv/bin/python scripts/fidelity/ravl_reference.py --ravl {shlex.quote(a.ravl)}"
     meta = {
@@ -531,6 +787,19 @@ def main():
         "lr": LR,
         "log_alpha": LOG_ALPHA,
         "model_lr": 1e-3,
+        "rollouts_k": {
+            "rollouts": ROLLOUTS_K,
+            "horizon": HORIZON_K,
+            "seed": ROLLOUT_SEED,
+            "noise_scale": NOISE_SCALE_K,
+        },
+        "fit": {
+            **FIT,
+            "epochs_run": fit_epochs,
+            "buffer_seed": FIT_BUFFER_SEED,
+            "batch_size": 256,
+            "bounds": FIT_BOUNDS,
+        },
         "reference_defaults": {
             "TrainConfig": config_defaults(sources["train_agent"], FILES["train_agent"], "TrainConfig"),
             "EnsembleTrainConfig": config_defaults(
