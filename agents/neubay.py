@@ -80,7 +80,7 @@ from plasticity_zoo.agents import imagination, sac
 from plasticity_zoo.agents.api import OfflineDataConfig
 from plasticity_zoo.agents.dynamics import DynamicsConfig, neubay_config
 from plasticity_zoo.buffers import tapes as tapes_lib
-from plasticity_zoo.envs import datasets, termination
+from plasticity_zoo.envs import scores, termination
 from plasticity_zoo.networks import GaussianPolicyHead, MLPHead, Net, TrunkSpec, build, fan_in_uniform_init
 from plasticity_zoo.networks.config import NetworkConfig
 from plasticity_zoo.networks.core import path_names, uniform_fan_in
@@ -226,7 +226,7 @@ def task_config(cfg: NeuBayConfig, env: str, kind: Optional[str], **overrides) -
     """``cfg`` with its unset (None) encoder lr, real_weight and fixed alpha taken from the paper's
     per-task table (``TASK_SETTINGS``; hopper: fixed alpha); ``overrides`` win, values already set in
     ``cfg`` are kept, and an env / kind outside the table leaves them unset."""
-    base = (datasets.d4rl_name(env) or env.split("-")[0]).lower()
+    base = (scores.d4rl_name(env) or env.split("-")[0]).lower()
     kw = {}
     if (base, kind) in TASK_SETTINGS:
         kw["encoder_lr"], kw["real_weight"] = TASK_SETTINGS[(base, kind)]

@@ -1,4 +1,4 @@
-"""Offline datasets in the D4RL layout: load, validate, save, collect, score (D4RL, Fu et al. 2020; Minari).
+"""Offline datasets in the D4RL layout: the type, validation, HDF5 I/O, the cache (D4RL, Fu et al. 2020).
 
 "spec N" tags below name topics of the project's offline-data notes: 1.1 HDF5 layout, 1.2 the
 ``qlearning_dataset`` pitfall, 1.3 normalised scores, 2.1 how D4RL was generated, 2.2 Minari, 2.3 the
@@ -17,12 +17,12 @@ rebuild them from ``observations[i+1]``, which is the next episode's reset state
 never both set on a row.  Actions are stored in the env's own action units (D4RL's convention;
 the gym-mujoco locomotion bounds are [-1, 1], so agent units and env units coincide there).
 
-Minari datasets reach the offline agents through ``envs/minari_data.py`` (``--dataset minari:<id>``,
-converted once with the ``minari`` package); a Minari file given as a path is refused with that hint.
-
-Also here: Minari HDF5 datasets read without the ``minari`` package (spec 2.2), D4RL normalised
-scores (spec 1.3) and the project's own references, the dataset cache, and ``collect`` (roll a
-policy in a vector env into a dataset; used by scripts/make_dataset.py, spec 2.3).
+Also here: the env's spaces and action units, the dataset cache (``find``), and the hint for a
+Minari file given as a path (refused by ``load``; ``minari_file_hint`` and ``minari_root`` stay here
+because ``envs/minari_data.py`` imports this module).  Elsewhere in ``envs/``: Minari datasets
+(``minari_data.py``: ``--dataset minari:<id>`` converted once with the ``minari`` package, and
+``load_minari``, spec 2.2), D4RL normalised scores (``scores.py``, spec 1.3) and collection
+(``collect.py``: a policy rolled in a vector env into a dataset, spec 2.3).
 """
 
 from __future__ import annotations
@@ -34,18 +34,16 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
+
+from plasticity_zoo.envs.scores import d4rl_name
 
 KINDS = ("random", "medium", "medium-replay", "expert", "medium-expert")
 KEYS = ("observations", "actions", "rewards", "terminals", "timeouts", "next_observations")
 FLOAT_KEYS = ("observations", "actions", "rewards", "next_observations")
 BOOL_KEYS = ("terminals", "timeouts")
-# D4RL's REF_MIN_SCORE / REF_MAX_SCORE (d4rl/infos.py; the same for every dataset type, v0-v2; spec 1.3).
-D4RL_REF = {"halfcheetah": (-280.178953, 12135.0), "hopper": (-20.272305, 3234.3), "walker2d": (1.629008, 4592.3)}
-MAX_EPISODE_STEPS = 1000  # D4RL caps episodes at 1000 steps (spec 2.1)
-REF_SEED = 123  # Minari's reference episodes reset from seed 123 (spec 2.2)
 FORMAT_VERSION = 1
 
 
@@ -599,9 +597,10 @@ def _rebuild_next(arrays, infos, metadata, path) -> Dataset:
 
 
 # ----------------------------------------------------------------------------------------------
-# Minari
+# Minari paths, for ``load``'s hint (reading and converting Minari datasets: envs/minari_data.py)
 # ----------------------------------------------------------------------------------------------
 def minari_root(root=None) -> Path:
+    """``root``, else ``$MINARI_DATASETS_PATH``, else Minari's default ``~/.minari/datasets``."""
     if root is not None:
         return Path(root)
     return Path(os.environ.get("MINARI_DATASETS_PATH") or Path.home() / ".minari" / "datasets")
@@ -631,186 +630,6 @@ def minari_file_hint(path) -> str:
         f"{head}; train on it with --dataset minari:{name}{env} (converted once into the dataset cache; "
         "docs/offline-data.md)"
     )
-
-
-def _minari_data_dir(name_or_path, root) -> Path:
-    p = Path(name_or_path)
-    if p.is_file():
-        return p.parent
-    if p.is_dir():
-        return p / "data" if (p / "data").is_dir() else p
-    base = minari_root(root)
-    name = str(name_or_path)
-    if not re.search(r"-v\d+$", name):  # no version: the newest one present
-        found = sorted(
-            base.glob(f"{name}-v*"),
-            key=lambda q: int(re.search(r"-v(\d+)$", q.name).group(1)) if re.search(r"-v(\d+)$", q.name) else -1,
-        )
-        if found:
-            return found[-1] / "data"
-    return base / name / "data"
-
-
-def load_minari(name_or_path, root=None) -> Dataset:
-    """Read a Minari HDF5 dataset (spec 2.2) without the ``minari`` package, as a flat D4RL dataset.
-
-    ``name_or_path``: a dataset id ``<namespace>/<env>/<name>[-v<k>]`` under ``root`` (default
-    ``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``), or a dataset / data directory, or the
-    ``main_data.hdf5`` file.  Each ``episode_<id>`` group's ``observations`` (one longer than the
-    other arrays) give observations = obs[:-1] and next_observations = obs[1:]; ``terminations`` /
-    ``truncations`` become ``terminals`` / ``timeouts``.  Dataset metadata (``data/metadata.json``
-    and the file's root attributes, e.g. ``ref_min_score``/``ref_max_score``) go to ``metadata``;
-    ``env_id`` comes from the env spec.
-    """
-    import h5py
-
-    data = _minari_data_dir(name_or_path, root)
-    file = data / "main_data.hdf5"
-    meta: dict = {}
-    meta_file = data / "metadata.json"
-    if meta_file.exists():
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (OSError, ValueError) as e:
-            raise DatasetError(f"{meta_file}: unreadable Minari metadata ({e})") from e
-    fmt = meta.get("data_format", "hdf5")
-    if fmt != "hdf5" or not file.exists():
-        present = sorted(q.name for q in data.iterdir()) if data.is_dir() else []
-        why = (
-            f"its data_format is {fmt!r}; only the HDF5 format is readable without the minari package"
-            if fmt != "hdf5"
-            else "no such file"
-        )
-        raise DatasetError(
-            f"Minari dataset {name_or_path!r}: looked for {file} ({why}); "
-            f"{data} holds: {', '.join(present) or 'nothing'}"
-        )
-    episodes = []
-    try:
-        with h5py.File(file, "r") as f:
-            meta = {**{k: _plain(v) for k, v in f.attrs.items()}, **meta}
-            names = sorted((k for k in f if re.fullmatch(r"episode_\d+", k)), key=lambda k: int(k.split("_")[1]))
-            if not names:
-                raise DatasetError(f"{file}: no episode_<id> groups")
-            for name in names:
-                g = f[name]
-                for k in ("observations", "actions", "rewards", "terminations", "truncations"):
-                    if k not in g:
-                        raise DatasetError(f"{file}: {name} has no {k}")
-                    if not isinstance(g[k], h5py.Dataset):
-                        raise DatasetError(f"{file}: {name}/{k} is a group (dict/tuple spaces are not supported)")
-                obs = np.asarray(g["observations"][()])
-                t = len(g["rewards"])
-                if len(obs) != t + 1:
-                    raise DatasetError(f"{file}: {name} has {len(obs)} observations for {t} steps, expected {t + 1}")
-                ep = {
-                    "observations": obs[:-1],
-                    "next_observations": obs[1:],
-                    "actions": g["actions"][()],
-                    "rewards": g["rewards"][()],
-                    "terminals": g["terminations"][()],
-                    "timeouts": g["truncations"][()],
-                }
-                ep = {
-                    k: _coerce(
-                        k,
-                        np.asarray(v).reshape(t, -1)
-                        if k in ("observations", "next_observations", "actions")
-                        else np.asarray(v).reshape(t),
-                        f"{file}: {name}",
-                    )
-                    for k, v in ep.items()
-                }
-                infos = {}
-                if "infos" in g and isinstance(g["infos"], h5py.Group):
-                    infos = {
-                        k: np.asarray(v)[:t]
-                        for k, v in _read_infos(g["infos"]).items()  # T or T+1 long
-                        if not isinstance(v, dict) and np.ndim(v) and len(v) >= t
-                    }
-                episodes.append(Dataset(**ep, infos=infos))
-    except DatasetError:
-        raise
-    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise DatasetError(f"{file}: unreadable or corrupt Minari HDF5 file ({e})") from e
-    spec = meta.get("env_spec")
-    if isinstance(spec, str):
-        try:
-            meta["env_id"] = json.loads(spec).get("id")
-        except ValueError:
-            pass
-    meta.setdefault("minari_dataset", str(name_or_path))
-    ds = concatenate(episodes, metadata=meta)
-    return validate(ds, env_id=None, path=file)
-
-
-# ----------------------------------------------------------------------------------------------
-# scores
-# ----------------------------------------------------------------------------------------------
-def gymnasium_id(name: str) -> str:
-    """'hopper' / 'hopper-medium-v2' -> 'Hopper-v5'; Gymnasium ids pass through."""
-    short = d4rl_name(name)
-    ids = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
-    if short in ids and name.lower().startswith(short):
-        return ids[short]
-    return name
-
-
-def d4rl_name(env_id) -> Optional[str]:
-    """'halfcheetah' / 'hopper' / 'walker2d' for Gymnasium ids (Hopper-v5), D4RL names (hopper-medium-v2)
-    or Minari ids (mujoco/hopper/medium-v0); None otherwise (Control Suite and ns: ids included)."""
-    if not isinstance(env_id, str) or ":" in env_id:
-        return None
-    for part in env_id.split("/"):
-        head = re.split(r"[-_]", part.strip().lower())[0]
-        if head in D4RL_REF:
-            return head
-    return None
-
-
-def normalized_score(returns, env_id=None, metadata=None, reference: str = "d4rl"):
-    """100 * (R - min) / (max - min)  (spec 1.3).
-
-    ``reference="d4rl"``: D4RL's constants for ``env_id`` (or ``metadata['env_id']``);
-    ``"dataset"``: the dataset's own ``ref_min_score`` / ``ref_max_score`` (uniform-random and
-    expert means, spec 2.3).  ``returns``: a number or an array.  A missing reference (absent,
-    None or NaN, e.g. a random-only dataset made without a SAC run: ``ref_max_source`` "missing")
-    raises a ValueError rather than giving NaN.
-    """
-    metadata = metadata or {}
-    if reference == "d4rl":
-        env = env_id if env_id is not None else metadata.get("env_id")
-        name = d4rl_name(env)
-        if name is None:
-            raise ValueError(
-                f"no D4RL reference scores for env {env!r}: D4RL has them for "
-                f"{', '.join(D4RL_REF)} only; use reference='dataset'"
-            )
-        lo, hi = D4RL_REF[name]
-    elif reference == "dataset":
-        if "ref_min_score" not in metadata or "ref_max_score" not in metadata:
-            raise ValueError(
-                "reference='dataset' needs metadata ref_min_score and ref_max_score "
-                f"(this metadata has: {', '.join(sorted(metadata)) or 'nothing'})"
-            )
-        refs = {k: metadata[k] for k in ("ref_min_score", "ref_max_score")}
-        missing = [k for k, v in refs.items() if v is None or not np.isfinite(np.asarray(v, np.float64))]
-        if missing:
-            sources = ", ".join(f"{k} = {metadata[k]!r}" for k in ("ref_min_source", "ref_max_source") if k in metadata)
-            raise ValueError(
-                f"the dataset has no usable {' / '.join(missing)} "
-                f"({', '.join(f'{k} = {refs[k]!r}' for k in missing)}{'; ' + sources if sources else ''}): "
-                "normalised scores against the dataset's references are unavailable"
-                + ("; use reference='d4rl'" if d4rl_name(env_id or metadata.get("env_id")) else "")
-            )
-        lo, hi = float(refs["ref_min_score"]), float(refs["ref_max_score"])
-        if hi == lo:
-            raise ValueError(f"ref_max_score equals ref_min_score ({hi}); the normalised score is undefined")
-    else:
-        raise ValueError(f"unknown reference {reference!r}; use 'd4rl' or 'dataset'")
-    r = np.asarray(returns, np.float64)
-    out = 100.0 * (r - lo) / (hi - lo)
-    return float(out) if out.ndim == 0 else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -850,119 +669,3 @@ def find(env_id: str, kind: str, root=None) -> Path:
         f"{', '.join(have) or 'nothing'}. Make it with: python scripts/make_dataset.py "
         f"--env {env_id} --kind {kind}{cache_flag}"
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# collection (spec 2.3)
-# ----------------------------------------------------------------------------------------------
-def collect(
-    env_id: str,
-    policy: Callable,
-    size: int,
-    seed: int,
-    num_envs: int = 1,
-    max_episode_steps: int = MAX_EPISODE_STEPS,
-    record_state: bool = True,
-) -> Dataset:
-    """Roll ``policy`` in ``num_envs`` parallel envs until ``size`` rows of whole episodes are in, then cut to ``size``.
-
-    ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1], or ``(actions, log_probs[E])``.
-    Episodes are written one after another in the order they finish (so the last one may be
-    partial, as in D4RL), capped at ``max_episode_steps`` (a cap counts as a timeout);
-    ``terminals`` = terminated, ``timeouts`` = truncated, ``next_observations`` the true successors.
-    ``infos``: ``qpos``/``qvel`` (state before the step; MuJoCo envs, ``record_state``) and
-    ``action_log_probs`` when the policy returns them.  Episodes still running at the end are
-    discarded, a small bias toward short episodes when ``num_envs`` is large relative to ``size``.
-    """
-    from plasticity_zoo.envs.make import make_vector_env
-
-    if size < 1:
-        raise ValueError(f"size must be >= 1, got {size}")
-    venv = make_vector_env(env_id, num_envs, seed)
-    sims = [e.unwrapped for e in getattr(venv, "envs", [])]
-    record_state = record_state and len(sims) == num_envs and all(hasattr(s, "data") for s in sims)
-    cols: dict[str, list] = {k: [] for k in KEYS}
-    log_probs, qpos, qvel = [], [], []
-    finished: list[tuple[int, int, int]] = []  # (env, first vector step, last vector step)
-    start = np.zeros(num_envs, np.int64)
-    length = np.zeros(num_envs, np.int64)
-    rows, t = 0, 0
-    obs = venv.reset()
-    try:
-        while rows < size:
-            out = policy(obs)
-            actions, lp = out if isinstance(out, tuple) else (out, None)
-            actions = np.asarray(actions, np.float32).reshape(num_envs, -1)
-            if record_state:
-                qpos.append(np.stack([s.data.qpos.copy() for s in sims]))
-                qvel.append(np.stack([s.data.qvel.copy() for s in sims]))
-            new_obs, reward, terminated, truncated, next_obs = venv.step(actions)
-            length += 1
-            capped = (length >= max_episode_steps) & ~(terminated | truncated)
-            truncated = truncated | capped
-            for i in np.flatnonzero(capped):
-                new_obs[i] = venv.stop(int(i))
-            for k, v in zip(KEYS, (obs, actions, reward, terminated, truncated, next_obs)):
-                cols[k].append(np.asarray(v).copy())
-            if lp is not None:
-                log_probs.append(np.asarray(lp, np.float32).reshape(num_envs))
-            for i in np.flatnonzero(terminated | truncated):
-                finished.append((int(i), int(start[i]), t))
-                rows += int(length[i])
-                start[i], length[i] = t + 1, 0
-            obs = new_obs
-            t += 1
-    finally:
-        venv.close()
-    stacked = {k: np.stack(v) for k, v in cols.items()}  # (T, E, ...)
-    if log_probs:
-        stacked["action_log_probs"] = np.stack(log_probs)
-    if record_state:
-        stacked["qpos"], stacked["qvel"] = np.stack(qpos), np.stack(qvel)
-    gathered = {k: np.concatenate([v[s : e + 1, i] for i, s, e in finished])[:size] for k, v in stacked.items()}
-    gathered["actions"] = to_env_units(gathered["actions"], env_id)
-    infos = {k: gathered.pop(k) for k in ("action_log_probs", "qpos", "qvel") if k in gathered}
-    s = env_spaces(env_id)
-    ds = Dataset(
-        gathered["observations"].astype(np.float32),
-        gathered["actions"],
-        gathered["rewards"].astype(np.float32),
-        gathered["terminals"].astype(bool),
-        gathered["timeouts"].astype(bool),
-        gathered["next_observations"].astype(np.float32),
-        metadata={
-            "env_id": env_id,
-            "collection_seed": int(seed),
-            "num_envs": int(num_envs),
-            "max_episode_steps": int(max_episode_steps),
-            "action_low": s.action_low.astype(np.float32),
-            "action_high": s.action_high.astype(np.float32),
-        },
-        infos=infos,
-    )
-    return ds
-
-
-def evaluate_policy(
-    env_id: str, policy: Callable, episodes: int, first_seed: int = REF_SEED, max_episode_steps: int = MAX_EPISODE_STEPS
-) -> np.ndarray:
-    """Returns of ``episodes`` parallel episodes reset from seeds first_seed, first_seed+1, ... (Minari's
-    reference protocol, spec 2.2).  ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1]."""
-    from plasticity_zoo.envs.make import VectorEnv
-
-    venv = VectorEnv(env_id, episodes, first_seed)
-    try:
-        obs = venv.reset([first_seed + i for i in range(episodes)])
-        returns = np.zeros(episodes)
-        done = np.zeros(episodes, bool)
-        steps = 0
-        while not done.all() and steps < max_episode_steps:
-            out = policy(obs)
-            actions = out[0] if isinstance(out, tuple) else out
-            obs, reward, terminated, truncated, _ = venv.step(np.asarray(actions, np.float32))
-            returns += np.where(done, 0.0, reward)
-            done |= terminated | truncated
-            steps += 1
-    finally:
-        venv.close()
-    return returns

@@ -25,6 +25,10 @@ final observation):
   and the Minari metadata and source (``minari_*`` keys).
 
 Observation and action spaces must be flat ``Box`` spaces (what the offline agents take).
+
+``load_minari`` reads an HDF5 Minari dataset straight into memory without the ``minari`` package
+(spec 2.2 of the project's offline-data notes; observations = obs[:-1], next_observations = obs[1:],
+terminations / truncations as terminals / timeouts as they are).
 """
 
 from __future__ import annotations
@@ -402,3 +406,117 @@ def convert(spec: str, root=None, cache_root=None, log: Callable = print) -> Pat
 
 
 resolve = convert  # what training/offline.py calls for ``--dataset minari:<id>``
+
+
+# ----------------------------------------------------------------------------------------------
+# reading an HDF5 Minari dataset without the minari package
+# ----------------------------------------------------------------------------------------------
+def _minari_data_dir(name_or_path, root) -> Path:
+    p = Path(name_or_path)
+    if p.is_file():
+        return p.parent
+    if p.is_dir():
+        return p / "data" if (p / "data").is_dir() else p
+    base = datasets.minari_root(root)
+    name = str(name_or_path)
+    if not re.search(r"-v\d+$", name):  # no version: the newest one present
+        found = sorted(
+            base.glob(f"{name}-v*"),
+            key=lambda q: int(re.search(r"-v(\d+)$", q.name).group(1)) if re.search(r"-v(\d+)$", q.name) else -1,
+        )
+        if found:
+            return found[-1] / "data"
+    return base / name / "data"
+
+
+def load_minari(name_or_path, root=None) -> Dataset:
+    """Read a Minari HDF5 dataset (spec 2.2) without the ``minari`` package, as a flat D4RL dataset.
+
+    ``name_or_path``: a dataset id ``<namespace>/<env>/<name>[-v<k>]`` under ``root`` (default
+    ``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``), or a dataset / data directory, or the
+    ``main_data.hdf5`` file.  Each ``episode_<id>`` group's ``observations`` (one longer than the
+    other arrays) give observations = obs[:-1] and next_observations = obs[1:]; ``terminations`` /
+    ``truncations`` become ``terminals`` / ``timeouts``.  Dataset metadata (``data/metadata.json``
+    and the file's root attributes, e.g. ``ref_min_score``/``ref_max_score``) go to ``metadata``;
+    ``env_id`` comes from the env spec.
+    """
+    import h5py
+
+    data = _minari_data_dir(name_or_path, root)
+    file = data / "main_data.hdf5"
+    meta: dict = {}
+    meta_file = data / "metadata.json"
+    if meta_file.exists():
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, ValueError) as e:
+            raise DatasetError(f"{meta_file}: unreadable Minari metadata ({e})") from e
+    fmt = meta.get("data_format", "hdf5")
+    if fmt != "hdf5" or not file.exists():
+        present = sorted(q.name for q in data.iterdir()) if data.is_dir() else []
+        why = (
+            f"its data_format is {fmt!r}; only the HDF5 format is readable without the minari package"
+            if fmt != "hdf5"
+            else "no such file"
+        )
+        raise DatasetError(
+            f"Minari dataset {name_or_path!r}: looked for {file} ({why}); "
+            f"{data} holds: {', '.join(present) or 'nothing'}"
+        )
+    episodes = []
+    try:
+        with h5py.File(file, "r") as f:
+            meta = {**{k: datasets._plain(v) for k, v in f.attrs.items()}, **meta}
+            names = sorted((k for k in f if re.fullmatch(r"episode_\d+", k)), key=lambda k: int(k.split("_")[1]))
+            if not names:
+                raise DatasetError(f"{file}: no episode_<id> groups")
+            for name in names:
+                g = f[name]
+                for k in ("observations", "actions", "rewards", "terminations", "truncations"):
+                    if k not in g:
+                        raise DatasetError(f"{file}: {name} has no {k}")
+                    if not isinstance(g[k], h5py.Dataset):
+                        raise DatasetError(f"{file}: {name}/{k} is a group (dict/tuple spaces are not supported)")
+                obs = np.asarray(g["observations"][()])
+                t = len(g["rewards"])
+                if len(obs) != t + 1:
+                    raise DatasetError(f"{file}: {name} has {len(obs)} observations for {t} steps, expected {t + 1}")
+                ep = {
+                    "observations": obs[:-1],
+                    "next_observations": obs[1:],
+                    "actions": g["actions"][()],
+                    "rewards": g["rewards"][()],
+                    "terminals": g["terminations"][()],
+                    "timeouts": g["truncations"][()],
+                }
+                ep = {
+                    k: datasets._coerce(
+                        k,
+                        np.asarray(v).reshape(t, -1)
+                        if k in ("observations", "next_observations", "actions")
+                        else np.asarray(v).reshape(t),
+                        f"{file}: {name}",
+                    )
+                    for k, v in ep.items()
+                }
+                infos = {}
+                if "infos" in g and isinstance(g["infos"], h5py.Group):
+                    infos = {
+                        k: np.asarray(v)[:t]
+                        for k, v in datasets._read_infos(g["infos"]).items()  # T or T+1 long
+                        if not isinstance(v, dict) and np.ndim(v) and len(v) >= t
+                    }
+                episodes.append(Dataset(**ep, infos=infos))
+    except DatasetError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise DatasetError(f"{file}: unreadable or corrupt Minari HDF5 file ({e})") from e
+    spec = meta.get("env_spec")
+    if isinstance(spec, str):
+        try:
+            meta["env_id"] = json.loads(spec).get("id")
+        except ValueError:
+            pass
+    meta.setdefault("minari_dataset", str(name_or_path))
+    ds = datasets.concatenate(episodes, metadata=meta)
+    return datasets.validate(ds, env_id=None, path=file)

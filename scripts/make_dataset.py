@@ -31,7 +31,7 @@ reused; a request of only --kind random trains nothing, see 6):
    directory (its expert as in 2 and 5, nothing trained); D4RL's REF_MAX_SCORE for hopper /
    halfcheetah / walker2d (measured on the v2 envs; ref_max_source says so); else NaN with
    ref_max_source "missing" and a warning: normalised scores against the dataset's refs are then
-   unavailable (D.normalized_score raises).  Without a SAC run the SAC keys (train_steps,
+   unavailable (S.normalized_score raises).  Without a SAC run the SAC keys (train_steps,
    algorithm, sac_run_dir, sac_config, network_config, ref_policy_step) are left out.
 
 Output: --out FILE (one kind) or --out DIR, else the dataset cache (--cache, $RLZOO_DATASETS or
@@ -64,7 +64,9 @@ import numpy as np
 import tyro
 
 from plasticity_zoo.agents import sac
+from plasticity_zoo.envs import collect as C
 from plasticity_zoo.envs import datasets as D
+from plasticity_zoo.envs import scores as S
 from plasticity_zoo.networks.distributions import tanh_gaussian_sample
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.config import NetworkConfig, RunConfig, to_json
@@ -104,7 +106,7 @@ class Args:
     """ref_max_score for a request of only --kind random (default: a finished SAC run's expert, else D4RL's constant)"""
     num_envs: int = 10
     """parallel envs while collecting"""
-    max_episode_steps: int = D.MAX_EPISODE_STEPS
+    max_episode_steps: int = C.MAX_EPISODE_STEPS
     """episode cap while collecting (D4RL: 1000)"""
     medium_fraction: float = 1.0 / 3.0
     """medium = first snapshot reaching this fraction of the expert's return"""
@@ -362,11 +364,11 @@ def pick_medium(snaps: list[Snapshot], expert: Snapshot, fraction: float, random
 
 
 def random_reference(env_id: str, episodes: int, max_len: int) -> float:
-    """ref_min_score: the uniform-random policy's mean return over ``episodes`` episodes reset from D.REF_SEED on."""
-    rng = np.random.default_rng(D.REF_SEED)
+    """ref_min_score: the uniform-random policy's mean return over ``episodes`` episodes reset from C.REF_SEED on."""
+    rng = np.random.default_rng(C.REF_SEED)
     act_dim = D.env_spaces(env_id).act_dim
-    rand = D.evaluate_policy(
-        env_id, lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32), episodes, D.REF_SEED, max_len
+    rand = C.evaluate_policy(
+        env_id, lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32), episodes, C.REF_SEED, max_len
     )
     return float(rand.mean())
 
@@ -374,13 +376,13 @@ def random_reference(env_id: str, episodes: int, max_len: int) -> float:
 def references(run: SacRun, expert: Snapshot, episodes: int, max_len: int) -> dict:
     """ref_min_score / ref_max_score, cached in the run directory for the given expert and episodes."""
     path = run.run_dir / "references.json"
-    key = {"episodes": episodes, "expert_step": expert.step, "first_seed": D.REF_SEED, "max_episode_steps": max_len}
+    key = {"episodes": episodes, "expert_step": expert.step, "first_seed": C.REF_SEED, "max_episode_steps": max_len}
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
             return saved
     rand = random_reference(run.args.env, episodes, max_len)
-    best = D.evaluate_policy(run.args.env, run.deterministic(expert.params), episodes, D.REF_SEED, max_len)
+    best = C.evaluate_policy(run.args.env, run.deterministic(expert.params), episodes, C.REF_SEED, max_len)
     out = {"key": key, "ref_min_score": rand, "ref_max_score": float(best.mean())}
     path.write_text(json.dumps(out, indent=2))
     return out
@@ -409,7 +411,7 @@ def references_without_training(args: Args, run_dir: Path) -> tuple[dict, Option
         "ref_min_score": random_reference(args.env, args.ref_episodes, args.max_episode_steps),
         "ref_min_source": "uniform-random",
     }
-    name = D.d4rl_name(args.env)
+    name = S.d4rl_name(args.env)
     if diff:
         print(
             f"note: {run_dir} holds a finished SAC run with other settings (differs in {', '.join(diff)}); "
@@ -419,7 +421,7 @@ def references_without_training(args: Args, run_dir: Path) -> tuple[dict, Option
         refs.update(ref_max_score=float(args.ref_max), ref_max_source="--ref-max")
     elif name is not None:
         refs.update(
-            ref_max_score=float(D.D4RL_REF[name][1]),
+            ref_max_score=float(S.D4RL_REF[name][1]),
             ref_max_source="d4rl",
             ref_max_note=f"D4RL's REF_MAX_SCORE for {name} (d4rl/infos.py), measured on the v2 envs, not on {args.env}",
         )
@@ -524,7 +526,7 @@ def make(args: Args, argv=None) -> dict:
         "ref_min_source": refs["ref_min_source"],
         "ref_max_source": refs["ref_max_source"],
         "ref_episodes": args.ref_episodes,
-        "ref_seed": D.REF_SEED,
+        "ref_seed": C.REF_SEED,
         "max_episode_steps": args.max_episode_steps,
         "zoo_version": _version(),
         "command": shlex.join(["python", "scripts/make_dataset.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -543,10 +545,10 @@ def make(args: Args, argv=None) -> dict:
                 "ref_policy_step": expert.step,
             }
         )
-    name = D.d4rl_name(args.env)
+    name = S.d4rl_name(args.env)
     if name is not None:
         common["d4rl_name"] = name
-        common["d4rl_ref_min_score"], common["d4rl_ref_max_score"] = D.D4RL_REF[name]
+        common["d4rl_ref_min_score"], common["d4rl_ref_max_score"] = S.D4RL_REF[name]
 
     def policy_meta(s: Snapshot, prefix="policy"):
         return {f"{prefix}_step": s.step, f"{prefix}_return": s.mean_return, prefix: _nested(s.params)}
@@ -560,11 +562,11 @@ def make(args: Args, argv=None) -> dict:
         if kind == "random":
             rng = np.random.default_rng(seed)
             pol = lambda o: rng.uniform(-1, 1, (len(o), act_dim)).astype(np.float32)  # noqa: E731
-            ds = D.collect(args.env, pol, args.size, seed, args.num_envs, args.max_episode_steps)
+            ds = C.collect(args.env, pol, args.size, seed, args.num_envs, args.max_episode_steps)
             ds.metadata.update(behaviour_policy="uniform", behaviour_sampling="uniform")
         elif kind in ("medium", "expert"):
             snap = medium if kind == "medium" else expert
-            ds = D.collect(
+            ds = C.collect(
                 args.env, run.stochastic(snap.params, seed), args.size, seed, args.num_envs, args.max_episode_steps
             )
             ds.metadata.update(behaviour_policy="sac", **policy_meta(snap))
@@ -604,11 +606,11 @@ def make(args: Args, argv=None) -> dict:
         D.save(paths[kind], ds)
         made[kind] = paths[kind]
         try:
-            scores = [f"dataset refs {D.normalized_score(behaviour, metadata=ds.metadata, reference='dataset'):.1f}"]
+            scores = [f"dataset refs {S.normalized_score(behaviour, metadata=ds.metadata, reference='dataset'):.1f}"]
         except ValueError:
             scores = ["dataset refs unavailable (no ref_max_score)"]
         if name is not None:
-            scores.insert(0, f"D4RL refs {D.normalized_score(behaviour, args.env):.1f}")
+            scores.insert(0, f"D4RL refs {S.normalized_score(behaviour, args.env):.1f}")
         print(
             f"{kind}: {paths[kind]}\n  {len(ds)} rows, {len(returns)} complete episodes, behaviour return "
             f"{behaviour:.1f}; normalised: {', '.join(scores)} (ref_min {refs['ref_min_score']:.1f}, "

@@ -95,6 +95,7 @@ def _ravl(workdir: Path):
     from plasticity_zoo.agents.dynamics import DynamicsConfig
     from plasticity_zoo.agents.ravl import RAVLConfig
     from plasticity_zoo.envs import datasets
+    from plasticity_zoo.envs.collect import collect
     from plasticity_zoo.training.config import NetworkConfig
 
     path = workdir / "toyreach-random.hdf5"
@@ -102,7 +103,7 @@ def _ravl(workdir: Path):
         import tests.conftest  # noqa: F401  (registers ToyReach-v0 and its termination function)
 
         rng = np.random.default_rng(0)
-        ds = datasets.collect(
+        ds = collect(
             "ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 1000, 0, num_envs=4, record_state=False
         )
         ds.metadata.update({"env_id": "ToyReach-v0", "kind": "random", "ref_min_score": 0.0, "ref_max_score": 30.0})

@@ -248,11 +248,12 @@ def outcomes(tmp_path_factory):
     import train as train_script
 
     from plasticity_zoo.envs import datasets
+    from plasticity_zoo.envs.collect import collect
     from plasticity_zoo.training.config import to_json
 
     data = base / "pendulum.hdf5"
     rng = np.random.default_rng(0)
-    ds = datasets.collect("Pendulum-v1", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 400, 0, record_state=False)
+    ds = collect("Pendulum-v1", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 400, 0, record_state=False)
     ds.metadata.update({"env_id": "Pendulum-v1", "kind": "random"})
     datasets.save(data, ds)
     (base / "garbage.hdf5").write_bytes(b"this is not an HDF5 file\n" * 10)
@@ -461,13 +462,14 @@ def test_every_config_range_names_its_flag_and_range_and_takes_its_ends():
 def test_ravl_takes_an_explicit_env_equal_to_the_default(tmp_path):
     """Issue #23 item 4: ``--env Pendulum-v1`` (RunConfig's default) was taken as "not given"."""
     from plasticity_zoo.envs import datasets
+    from plasticity_zoo.envs.collect import collect
     from plasticity_zoo.training.run import preflight
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import train as train_script
 
     rng = np.random.default_rng(0)
-    ds = datasets.collect("Pendulum-v1", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0, record_state=False)
+    ds = collect("Pendulum-v1", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0, record_state=False)
     del ds.metadata["env_id"]  # a file that does not record its env
     datasets.save(tmp_path / "anon.hdf5", ds)
     cfg = train_script.parse(["ravl", "--dataset", str(tmp_path / "anon.hdf5")])

@@ -8,7 +8,10 @@ import h5py
 import numpy as np
 import pytest
 
+from plasticity_zoo.envs import collect as C
 from plasticity_zoo.envs import datasets as D
+from plasticity_zoo.envs import minari_data as M
+from plasticity_zoo.envs import scores as S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,7 +236,7 @@ def test_collect_writes_whole_episodes_true_successors_and_both_end_flags():
     # ToyChain (tests/conftest.py): obs [t, x], x += a, terminates at x >= 3, TimeLimit 5.
     rng = np.random.default_rng(0)
     policy = lambda o: rng.choice([0.0, 1.0], size=(len(o), 1)).astype(np.float32)  # noqa: E731
-    ds = D.collect("ToyChain-v0", policy, size=57, seed=3, num_envs=3, max_episode_steps=4)
+    ds = C.collect("ToyChain-v0", policy, size=57, seed=3, num_envs=3, max_episode_steps=4)
     D.validate(ds, "ToyChain-v0")
     assert len(ds) == 57 and ds.terminals.any() and ds.timeouts.any()
     assert len(D.check_continuity(ds, atol=0)) == 0
@@ -249,24 +252,24 @@ def test_collect_writes_whole_episodes_true_successors_and_both_end_flags():
 # scores, names, cache
 # --------------------------------------------------------------------------------------------
 def test_normalized_score_hand_computed():
-    assert D.normalized_score(3234.3, "Hopper-v5") == pytest.approx(100.0)
-    assert D.normalized_score(-20.272305, "hopper-medium-v2") == pytest.approx(0.0, abs=1e-9)
-    assert D.normalized_score(1000.0, "hopper") == pytest.approx(100 * 1020.272305 / 3254.572305)
+    assert S.normalized_score(3234.3, "Hopper-v5") == pytest.approx(100.0)
+    assert S.normalized_score(-20.272305, "hopper-medium-v2") == pytest.approx(0.0, abs=1e-9)
+    assert S.normalized_score(1000.0, "hopper") == pytest.approx(100 * 1020.272305 / 3254.572305)
     np.testing.assert_allclose(
-        D.normalized_score([12135.0, -280.178953], metadata={"env_id": "HalfCheetah-v5"}), [100.0, 0.0]
+        S.normalized_score([12135.0, -280.178953], metadata={"env_id": "HalfCheetah-v5"}), [100.0, 0.0]
     )
-    assert D.normalized_score(
+    assert S.normalized_score(
         60.0, metadata={"ref_min_score": 10.0, "ref_max_score": 110.0}, reference="dataset"
     ) == pytest.approx(50.0)
     with pytest.raises(ValueError, match="no D4RL reference scores for env 'Pendulum-v1'"):
-        D.normalized_score(1.0, "Pendulum-v1")
+        S.normalized_score(1.0, "Pendulum-v1")
     with pytest.raises(ValueError, match="needs metadata ref_min_score and ref_max_score"):
-        D.normalized_score(1.0, metadata={"env_id": "Hopper-v5"}, reference="dataset")
+        S.normalized_score(1.0, metadata={"env_id": "Hopper-v5"}, reference="dataset")
 
 
 def test_d4rl_names():
     assert [
-        D.d4rl_name(x)
+        S.d4rl_name(x)
         for x in (
             "Hopper-v5",
             "hopper",
@@ -276,7 +279,7 @@ def test_d4rl_names():
             "mujoco/walker2d/expert-v0",
         )
     ] == ["hopper", "hopper", "hopper", "halfcheetah", "walker2d", "walker2d"]
-    assert [D.d4rl_name(x) for x in ("Pendulum-v1", "dmc:hopper-hop", "Ant-v5", None)] == [None] * 4
+    assert [S.d4rl_name(x) for x in ("Pendulum-v1", "dmc:hopper-hop", "Ant-v5", None)] == [None] * 4
 
 
 def test_cache_paths_and_find_says_how_to_make_a_missing_dataset(tmp_path, monkeypatch):
@@ -342,7 +345,7 @@ def _minari(root, lengths, data_format="hdf5", version=0):
 def test_minari_hdf5_layout_becomes_the_flat_layout(tmp_path, monkeypatch):
     data, eps = _minari(tmp_path, [4, 3])
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
-    ds = D.load_minari("mujoco/hopper/medium")  # no version: the newest present
+    ds = M.load_minari("mujoco/hopper/medium")  # no version: the newest present
     D.validate(ds, "Hopper-v5")
     assert len(ds) == 7 and ds.env_id == "Hopper-v5"
     np.testing.assert_allclose(ds.observations, np.concatenate([e["observations"][:-1] for e in eps]), rtol=1e-6)
@@ -351,9 +354,9 @@ def test_minari_hdf5_layout_becomes_the_flat_layout(tmp_path, monkeypatch):
     assert ds.observations.dtype == np.float32 and ds.rewards.dtype == np.float32
     assert ds.infos["qpos"].shape == (7, 6)
     assert (ds.metadata["ref_min_score"], ds.metadata["ref_max_score"]) == (-19.5, 3400.0)
-    assert D.normalized_score(3400.0, metadata=ds.metadata, reference="dataset") == pytest.approx(100.0)
+    assert S.normalized_score(3400.0, metadata=ds.metadata, reference="dataset") == pytest.approx(100.0)
     assert len(D.check_continuity(ds)) == 0
-    same = D.load_minari(data / "main_data.hdf5")
+    same = M.load_minari(data / "main_data.hdf5")
     np.testing.assert_array_equal(same.actions, ds.actions)
     D.save(tmp_path / "flat.hdf5", ds)  # Minari metadata (None, lists) survives our format too
     assert D.load(tmp_path / "flat.hdf5").metadata["requirements"] == ["mujoco>=3"]
@@ -362,11 +365,11 @@ def test_minari_hdf5_layout_becomes_the_flat_layout(tmp_path, monkeypatch):
 def test_minari_arrow_or_missing_files_say_what_was_looked_for(tmp_path):
     _minari(tmp_path, [3], data_format="arrow")
     with pytest.raises(D.DatasetError, match="main_data.hdf5 .*data_format is 'arrow'.*holds: metadata.json"):
-        D.load_minari("mujoco/hopper/medium-v0", root=tmp_path)
+        M.load_minari("mujoco/hopper/medium-v0", root=tmp_path)
     with pytest.raises(
         D.DatasetError, match=r"looked for .*mujoco/walker2d/expert-v0/data/main_data.hdf5 \(no such file\)"
     ):
-        D.load_minari("mujoco/walker2d/expert-v0", root=tmp_path)
+        M.load_minari("mujoco/walker2d/expert-v0", root=tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,13 +428,13 @@ def test_make_dataset_files_load_validate_and_are_real_transitions(made):
     assert m["policy_step"] in (300, 600) and isinstance(m["policy_return"], float)
     assert m["policy"]["trunk"]["layers"]["0"]["kernel"].shape == (11, 16)
     assert m["behaviour_return"] == pytest.approx(ds.episode_returns().mean())
-    assert (m["d4rl_ref_min_score"], m["d4rl_ref_max_score"]) == D.D4RL_REF["hopper"]
+    assert (m["d4rl_ref_min_score"], m["d4rl_ref_max_score"]) == S.D4RL_REF["hopper"]
     assert m["ref_episodes"] == 2 and m["ref_seed"] == 123
     assert isinstance(m["ref_min_score"], float) and isinstance(m["ref_max_score"], float)
     assert "--kind medium" in m["command"] and m["zoo_version"]
     refs = json.loads((Path(m["sac_run_dir"]) / "references.json").read_text())
     assert (refs["ref_min_score"], refs["ref_max_score"]) == (m["ref_min_score"], m["ref_max_score"])
-    assert np.isfinite(D.normalized_score(m["behaviour_return"], metadata=m, reference="dataset"))
+    assert np.isfinite(S.normalized_score(m["behaviour_return"], metadata=m, reference="dataset"))
 
 
 def test_medium_replay_is_the_start_of_the_sac_buffer(made):
@@ -478,7 +481,7 @@ def test_make_dataset_reuses_the_finished_training(made, capsys, monkeypatch):
     other = make_dataset.main(["--kind", "random", "--out", str(out / "other.hdf5"), *TINY, "--network.width", "8"])
     assert "holds a finished SAC run with other settings (differs in network)" in capsys.readouterr().out
     o = D.load(other["random"], env_id="Hopper-v5")
-    assert (o.metadata["ref_max_source"], o.metadata["ref_max_score"]) == ("d4rl", D.D4RL_REF["hopper"][1])
+    assert (o.metadata["ref_max_source"], o.metadata["ref_max_score"]) == ("d4rl", S.D4RL_REF["hopper"][1])
     assert o.metadata["ref_min_score"] == ds.metadata["ref_min_score"] and "sac_run_dir" not in o.metadata
     for k in D.KEYS:
         np.testing.assert_array_equal(getattr(o, k), getattr(ds, k))

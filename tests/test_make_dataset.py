@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.envs import datasets as D
+from plasticity_zoo.envs import scores as S
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--size", "300", "--ref-episodes", "3", "--num-envs", "3", "--max-episode-steps", "20", "--no-progress"]
@@ -61,15 +62,15 @@ def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4r
         assert m["behaviour_return"] == pytest.approx(ds.episode_returns().mean())
         assert m["ref_min_source"] == "uniform-random" and (m["ref_episodes"], m["ref_seed"]) == (3, 123)
         assert m["ref_min_score"] == pytest.approx(make_dataset.random_reference("Hopper-v5", 3, 20))
-        assert (m["d4rl_ref_min_score"], m["d4rl_ref_max_score"]) == D.D4RL_REF["hopper"]
+        assert (m["d4rl_ref_min_score"], m["d4rl_ref_max_score"]) == S.D4RL_REF["hopper"]
         assert not [k for k in SAC_KEYS if k in m]
     for k in D.KEYS:  # the rows do not depend on where ref_max comes from
         np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
     assert (a.metadata["ref_max_score"], a.metadata["ref_max_source"]) == (3000.0, "--ref-max")
-    assert (b.metadata["ref_max_score"], b.metadata["ref_max_source"]) == (D.D4RL_REF["hopper"][1], "d4rl")
+    assert (b.metadata["ref_max_score"], b.metadata["ref_max_source"]) == (S.D4RL_REF["hopper"][1], "d4rl")
     assert "v2" in b.metadata["ref_max_note"] and "D4RL" in capsys.readouterr().out
     m = a.metadata
-    assert D.normalized_score(3000.0, metadata=m, reference="dataset") == pytest.approx(100.0)
+    assert S.normalized_score(3000.0, metadata=m, reference="dataset") == pytest.approx(100.0)
 
 
 def test_random_only_without_any_ref_max_records_nan_and_warns(make_dataset, no_sac, tmp_path, capsys):
@@ -84,12 +85,12 @@ def test_random_only_without_any_ref_max_records_nan_and_warns(make_dataset, no_
     assert len(ds) == 300 and ds.timeouts.sum() == 15 and "d4rl_name" not in m
     assert np.isfinite(m["ref_min_score"]) and np.isnan(m["ref_max_score"]) and m["ref_max_source"] == "missing"
     with pytest.raises(ValueError, match="no usable ref_max_score .*ref_max_source = 'missing'.*unavailable"):
-        D.normalized_score(-500.0, metadata=m, reference="dataset")
+        S.normalized_score(-500.0, metadata=m, reference="dataset")
     assert scores(-500.0, "Pendulum-v1", m) == {}  # the offline loop's eval columns: none known
     hopper = dict(m, env_id="Hopper-v5")  # a D4RL env: the D4RL score stays, the dataset one is left out
     assert set(scores(100.0, "Hopper-v5", hopper)) == {"score_d4rl"}
     with pytest.raises(ValueError, match="no usable ref_max_score.*use reference='d4rl'"):
-        D.normalized_score(100.0, metadata=dict(hopper, ref_max_score=None), reference="dataset")
+        S.normalized_score(100.0, metadata=dict(hopper, ref_max_score=None), reference="dataset")
 
 
 def test_ref_max_flag_is_checked(make_dataset, no_sac, tmp_path):

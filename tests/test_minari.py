@@ -19,6 +19,7 @@ minari = pytest.importorskip("minari")
 
 from plasticity_zoo.envs import datasets as D  # noqa: E402
 from plasticity_zoo.envs import minari_data as M  # noqa: E402
+from plasticity_zoo.envs import scores as S  # noqa: E402
 
 ID = "zoo-test/hopper/medium-v0"
 # (action scale, steps before a reset, or None: until the env ends the episode); seeds 0..4
@@ -119,12 +120,12 @@ def test_conversion_matches_the_minari_episodes_row_by_row(paths):
         0,
     )
     assert (m["ref_min_score"], m["ref_max_score"], m["ref_max_source"]) == (-20.0, 3000.0, "minari")
-    assert D.normalized_score(3000.0, metadata=m, reference="dataset") == pytest.approx(100.0)
+    assert S.normalized_score(3000.0, metadata=m, reference="dataset") == pytest.approx(100.0)
     np.testing.assert_array_equal(m["action_low"], -np.ones(3, np.float32))
     assert json.loads(m["minari_env_spec"])["max_episode_steps"] == 40 and "minari_eval_note" not in m
     assert m["minari_source"] == str(source / ID / "data")
     # the h5py-only reader of envs/datasets.py reads the same rows
-    plain = D.load_minari(ID, root=source)
+    plain = M.load_minari(ID, root=source)
     for k in D.KEYS:
         np.testing.assert_array_equal(getattr(plain, k), getattr(ds, k))
 
@@ -346,7 +347,7 @@ def test_ravl_trains_on_a_minari_id_end_to_end_and_evaluates(paths, tmp_path, ca
     assert [r["step"] for r in rows] == ["0", "20", "40"]
     for r in rows:  # the dataset's own references from Minari (-20, 3000), and D4RL's for hopper
         assert float(r["score_dataset"]) == pytest.approx(100 * (float(r["return_mean"]) + 20) / 3020, rel=1e-6)
-        assert float(r["score_d4rl"]) == pytest.approx(D.normalized_score(float(r["return_mean"]), "Hopper-v5"))
+        assert float(r["score_d4rl"]) == pytest.approx(S.normalized_score(float(r["return_mean"]), "Hopper-v5"))
     got = evaluate([str(run), "--out", str(tmp_path / "evaluate.csv")])
     assert got["env"] == "Hopper-v5" and got["step"] == 40
     assert "the same returns" in capsys.readouterr().out  # as the run's own evaluation at step 40

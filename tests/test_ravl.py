@@ -78,11 +78,10 @@ def test_config_checks():
 def _toy_dataset(path, n=2000):
     """Uniform-random actions on ToyReach-v0, with reference returns (random 0-ish, 'expert' 30)."""
     from plasticity_zoo.envs import datasets
+    from plasticity_zoo.envs.collect import collect
 
     rng = np.random.default_rng(0)
-    ds = datasets.collect(
-        "ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), n, 0, num_envs=4, record_state=False
-    )
+    ds = collect("ToyReach-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), n, 0, num_envs=4, record_state=False)
     ds.metadata.update({"env_id": "ToyReach-v0", "kind": "random", "ref_min_score": 0.0, "ref_max_score": 30.0})
     datasets.save(path, ds)
     return ds

@@ -178,13 +178,12 @@ def test_an_offline_run_without_env_is_named_after_its_dataset(tmp_path, monkeyp
     """train.py passes env None for an offline agent without --env: the default run directory (and the
     config.json written when it is claimed) name the dataset's env, not RunConfig's Pendulum-v1 default."""
     from plasticity_zoo.envs import datasets
+    from plasticity_zoo.envs.collect import collect
     from plasticity_zoo.training import offline
     from scripts.train import parse
 
     rng = np.random.default_rng(0)
-    ds = datasets.collect(
-        "MountainCarContinuous-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0, record_state=False
-    )
+    ds = collect("MountainCarContinuous-v0", lambda o: rng.uniform(-1, 1, (o.shape[0], 1)), 300, 0, record_state=False)
     datasets.save(tmp_path / "car.hdf5", ds)
     seen = {}
     monkeypatch.setattr(

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from plasticity_zoo.envs import datasets
+from plasticity_zoo.envs.scores import d4rl_name, gymnasium_id, normalized_score
 from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library_fusion
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
@@ -54,7 +55,7 @@ def resolve_dataset(cfg: RunConfig):
     elif a.kind:
         if cfg.env is None:  # train.py's default for offline agents: --env not given
             raise SystemExit("--kind needs --env (e.g. --env hopper --kind medium) to find the dataset in the cache")
-        path = datasets.find(datasets.gymnasium_id(cfg.env), a.kind, a.dataset_root)
+        path = datasets.find(gymnasium_id(cfg.env), a.kind, a.dataset_root)
     else:
         raise SystemExit(
             f"agent {cfg.agent_name!r} is offline: give --dataset PATH or --env ENV --kind KIND "
@@ -69,14 +70,14 @@ def resolve_dataset(cfg: RunConfig):
         and given
         and given != stored
         and not (  # hopper / Hopper-v4 match Hopper-v5
-            datasets.d4rl_name(given) is not None and datasets.d4rl_name(given) == datasets.d4rl_name(stored)
+            d4rl_name(given) is not None and d4rl_name(given) == d4rl_name(stored)
         )
     ):
         raise SystemExit(
             f"--env {given} does not match the dataset's env {stored} ({path}); leave --env out "
             "to evaluate on the dataset's env (in code: RunConfig(env=None, ...))"
         )
-    env_id = stored or (datasets.gymnasium_id(given) if given else None)
+    env_id = stored or (gymnasium_id(given) if given else None)
     if env_id is None:
         raise SystemExit(f"{path} does not record its environment: pass --env (e.g. Hopper-v5)")
     dataset = datasets.load(path, env_id=env_id)
@@ -100,9 +101,7 @@ def scores(returns, env_id: str, metadata: dict) -> dict:
     out = {}
     for ref in ("d4rl", "dataset"):
         try:
-            out[f"score_{ref}"] = float(
-                datasets.normalized_score(returns, env_id=env_id, metadata=metadata, reference=ref)
-            )
+            out[f"score_{ref}"] = float(normalized_score(returns, env_id=env_id, metadata=metadata, reference=ref))
         except (ValueError, KeyError):
             pass
     return out
