@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -438,12 +439,14 @@ def test_the_sweep_waits_for_the_train_py_of_a_stopped_trial_to_end(tmp_path):
     script = _script()
     ledger = sw.Ledger(tmp_path)
     (tmp_path / "status").mkdir()
-    child = subprocess.Popen(["bash", "-c", "sleep 1; true", "train.py"])  # named like a trial's process
+    # named like a trial's process; it ends when its stdin closes (a fixed sleep raced a loaded machine)
+    child = subprocess.Popen(["bash", "-c", "read -r _; true", "train.py"], stdin=subprocess.PIPE)
     other = subprocess.Popen(["sleep", "30"])
     try:
         ledger.set_status("t", pid=child.pid, host=os.uname().nodename)
         assert script._alive(child.pid) and not script._alive(other.pid)  # not a train.py
         start = time.time()
+        threading.Timer(1.0, child.stdin.close).start()
         script._wait_for_children(ledger, ["t"], timeout=60)
         assert 0.5 < time.time() - start < 30
         assert not script._alive(child.pid)  # ended (a zombie until this test reaps it)
