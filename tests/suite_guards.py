@@ -51,6 +51,9 @@ HEAVY = (  # each 2-8 minutes of one worker in a suite run (the summary's costli
     "test_mrq.py",
     "test_training.py",
     "test_sweep.py",
+    "test_search.py",
+    "test_plasticity_injection_trac.py",
+    "test_agent_contract.py",
 )
 GDB_TIMEOUT_S = 120
 HUNG_AFTER_S = 480.0  # when faulthandler_timeout (pyproject.toml) is unset
