@@ -23,6 +23,7 @@ SLOW = {
     "sac_crelu_redo",
     "sac_fourier_multiskip",
     "sac_l2init_parseval_nap",
+    "sac_injection_trac",
     "sac_ne",
     "sac_ne_reference",
     "sac_n_edac",
