@@ -203,14 +203,27 @@ def flops_per_env_step(agent_name: str, env_id: str, width: int | None, buffer_s
     return repeats * float(cost["flops"]) + float(act["flops"])
 
 
+# The interventions that change every update, at their presets' values, timed against the plain update.
+# (Injection: the three heads of a residual network run from the start; its step lies past the run.)
+IN_UPDATE = {
+    "plain": PlasticityConfig(metrics_every=0),
+    "sigreg": PlasticityConfig(metrics_every=0, sigreg_coef=0.2),
+    "l2-init": PlasticityConfig(metrics_every=0, l2_init=0.01),
+    "parseval": PlasticityConfig(metrics_every=0, parseval=1e-4, parseval_scale=2.0),
+    "trac": PlasticityConfig(metrics_every=0, trac=True),
+    "injection": PlasticityConfig(metrics_every=0, injection_step=10**9),
+}
+
+
 def plasticity_overhead(
     agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None, rounds: int = 7
 ):
-    """Cost of plasticity metrics, resets and SIGReg as a fraction of update time at default periods.
+    """Cost of plasticity metrics, resets and the per-update interventions (``IN_UPDATE``: SIGReg, L2 Init,
+    Parseval, TRAC, injection's residual heads) as a fraction of update time at default periods.
 
     The update time is that of the loop's training block (one seed, the agent's own buffer at the
     config's capacity).  MR.Q's block spans its 250-update sync period (one encoder burst), so the
-    burst is counted amortised as in training.  Plain and SIGReg blocks are timed in ``rounds``
+    burst is counted amortised as in training.  The blocks of ``IN_UPDATE`` are timed in ``rounds``
     alternated rounds; the medians are reported."""
     from plasticity_zoo.plasticity.hooks import Hooks, reset_step
 
@@ -233,10 +246,7 @@ def plasticity_overhead(
         return acfg, state, buffer, key
 
     runs = {}
-    for label, pcfg in (
-        ("plain", PlasticityConfig(metrics_every=0)),
-        ("sigreg", PlasticityConfig(metrics_every=0, sigreg_coef=0.2)),
-    ):
+    for label, pcfg in IN_UPDATE.items():
         acfg, state, buffer, key = prepare(pcfg)
         block = make_train_block(agent, acfg, updates)
 
@@ -257,12 +267,11 @@ def plasticity_overhead(
         runs[label][1:3] = state, buffer
         return (time.perf_counter() - t0) / repeat / updates
 
-    samples = {"plain": [], "sigreg": []}
-    for i in range(rounds):  # alternated, so a change in the machine's load hits both alike
+    samples: dict[str, list[float]] = {label: [] for label in IN_UPDATE}
+    for i in range(rounds):  # alternated, so a change in the machine's load hits all alike
         for label in samples:
             samples[label].append(one_round(label, i))
     block_time = {label: float(np.median(v)) for label, v in samples.items()}
-    ratios = [s / p - 1 for p, s in zip(samples["plain"], samples["sigreg"])]
     t_update = block_time["plain"]
 
     pcfg = PlasticityConfig(metrics_every=10_000, regrama=True)
@@ -281,18 +290,28 @@ def plasticity_overhead(
         f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
         f"update time from {updates}-update training blocks"
     )
-    print(f"per update: {t_update * 1e3:.2f} ms (plain), {block_time['sigreg'] * 1e3:.2f} ms (SIGReg)")
-    print(
-        f"SIGReg overhead: {100 * (block_time['sigreg'] / t_update - 1):.1f}% of update time (ratio of medians "
-        f"over {rounds} alternated rounds; per round: {', '.join(f'{100 * r:.1f}%' for r in ratios)})"
-    )
+    print(f"per update: {t_update * 1e3:.2f} ms (plain)")
+    for label in IN_UPDATE:
+        if label == "plain":
+            continue
+        ratios = [x / p - 1 for p, x in zip(samples["plain"], samples[label])]
+        print(
+            f"{label} overhead: {100 * (block_time[label] / t_update - 1):.1f}% of update time "
+            f"({block_time[label] * 1e3:.2f} ms; ratio of medians over {rounds} alternated rounds; per round: "
+            f"{', '.join(f'{100 * r:.1f}%' for r in ratios)})"
+        )
     print(
         f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% "
         "at every 10,000 updates"
     )
     for method, t in resets.items():
         print(f"{method} event: {t * 1e3:.1f} ms = {100 * t / (1_000 * t_update):.2f}% at every 1,000 updates")
-    return {"update_s": t_update, "sigreg_update_s": block_time["sigreg"], "metrics_s": t_metrics, **resets}
+    return {
+        "update_s": t_update,
+        **{f"{k}_update_s": v for k, v in block_time.items()},
+        "metrics_s": t_metrics,
+        **resets,
+    }
 
 
 def timed_agents() -> list[str]:
