@@ -104,6 +104,7 @@ def _input(params, n=5):
 # ----------------------------------------------------------------------------- the residual head
 
 
+@pytest.mark.slow
 def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_exact_while_zero():
     net, params = _built(lambda r: MLPHead(4, 3, TrunkSpec(8, 2, layer_norm=True), rngs=r), jax.random.key(0))
     head = (("trunk", "layers", 1), ("trunk", "norms", 1), ("out",))
