@@ -41,6 +41,7 @@ def _probe(tmp_path, **env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_cache_is_on_by_default_per_user_and_a_variable_moves_or_disables_it(tmp_path):
     default = str(tmp_path / "home" / ".cache" / "plasticity-zoo" / "jax")
     assert _probe(tmp_path) == [default, default, 0.5]
@@ -68,6 +69,7 @@ class _Bar:
         self.lines.append(line)
 
 
+@pytest.mark.slow
 def test_a_compile_shows_on_the_bar_while_it_runs_and_is_reported_then_loaded_from_the_cache(monkeypatch):
     assert jax.config.jax_compilation_cache_dir  # the suite's own (conftest)
     monkeypatch.setattr(loop, "SAY_COMPILES_FROM_SECS", 0.0)

@@ -534,6 +534,7 @@ def test_zscored_targets_are_the_residual_on_the_zscored_state(data):
     assert info["val_curve"][-1].min() < info["val_curve"][0].min()
 
 
+@pytest.mark.slow
 def test_fixed_logsigma_bounds_clamp_and_never_move(data):
     s, a, r, s2 = data
     cfg = dyn.neubay_config(**NEUBAY_SMALL)

@@ -103,6 +103,7 @@ def test_the_critic_loss_targets_the_drawn_heads_of_all_the_target_heads():
     assert abs(float(loss) - float(reference(others))) > 1e-4
 
 
+@pytest.mark.slow
 def test_networks_start_as_the_reference_codes_layers():
     """Equinox's default U(+-1/sqrt(fan_in)) for every Linear (weights and biases), the critics'
     output at U(+-sqrt(0.01 / fan_in)) with a zero bias, LayerNorms at 1 / 0, the LRU's own init."""

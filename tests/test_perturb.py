@@ -143,6 +143,7 @@ def test_both_events_run_jitted_over_seeds_on_every_agent_with_plastic_networks(
         )
 
 
+@pytest.mark.slow
 def test_events_fire_on_their_periods_in_the_hooks():
     agent = agents.get("sac")
     cfg = PlasticityConfig(

@@ -480,6 +480,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted_with_normalizers(tmp_p
     assert all(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))
 
 
+@pytest.mark.slow
 def test_nonstationary_switch_resets_the_normalizers(tmp_path):
     # the same shapes and config as the resume test: the loop's compilations are reused
     cfg = tiny(

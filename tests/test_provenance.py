@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import jax
+import pytest
 
 from plasticity_zoo.agents import sac
 from plasticity_zoo.training import config as config_lib
@@ -62,6 +63,7 @@ def test_tensorboard_has_one_run_per_seed_with_untagged_names_and_the_flags_as_h
     assert flat == {"env": "Pendulum-v1", "agent.gamma": 0.99}
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_one_run_per_seed_with_config_metrics_and_commit(tiny_sac_config, tmp_path, monkeypatch):
     """``--wandb --wandb-mode offline`` with the real wandb package: nothing leaves the machine."""
     import pytest

@@ -133,6 +133,7 @@ def test_extending_a_finished_run_redoes_its_final_evaluation_once(tiny_sac_conf
     assert [(r["step"], r["total_steps"]) for r in saved["resumes"]] == [(300, 600)]
 
 
+@pytest.mark.slow
 def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
     cfg = tiny_sac_config(total_steps=300)
     train(cfg, sac, tmp_path / "r")
