@@ -56,13 +56,27 @@ class PointMass:
         )
 
 
+class FallingPointMass(PointMass):
+    """``PointMass`` whose episode ends (Playground's ``done``) once the position reaches |1|: episodes of
+    different lengths, ended by termination before the limit."""
+
+    def step(self, state, action):
+        state = super().step(state, action)
+        return state.replace(done=(jnp.abs(state.pos) >= 1.0).astype(jnp.float32))
+
+
+FALLING = "playground:ToyFallingPointMass"
+TOYS = {NAME: PointMass, FALLING.split(":")[1]: FallingPointMass}
+
+
 def use_toy(monkeypatch):
-    """``envs.playground`` loads the toy for ``playground:ToyPointMass`` (every other task as before)."""
+    """``envs.playground`` loads the toys for ``playground:ToyPointMass`` and ``playground:ToyFallingPointMass``
+    (every other task as before)."""
     from plasticity_zoo.envs import playground
 
     real = playground._load
 
     def load(name, impl):
-        return (PointMass(), EPISODE_LENGTH) if name == NAME else real(name, impl)
+        return (TOYS[name](), EPISODE_LENGTH) if name in TOYS else real(name, impl)
 
     monkeypatch.setattr(playground, "_load", load)

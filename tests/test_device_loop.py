@@ -281,6 +281,9 @@ def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrup
     assert all(np.isfinite(float(r["losses/value"])) for r in rows)
     evals = list(csv.DictReader(open(tmp_path / "full" / "eval.csv")))
     assert [int(r["step"]) for r in evals if r["seed"] == "0"] == [0, 32, 64]
+    # the run evaluated on the device; scripts/evaluate.py's evaluator and policy reproduce its last evaluation
+    logged = [[float(x) for x in r["episode_returns"].split()] for r in evals if r["step"] == "64"]
+    assert restored.evaluator().on_device and restored.evaluator()(restored.policy()) == logged
     a0, a1 = (jax.tree.map(lambda x: x[j], full["state"].actor_params) for j in (0, 1))
     assert all(not np.allclose(x, y) for x, y in zip(jax.tree.leaves(a0), jax.tree.leaves(a1)))  # seeds differ
 
@@ -472,9 +475,9 @@ def test_ppo_on_the_device_learns_to_balance_the_cartpole(tmp_path):
 @needs_playground
 @pytest.mark.slow
 def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
-    """SAC on Playground CartpoleBalance in the device loop, 2 seeds x 16 envs, 20k env steps per seed
-    (about a minute on 2 CPU cores): each seed's best later evaluation beats its untrained policy's
-    (about 300) by 200 (the runs behind this test: 773 and 745 at 10k / 20k steps)."""
+    """SAC on Playground CartpoleBalance in the device loop, 1 seed x 16 envs, 20k env steps (about a
+    minute on 2 CPU cores; vmapped seeds are tested above): the best later evaluation beats the
+    untrained policy's (278) by 200 (the run behind this test: 633 at 10k steps, 342 at 20k)."""
     import csv
 
     from plasticity_zoo import agents
@@ -483,7 +486,7 @@ def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
 
     cfg = RunConfig(
         env=ENV,
-        seeds=2,
+        seeds=1,
         num_envs=16,
         total_steps=20_000,
         eval_every=10_000,
@@ -497,7 +500,6 @@ def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
     )
     device.train(cfg, agents.get("sac"), tmp_path / "run")
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))
-    for seed in ("0", "1"):
-        returns = {int(r["step"]): float(r["return_mean"]) for r in rows if r["seed"] == seed}
-        assert sorted(returns) == [0, 10_000, 20_000]
-        assert max(returns[10_000], returns[20_000]) > returns[0] + 200, (seed, returns)
+    returns = {int(r["step"]): float(r["return_mean"]) for r in rows}
+    assert sorted(returns) == [0, 10_000, 20_000] and len(rows) == 3
+    assert max(returns[10_000], returns[20_000]) > returns[0] + 200, returns

@@ -335,9 +335,9 @@ def test_a_resumed_run_with_plasticity_metrics_and_redo_equals_the_uninterrupted
 def test_a_short_run_on_two_tasks_beats_its_untrained_policy_on_each(tmp_path):
     """mrq-mt at size S (width 64) on Pendulum-v1 and dmc:cartpole-swingup side by side (observations
     3 and 5 wide, one action each; 200- and 500-step episodes, so discounts 0.975 and 0.99), one
-    update per env step: after 3000 steps per task the final evaluation beats the untrained
-    policy's on each task (mean of 4 episodes per task of one seed, which keeps the test near two
-    minutes on 2 cores)."""
+    update per env step on batches of 64: after 3000 steps per task the final evaluation beats the
+    untrained policy's on each task (mean of 4 episodes per task of one seed; the run behind this test:
+    Pendulum -1397 -> -1004, cartpole-swingup 14 -> 138; about 100 s on 2 cores)."""
     import csv
 
     from plasticity_zoo.training import offpolicy
@@ -355,7 +355,7 @@ def test_a_short_run_on_two_tasks_beats_its_untrained_policy_on_each(tmp_path):
         checkpoint_every=100_000,
         network=NetworkConfig(width=64),
         plasticity=PlasticityConfig(),
-        agent={"batch_size": 128, "buffer_size": 10_000, "learning_starts": 1000, "utd": 1.0},
+        agent={"batch_size": 64, "buffer_size": 10_000, "learning_starts": 1000, "utd": 1.0},
     )
     offpolicy.train(cfg, agent, tmp_path / "run")
     rows = list(csv.DictReader(open(tmp_path / "run" / "eval.csv")))

@@ -49,7 +49,7 @@ from plasticity_zoo.plasticity.hooks import Hooks
 from plasticity_zoo.training import offpolicy, onpolicy
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
-from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training.evaluation import run_evaluator
 from plasticity_zoo.training.onpolicy import seed_fns
 from plasticity_zoo.training.seeds import add_over_seeds, over_seeds
 
@@ -223,15 +223,7 @@ class _DeviceIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = cfg.seeds, cfg.num_envs
         self.env = playground.make(cfg.env, cfg.action_repeat, action_mode, cfg.env_impl)
-        self.evaluator = Evaluator(
-            cfg.env,
-            self.S,
-            cfg.eval_episodes,
-            eval_base_seed(cfg),
-            cfg.action_repeat,
-            eval_action_mode(cfg, agent),
-            env_impl=cfg.env_impl,
-        )
+        self.evaluator = run_evaluator(cfg, agent)
         self.metrics, self.updates_done = None, 0
 
     def begin(self, driver, resume: bool):

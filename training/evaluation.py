@@ -9,9 +9,18 @@ them per task.  A task chain with ``eval=all`` (``ns:chain:...:eval=all``) is sc
 its distinct tasks (``envs.nonstationary.eval_tasks``), each evaluation env pinned to its task.
 ``SeedPolicy`` acts as ``Driver.evaluate`` does; ``analysis/restore.py`` loads a finished run's
 checkpoint for it, so ``scripts/evaluate.py`` reproduces a run's own evaluations.
+
+On a ``playground:`` env the episodes of a deterministic (memoryless) policy run on the device: one
+jitted program resets the evaluation envs from the same env seeds and scans the policy and the physics
+over one episode length; only the per-step rewards and episode ends come back, and the host sums them
+as the host-stepped evaluation does, in the same order (``Evaluator._on_device``).  The program is the
+host evaluation's per-step programs composed, so the returns are the host evaluation's (a test compares
+the two).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +28,7 @@ import numpy as np
 
 from plasticity_zoo.envs import make_vector_env, nonstationary
 from plasticity_zoo.envs.multitask import is_multitask, member_ids
+from plasticity_zoo.envs.playground import PlaygroundVectorEnv, env_keys
 from plasticity_zoo.networks.runtime import cached_per_config
 
 EVAL_SEED_OFFSET = 5_000  # evaluation env seeds: cfg.seed * 10_000 + 5_000 + i (training envs: cfg.seed * 10_000 + i)
@@ -62,6 +72,9 @@ class Evaluator:
         self.env_seeds = [base_seed + j * stride + k for j in range(seeds) for k in range(self.episodes)]
 
     def __call__(self, policy) -> list[list[float]]:
+        pure = getattr(policy, "pure", None)  # (act, state) of a memoryless deterministic policy
+        if pure is not None and self.on_device:
+            return self._on_device(*pure)
         n = self.seeds * self.episodes
         obs = self.env.reset(self.env_seeds)
         if hasattr(policy, "reset"):
@@ -77,6 +90,44 @@ class Evaluator:
             done |= terminated | truncated
         self.env.pop_finished()
         return returns.reshape(self.seeds, self.episodes).tolist()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a memoryless policy's episodes run on the device (a ``playground:`` env scored as one task)."""
+        return isinstance(self.env, PlaygroundVectorEnv) and self.tasks is None
+
+    def _on_device(self, act, state) -> list[list[float]]:
+        """``__call__`` as one device program: the same resets, actions and steps, summed on the host as above."""
+        run = _device_episodes(self.env.pg, act, self.seeds, self.episodes)
+        rewards, ended = jax.device_get(run(state, env_keys(self.env_seeds)))
+        returns = np.zeros(self.seeds * self.episodes)
+        done = np.zeros_like(returns, bool)
+        for reward, end in zip(rewards, ended):  # (T, n): until every episode has ended, as the host loop
+            if done.all():
+                break
+            returns += np.where(done, 0.0, reward)
+            done |= end
+        return returns.reshape(self.seeds, self.episodes).tolist()
+
+
+@functools.lru_cache(maxsize=16)
+def _device_episodes(pg, act, seeds: int, episodes: int):
+    """``run(states, keys) -> (rewards, ended)``, each (episode length, seeds x episodes): ``pg``'s envs
+    reset from ``keys`` and stepped for one episode length under ``act(states, obs)`` (obs shaped
+    (seeds, episodes, obs_dim), as the host evaluation calls the policy); ended envs reset as on the host."""
+    n = seeds * episodes
+
+    def run(states, keys):
+        def body(env, _):
+            obs = env.inner.obs.astype(jnp.float32).reshape(seeds, episodes, -1)
+            action = act(states, obs).reshape(n, -1).astype(jnp.float32)
+            env, out = pg.step(env, action)
+            return env, (out.reward, out.terminated | out.truncated)
+
+        _, out = jax.lax.scan(body, pg.reset(keys), None, pg.episode_length)
+        return out
+
+    return jax.jit(run)
 
 
 def eval_tasks(env_id: str) -> tuple[str, ...] | None:
@@ -191,7 +242,20 @@ def policy_maker(agent):
         fns = recurrent_fns(agent)
         return lambda state: RecurrentPolicy(state, fns)
     act = deterministic_act(agent)
-    return lambda state: lambda obs: act(state, jnp.asarray(obs))
+    return lambda state: DeterministicPolicy(state, act)
+
+
+class DeterministicPolicy:
+    """A memoryless agent's deterministic policy for ``Evaluator``: ``act(state, obs)`` (jitted and pure,
+    vmapped over the seed axis) on a vmapped agent ``state``.  Pure, so an evaluation on the device
+    runs it inside its own program."""
+
+    def __init__(self, state, act):
+        self.state, self.act = state, act
+        self.pure = (act, state)
+
+    def __call__(self, obs):
+        return self.act(self.state, jnp.asarray(obs))
 
 
 class SeedPolicy:
@@ -213,6 +277,8 @@ class SeedPolicy:
         self.recurrent = is_recurrent(agent)
         self._make = lambda: make(state)  # noqa: E731
         self.parts: dict = {}  # one policy per block of episodes (a recurrent one carries its episodes' memory)
+        # memoryless: the same actions as a pure function, for an evaluation on the device
+        self.pure = None if self.recurrent else (_seed_act(agent, self.total, tuple(self.seeds), block), state)
 
     def reset(self):
         self.parts = {}
@@ -241,3 +307,22 @@ class SeedPolicy:
         if self.recurrent:
             for start, end, block in self._blocks(reward.shape[1]):
                 self.parts[start].observe(jnp.asarray(self._full(reward[:, start:end], block)))
+
+
+@functools.lru_cache(maxsize=16)
+def _seed_act(agent, total: int, seeds: tuple, block: int | None):
+    """``SeedPolicy``'s actions as a pure function ``act(state, obs)`` of a memoryless agent: ``obs``
+    (len(seeds), n, obs_dim) placed in zero arrays of the run's evaluation shape, block by block, as
+    ``SeedPolicy.__call__`` does."""
+    act, rows = deterministic_act(agent), jnp.asarray(seeds)
+
+    def run(state, obs):
+        n, out = obs.shape[1], []
+        for start in range(0, n, block or n):
+            end = min(n, start + (block or n))
+            full = jnp.zeros((total, block or n) + obs.shape[2:], jnp.float32)
+            actions = act(state, full.at[rows, : end - start].set(obs[:, start:end]))
+            out.append(actions[rows, : end - start])
+        return jnp.concatenate(out, axis=1)
+
+    return run

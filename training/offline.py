@@ -38,7 +38,7 @@ from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
-from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training.evaluation import run_evaluator
 from plasticity_zoo.training.loop import RunTree, check_positive, run_counts
 from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 
@@ -199,9 +199,7 @@ class OfflineIteration:
     def __init__(self, cfg: RunConfig, agent, path, dataset, env_id: str):
         a = cfg.agent
         self.cfg, self.U, S = cfg, a.updates_per_epoch, cfg.seeds
-        self.evaluator = Evaluator(
-            env_id, S, cfg.eval_episodes, eval_base_seed(cfg), cfg.action_repeat, eval_action_mode(cfg, agent)
-        )
+        self.evaluator = run_evaluator(cfg, agent, env_id)
         keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
         k_prepare, self.key = keys[0], keys[1]
         self.aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)

@@ -23,7 +23,7 @@ from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plas
 from plasticity_zoo.plasticity.least import LEAST
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
-from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training.evaluation import run_evaluator
 from plasticity_zoo.training.loop import (
     NonFiniteLossError,
     RunTree,
@@ -157,15 +157,7 @@ class OffPolicyIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = S, E = cfg.seeds, cfg.num_envs
         self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, env_impl=cfg.env_impl)
-        self.evaluator = Evaluator(
-            cfg.env,
-            S,
-            cfg.eval_episodes,
-            eval_base_seed(cfg),
-            cfg.action_repeat,
-            eval_action_mode(cfg, agent),
-            env_impl=cfg.env_impl,
-        )
+        self.evaluator = run_evaluator(cfg, agent)
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.buffer, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.num_updates = a.updates_per_step * E

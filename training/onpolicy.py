@@ -38,7 +38,7 @@ from plasticity_zoo.envs import make_vector_env, nonstationary
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
-from plasticity_zoo.training.evaluation import Evaluator, eval_action_mode, eval_base_seed
+from plasticity_zoo.training.evaluation import run_evaluator
 from plasticity_zoo.training.loop import RunTree, check_positive, finished_episodes, run_counts
 from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 
@@ -265,15 +265,7 @@ class OnPolicyIteration:
             action_mode=a.action_mode,
             env_impl=cfg.env_impl,
         )
-        self.evaluator = Evaluator(
-            cfg.env,
-            S,
-            cfg.eval_episodes,
-            eval_base_seed(cfg),
-            cfg.action_repeat,
-            eval_action_mode(cfg, agent),
-            env_impl=cfg.env_impl,
-        )  # --action-mode
+        self.evaluator = run_evaluator(cfg, agent)  # --action-mode
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)
