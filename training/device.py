@@ -28,8 +28,8 @@ Differences from the host loops (``--loop host``): evaluations and log rows fall
 iteration boundary at or past their step (the on-policy host loop evaluates inside a rollout); a
 non-finite loss anywhere in a chunk stops the run at the chunk's end; LEAST (which cuts episodes
 from the host) and non-stationary (``ns:``) envs do not run on the device.  Training episodes are
-reported as per-seed totals since the last chunk.  Evaluation steps its envs from the host
-(``PlaygroundVectorEnv``, one jitted call per step).
+reported as per-seed totals since the last chunk.  Evaluation runs on the device too
+(``training/evaluation.py``: one jitted program per evaluation).
 """
 
 from __future__ import annotations
