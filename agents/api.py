@@ -17,7 +17,7 @@ Every agent (``Agent``):
 
 Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
     buffer_init(capacity, obs_dim, act_dim, cfg) -> buffer (cfg: the agent config);
-    buffer_add(buffer, transitions) -> buffer
+    buffer_add(buffer, transitions, valid=None) -> buffer (``valid``: bool per row, rows to keep)
     sample_batch(state, buffer, key, n) -> batch         (plasticity metrics / resets use it too)
     train_block(state, buffer, key, num_updates, replay_control) -> (state, buffer, metrics)
                               the updates of one vector step as one scan (``updates_per_vector_step``);
@@ -122,7 +122,7 @@ class Agent(Protocol):
 class OffPolicyAgent(Agent, Protocol):
     def buffer_init(self, capacity: int, obs_dim: int, act_dim: int, cfg): ...
 
-    def buffer_add(self, buffer, batch): ...
+    def buffer_add(self, buffer, batch, valid=None): ...
 
     def sample_batch(self, state, buffer, key, batch_size: int): ...
 

@@ -104,8 +104,11 @@ def capacity(buffer: LAPBuffer) -> int:
     return buffer.step.shape[-1]
 
 
-def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
-    """Store one transition per env (leading axis = envs, in env order) at the running max priority."""
+def add(buffer: LAPBuffer, batch: Transition, valid=None) -> LAPBuffer:
+    """Store one transition per env (leading axis = envs, in env order) at the running max priority.
+
+    ``valid`` (bool per env, optional): an invalid row's slot is marked never written (``step`` -1),
+    so no window holds it (it is never sampled) and every env's stream keeps its stride."""
     cap = capacity(buffer)
     n = batch.reward.shape[0]
     if n > cap:
@@ -114,13 +117,14 @@ def add(buffer: LAPBuffer, batch: Transition) -> LAPBuffer:
     data = jax.tree.map(lambda d, x: d.at[idx].set(x.astype(d.dtype)), buffer.data, batch)
     buffer = buffer._replace(
         data=data,
-        step=buffer.step.at[idx].set(buffer.calls),
+        step=buffer.step.at[idx].set(buffer.calls if valid is None else jnp.where(valid, buffer.calls, -1)),
         priority=buffer.priority.at[idx].set(buffer.max_priority),
         ptr=(buffer.ptr + n) % cap,
         size=jnp.minimum(buffer.size + n, cap),
         calls=buffer.calls + 1,
         num_envs=jnp.asarray(n, jnp.int32),
-        ever_terminated=buffer.ever_terminated | jnp.any(batch.terminated),
+        ever_terminated=buffer.ever_terminated
+        | jnp.any(batch.terminated if valid is None else batch.terminated & valid),
     )
     # the windows whose validity a write can change: those holding a written slot, starting H-1 .. 0 steps before it
     starts = ((idx[None, :] - n * buffer.horizon[:, None]) % cap).reshape(-1)

@@ -38,8 +38,11 @@ def capacity(buffer: Buffer) -> int:
     return buffer.data.reward.shape[-1]
 
 
-def add(buffer: Buffer, batch: Transition) -> Buffer:
-    """Append a batch of transitions (leading axis = number of envs), overwriting the oldest."""
+def add(buffer: Buffer, batch: Transition, valid=None) -> Buffer:
+    """Append a batch of transitions (leading axis = number of envs), overwriting the oldest; with
+    ``valid`` (bool per row) only its valid rows, in order (``add_masked``)."""
+    if valid is not None:
+        return add_masked(buffer, batch, valid)
     cap = capacity(buffer)
     n = batch.reward.shape[0]
     idx = (buffer.ptr + jnp.arange(n)) % cap

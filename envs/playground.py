@@ -25,6 +25,11 @@ Semantics, beside the matching ``dmc:`` task:
   and the true final observation of every ended episode is returned for bootstrapping (Brax's
   ``AutoResetWrapper`` drops it: mujoco_playground issue #305).  Ended envs reset in the same step
   with a fresh key, so episodes start from different states.
+- **Divergence.**  A step whose observation or reward is not finite (MJX physics that blew up) is
+  ``diverged``: the env resets as after a termination (``terminated`` is set, so nothing bootstraps
+  from it), its reward reads 0 and its ``next_obs`` the last finite observation, and it is not a
+  finished episode (no return or length is reported).  The device loop counts such steps
+  (``env/diverged``) and keeps them out of the replay (``training/device.py``).
 - **Actions** reach the physics as ``envs/actions.py`` maps them (``rescale`` from [-1, 1] or
   ``clip`` to the actuators' control range, which is [-1, 1] for every offered task).
 
@@ -110,8 +115,14 @@ class Step(NamedTuple):
     terminated: jax.Array  # (N,) bool
     truncated: jax.Array  # (N,) bool (episode limit, not terminated)
     next_obs: jax.Array  # (N, obs_dim) the true next observation (the final one where an episode ended)
-    ep_return: jax.Array  # (N,) the finished episode's return where terminated | truncated, else 0
-    ep_length: jax.Array  # (N,) the finished episode's length where terminated | truncated, else 0
+    ep_return: jax.Array  # (N,) the finished episode's return where it finished (see ``finished``), else 0
+    ep_length: jax.Array  # (N,) the finished episode's length where it finished, else 0
+    diverged: jax.Array  # (N,) bool: the step's observation or reward was not finite (the env reset)
+
+    @property
+    def finished(self) -> jax.Array:
+        """(N,) bool: an episode finished (terminated or truncated, not diverged)."""
+        return (self.terminated | self.truncated) & ~self.diverged
 
 
 @dataclass(frozen=True)
@@ -192,12 +203,16 @@ class Playground:
         aligned episodes (Control Suite tasks never terminate) pay for a reset once per episode."""
         inner, reward = self._physics(state.inner, action)
         reward = reward.astype(jnp.float32)
+        n = reward.shape[0]
+        diverged = ~(jnp.all(jnp.isfinite(inner.obs.reshape(n, -1)), axis=1) & jnp.isfinite(reward))
+        reward = jnp.where(diverged, 0.0, reward)
         t = state.t + 1
-        terminated = inner.done > 0
+        terminated = (inner.done > 0) | diverged
         truncated = (t >= self.episode_length) & ~terminated
         ended = terminated | truncated
         ep_return = state.ep_return + reward
-        next_obs = inner.obs
+        next_obs = jnp.where(_bcast(diverged, inner.obs), state.inner.obs, inner.obs)  # the last finite one
+        finished = ended & ~diverged
 
         def with_resets(args):
             inner, key = args
@@ -209,7 +224,14 @@ class Playground:
 
         inner, key = jax.lax.cond(jnp.any(ended), with_resets, lambda args: args, (inner, state.key))
         out = Step(
-            inner.obs, reward, terminated, truncated, next_obs, jnp.where(ended, ep_return, 0.0), jnp.where(ended, t, 0)
+            inner.obs,
+            reward,
+            terminated,
+            truncated,
+            next_obs,
+            jnp.where(finished, ep_return, 0.0),
+            jnp.where(finished, t, 0),
+            diverged,
         )
         new = EnvState(inner, jnp.where(ended, 0, t), key, jnp.where(ended, 0.0, ep_return))
         return new, out
@@ -298,6 +320,8 @@ class PlaygroundVectorEnv:
         self.pg = make(env_id, action_repeat, action_mode, impl)
         self.obs_dim, self.act_dim = self.pg.obs_dim, self.pg.act_dim
         self.finished: list[tuple[int, float, int]] = []
+        self.diverged = 0  # steps whose state was not finite (each reset its env)
+        self.valid: np.ndarray | None = None  # after a step with a diverged env: which envs' transitions are valid
         self.state = None
 
     def reset(self, seeds=None) -> np.ndarray:
@@ -309,7 +333,9 @@ class PlaygroundVectorEnv:
         actions = jnp.asarray(np.asarray(actions, np.float32).reshape(self.num_envs, self.act_dim))
         self.state, out = jitted(self.pg)[1](self.state, actions)
         out = jax.device_get(out)
-        for i in np.nonzero(out.terminated | out.truncated)[0]:
+        self.diverged += int(np.sum(out.diverged))
+        self.valid = ~np.asarray(out.diverged) if out.diverged.any() else None  # the rows a replay keeps
+        for i in np.nonzero(out.finished)[0]:
             self.finished.append((int(i), float(out.ep_return[i]), int(out.ep_length[i])))
         return (
             np.asarray(out.obs, np.float32),
@@ -338,6 +364,8 @@ class PlaygroundVectorEnv:
     def __setstate__(self, d):
         d = dict(d)
         d["pg"] = Playground(*d["pg"])
+        d.setdefault("diverged", 0)  # pickled before the count existed
+        d.setdefault("valid", None)
         d["state"] = None if d["state"] is None else _from_host(d["state"])
         self.__dict__.update(d)
 

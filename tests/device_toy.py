@@ -65,13 +65,23 @@ class FallingPointMass(PointMass):
         return state.replace(done=(jnp.abs(state.pos) >= 1.0).astype(jnp.float32))
 
 
+class ExplodingPointMass(PointMass):
+    """``PointMass`` whose physics blows up (position, observation and reward NaN) when pushed with more
+    than 1.9 of its force 2 (a rescaled action beyond +-0.9): MJX's non-finite states, made cheap."""
+
+    def step(self, state, action):
+        state = super().step(state, action)
+        nan = jnp.where(jnp.abs(action[0]) > 1.9, jnp.nan, 0.0)
+        return state.replace(pos=state.pos + nan, obs=state.obs + nan, reward=state.reward + nan)
+
+
 FALLING = "playground:ToyFallingPointMass"
-TOYS = {NAME: PointMass, FALLING.split(":")[1]: FallingPointMass}
+EXPLODING = "playground:ToyExplodingPointMass"
+TOYS = {NAME: PointMass, FALLING.split(":")[1]: FallingPointMass, EXPLODING.split(":")[1]: ExplodingPointMass}
 
 
 def use_toy(monkeypatch):
-    """``envs.playground`` loads the toys for ``playground:ToyPointMass`` and ``playground:ToyFallingPointMass``
-    (every other task as before)."""
+    """``envs.playground`` loads the toys (``TOYS``) for their ``playground:`` names (every other task as before)."""
     from plasticity_zoo.envs import playground
 
     real = playground._load

@@ -96,6 +96,7 @@ def _counted_iteration(kind, cfg, agent):
     S, E = cfg.seeds, cfg.num_envs
     it = object.__new__(device.DeviceOnPolicyIteration if kind == "onpolicy" else device.DeviceOffPolicyIteration)
     it.cfg, it.agent, it.S, it.E, it.metrics, it.updates_done = cfg, agent, S, E, None, 0
+    it.diverged = np.zeros(S, np.int64)
     if kind == "onpolicy":
         it.steps_per_iteration = cfg.agent.num_steps * E
         it.updates_per_iteration = cfg.agent.update_epochs * cfg.agent.num_minibatches
@@ -111,7 +112,7 @@ def _counted_iteration(kind, cfg, agent):
     )
     it.chunks = []
     z = np.zeros(S)
-    report = device.Report({}, np.True_, jax.random.key(0), z, z, z, np.False_)
+    report = device.Report({}, np.True_, jax.random.key(0), z, z, z, np.False_, z)
 
     def chunk(carry, n, *args):
         it.chunks.append(int(n))

@@ -24,6 +24,10 @@ of every seed step as one batch of S * E (seed j owns envs ``j*E .. j*E+E-1``).
   many envs with a few large-batch updates per vector step, as Brax's SAC (``grad_updates_per_step``,
   Playground's DM Control recipe) and FastSAC / FastTD3 (``num_updates``) run them.
 
+A step whose env state is not finite (``envs.playground.Step.diverged``) resets its env, is counted
+per seed (``env/diverged`` in the log rows once above 0) and its transition stays out of the replay
+(``buffer_add``'s ``valid`` rows).
+
 Differences from the host loops (``--loop host``): evaluations and log rows fall at the first
 iteration boundary at or past their step (the on-policy host loop evaluates inside a rollout); a
 non-finite loss anywhere in a chunk stops the run at the chunk's end; LEAST (which cuts episodes
@@ -97,7 +101,8 @@ def check(cfg: RunConfig, agent=None):
 class Report(NamedTuple):
     """What a chunk hands the host: the last update's metrics, whether every loss stayed finite,
     the key of the last update (for the plasticity events), per seed the finished episodes' summed
-    returns, summed lengths and count, and (off-policy) whether any iteration of the chunk learned."""
+    returns, summed lengths and count, (off-policy) whether any iteration of the chunk learned, and
+    per seed the env steps that diverged (``envs.playground.Step.diverged``)."""
 
     metrics: dict
     finite: jax.Array
@@ -106,20 +111,23 @@ class Report(NamedTuple):
     length_sum: jax.Array
     episodes: jax.Array
     learned: jax.Array
+    diverged: jax.Array
 
 
 def _zero_totals(S: int):
-    return jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32)
+    return jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32)
 
 
 def _add_episodes(totals, out: playground.Step, S: int, E: int):
-    """Per seed: summed returns, lengths and count of the episodes that ended in this env step."""
-    r_sum, l_sum, count = totals
+    """Per seed: summed returns, lengths and count of the episodes that finished in this env step, and
+    the count of its envs that diverged."""
+    r_sum, l_sum, count, diverged = totals
     per_seed = lambda x: x.reshape(S, E).sum(1)  # noqa: E731
     return (
         r_sum + per_seed(out.ep_return),
         l_sum + per_seed(out.ep_length),
-        count + per_seed((out.terminated | out.truncated).astype(jnp.int32)),
+        count + per_seed(out.finished.astype(jnp.int32)),
+        diverged + per_seed(out.diverged.astype(jnp.int32)),
     )
 
 
@@ -186,6 +194,7 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
         "last_eval": last_eval,
         "run_dir": str(run_dir),
         "metrics": iteration.metrics,
+        "buffer": getattr(iteration.carry, "buffer", None),  # off-policy: the replay, per seed
     }
 
 
@@ -225,6 +234,7 @@ class _DeviceIteration:
         self.env = playground.make(cfg.env, cfg.action_repeat, action_mode, cfg.env_impl)
         self.evaluator = run_evaluator(cfg, agent)
         self.metrics, self.updates_done = None, 0
+        self.diverged = np.zeros(self.S, np.int64)  # per seed, env steps whose state was not finite
 
     def begin(self, driver, resume: bool):
         if resume:  # the template's env state: its structure, from a reset
@@ -240,12 +250,14 @@ class _DeviceIteration:
     def load(self, tree, host):
         self.carry = type(self.carry)(*tree)
         self.updates_done = host["updates_done"]
+        self.diverged = np.asarray(host.get("diverged", np.zeros(self.S, np.int64)))
         metrics = host.get("metrics")
         self.metrics = None if metrics is None else {k: jnp.asarray(v) for k, v in metrics.items()}
 
     def host(self) -> dict:
         return {
             "updates_done": self.updates_done,
+            "diverged": self.diverged,
             "metrics": None if self.metrics is None else {k: np.asarray(v) for k, v in self.metrics.items()},
         }
 
@@ -283,10 +295,14 @@ class _DeviceIteration:
         if learned:
             self.metrics = report.metrics
         before, self.updates_done = self.updates_done, self.updates_done + updates
+        self.diverged = self.diverged + np.asarray(report.diverged)
+        metrics = self.metrics
+        if metrics is not None and self.diverged.any():  # the column appears once an env has diverged
+            metrics = {**metrics, "env/diverged": self.diverged}
         return StepReport(
             steps,
             steps * self.S,
-            self.metrics,
+            metrics,
             [
                 [(float(r), float(length), int(c))] if c > 0 else []
                 for r, length, c in zip(
@@ -358,8 +374,8 @@ def make_chunk(agent, env: playground.Playground, S: int, E: int, T: int):
         carry, totals, metrics, finite, k = jax.lax.fori_loop(
             0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key)
         )
-        return_sum, length_sum, episodes = totals
-        return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, jnp.bool_(True))
+        return_sum, length_sum, episodes, diverged = totals
+        return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, jnp.bool_(True), diverged)
 
     return jax.jit(chunk, donate_argnums=(0,))
 
@@ -451,7 +467,8 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
             per_seed(out.terminated),
             per_seed(out.truncated),
         )
-        buffer = add_over_seeds(agent.buffer_add)(carry.buffer, transition)
+        # a diverged step's transition is kept out of the replay (its env has reset)
+        buffer = add_over_seeds(agent.buffer_add)(carry.buffer, transition, per_seed(~out.diverged))
         obs = per_seed(out.obs)
         key, k = jax.random.split(carry.key)
         k_train, k_act = jax.random.split(k)
@@ -496,8 +513,8 @@ def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E
         carry, totals, metrics, finite, k, learned = jax.lax.fori_loop(
             0, n, body, (carry, _zero_totals(S), metrics0, jnp.bool_(True), carry.key, jnp.bool_(False))
         )
-        return_sum, length_sum, episodes = totals
-        return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, learned)
+        return_sum, length_sum, episodes, diverged = totals
+        return carry, Report(metrics, finite, k, return_sum, length_sum, episodes, learned, diverged)
 
     return jax.jit(chunk, donate_argnums=(0,))
 

@@ -67,10 +67,12 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
     # the batch gathers with the in-place write of the new row, the gathers then need the old
     # buffer, and XLA copies every buffer array each env step (30 ms per step at 1M rows).
     @partial(jax.jit, donate_argnums=(0,))
-    def store(buffer, transition, obs):
+    def store(buffer, transition, obs, valid=None):
         seeds, envs = obs.shape[:2]
         flat = jax.tree.map(lambda x: x.reshape(seeds, envs, *x.shape[1:]), transition)
-        return add_over_seeds(agent.buffer_add)(buffer, flat)
+        if valid is None:
+            return add_over_seeds(agent.buffer_add)(buffer, flat)
+        return add_over_seeds(agent.buffer_add)(buffer, flat, valid.reshape(seeds, envs))
 
     @partial(jax.jit, static_argnames=("random_actions", "train"), donate_argnums=(0, 1))
     def learn_and_act(state, buffer, obs, key, random_actions: bool, train: bool, replay_control=None):
@@ -86,8 +88,8 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(metrics)] or [jnp.bool_(True)]))
         return state, buffer, action, metrics, finite
 
-    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool, replay_control=None):
-        buffer = store(buffer, transition, obs)
+    def step(state, buffer, transition, obs, key, random_actions: bool, train: bool, replay_control=None, valid=None):
+        buffer = store(buffer, transition, obs, valid)  # valid: rows to keep (None: all)
         return learn_and_act(
             state, buffer, obs, key, random_actions=random_actions, train=train, replay_control=replay_control
         )
@@ -241,6 +243,7 @@ class OffPolicyIteration:
             random_actions=not learning,
             train=learning,
             replay_control=self.hooks.replay_control,
+            valid=getattr(env, "valid", None),  # a playground: env's steps that diverged stay out of the replay
         )
         episodes = finished_episodes(env, S, E)
         if not learning:
