@@ -216,10 +216,17 @@ IN_UPDATE = {
 
 
 def plasticity_overhead(
-    agent_name: str, env_id: str, width: int | None, buffer_size: int | None = None, rounds: int = 7
+    agent_name: str,
+    env_id: str,
+    width: int | None,
+    buffer_size: int | None = None,
+    rounds: int = 7,
+    labels: tuple[str, ...] = tuple(IN_UPDATE),
+    events: bool = True,
 ):
     """Cost of plasticity metrics, resets and the per-update interventions (``IN_UPDATE``: SIGReg, L2 Init,
     Parseval, TRAC, injection's residual heads) as a fraction of update time at default periods.
+    ``labels``: the interventions timed (``plain`` always); ``events``: also time the metrics and reset events.
 
     The update time is that of the loop's training block (one seed, the agent's own buffer at the
     config's capacity).  MR.Q's block spans its 250-update sync period (one encoder burst), so the
@@ -246,7 +253,9 @@ def plasticity_overhead(
         return acfg, state, buffer, key
 
     runs = {}
-    for label, pcfg in IN_UPDATE.items():
+    timed_labels = ["plain"] + [label for label in labels if label != "plain"]
+    for label in timed_labels:
+        pcfg = IN_UPDATE[label]
         acfg, state, buffer, key = prepare(pcfg)
         block = make_train_block(agent, acfg, updates)
 
@@ -267,12 +276,14 @@ def plasticity_overhead(
         runs[label][1:3] = state, buffer
         return (time.perf_counter() - t0) / repeat / updates
 
-    samples: dict[str, list[float]] = {label: [] for label in IN_UPDATE}
+    samples: dict[str, list[float]] = {label: [] for label in timed_labels}
     for i in range(rounds):  # alternated, so a change in the machine's load hits all alike
         for label in samples:
             samples[label].append(one_round(label, i))
     block_time = {label: float(np.median(v)) for label, v in samples.items()}
     t_update = block_time["plain"]
+    if not events:
+        return {"update_s": t_update, **{f"{k}_update_s": v for k, v in block_time.items()}}
 
     pcfg = PlasticityConfig(metrics_every=10_000, regrama=True)
     acfg, state, buffer, key = prepare(pcfg)
@@ -291,9 +302,7 @@ def plasticity_overhead(
         f"update time from {updates}-update training blocks"
     )
     print(f"per update: {t_update * 1e3:.2f} ms (plain)")
-    for label in IN_UPDATE:
-        if label == "plain":
-            continue
+    for label in timed_labels[1:]:
         ratios = [x / p - 1 for p, x in zip(samples["plain"], samples[label])]
         print(
             f"{label} overhead: {100 * (block_time[label] / t_update - 1):.1f}% of update time "

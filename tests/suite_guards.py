@@ -54,6 +54,7 @@ HEAVY = (  # each 2-8 minutes of one worker in a suite run (the summary's costli
     "test_search.py",
     "test_plasticity_injection_trac.py",
     "test_agent_contract.py",
+    "test_gpu_check.py",
 )
 GDB_TIMEOUT_S = 120
 HUNG_AFTER_S = 480.0  # when faulthandler_timeout (pyproject.toml) is unset

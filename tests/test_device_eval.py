@@ -3,7 +3,6 @@
 
 import importlib.util
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,36 +72,3 @@ def test_terminated_episodes_end_their_returns_and_the_device_sums_what_the_host
     assert policy.calls == lengths.max()
     np.testing.assert_allclose(on_device, expected.reshape(2, 3), rtol=1e-5)
     np.testing.assert_array_equal(on_device, on_host)
-
-
-@pytest.mark.optimized
-@pytest.mark.slow
-def test_an_agents_evaluation_on_the_device_equals_the_host_one_on_real_physics():
-    """SAC's deterministic policy (width 16, 2 seeds x 2 episodes of CartpoleBalance, 1000 steps of MJX each):
-    the returns of the device evaluation equal the host evaluation's within 1e-5 relative (XLA fuses the
-    physics differently inside the evaluation's program: the runs behind this test differed by at most
-    5e-7 relative); a run's ``SeedPolicy`` for one seed (what ``scripts/evaluate.py`` uses) runs there too."""
-    from plasticity_zoo import agents
-    from plasticity_zoo.agents.sac import SACConfig
-    from plasticity_zoo.networks.config import NetworkConfig
-    from plasticity_zoo.plasticity.api import StaticPlasticity
-    from plasticity_zoo.training import seeds
-    from plasticity_zoo.training.evaluation import DeterministicPolicy, Evaluator, SeedPolicy, policy_maker
-
-    sac = agents.get("sac")
-    ev = Evaluator("playground:CartpoleBalance", seeds=2, episodes=2, base_seed=5_000)
-    keys = jax.random.split(jax.random.key(3), 2)
-    states = seeds.init_over_seeds(
-        sac, keys, ev.env.obs_dim, ev.env.act_dim, SACConfig(), NetworkConfig(width=16), StaticPlasticity()
-    )
-    policy = policy_maker(sac)(states)
-    assert isinstance(policy, DeterministicPolicy)
-    on_device = np.asarray(ev(policy))
-    on_host = np.asarray(ev(lambda obs: policy(obs)))
-    np.testing.assert_allclose(on_device, on_host, rtol=1e-5)
-    assert np.all(on_device > 0) and not np.allclose(on_device[0], on_device[1])  # the seeds' policies differ
-
-    one = Evaluator("playground:CartpoleBalance", seeds=1, episodes=2, base_seed=5_002)  # seed 1's env seeds
-    seed_policy = SeedPolicy(sac, states, [1], block=2)
-    assert seed_policy.pure is not None
-    np.testing.assert_allclose(one(seed_policy), on_device[1:], rtol=1e-5)

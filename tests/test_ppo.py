@@ -444,14 +444,16 @@ def test_ppo_clip_mode_stores_the_unclipped_sample_and_its_log_prob_and_sends_th
 
 @pytest.mark.slow
 def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypatch, tmp_path):
+    import plasticity_zoo.training.evaluation as evaluation
     import plasticity_zoo.training.onpolicy as onpolicy
 
     modes = []
-    real_vec, real_eval = onpolicy.make_vector_env, onpolicy.Evaluator
+    real_vec, real_eval = onpolicy.make_vector_env, evaluation.Evaluator
     monkeypatch.setattr(
         onpolicy, "make_vector_env", lambda *a, **k: modes.append(("train", k["action_mode"])) or real_vec(*a, **k)
     )
-    monkeypatch.setattr(onpolicy, "Evaluator", lambda *a, **k: modes.append(("eval", a[5])) or real_eval(*a, **k))
+    # the loop builds its evaluator with evaluation.run_evaluator (its sixth argument: the action mode)
+    monkeypatch.setattr(evaluation, "Evaluator", lambda *a, **k: modes.append(("eval", a[5])) or real_eval(*a, **k))
     for mode in ("rescale", "clip"):
         train(tiny(total_steps=32, eval_every=32, action_mode=mode), ppo, tmp_path / mode)
     assert modes == [("train", "rescale"), ("eval", "rescale"), ("train", "clip"), ("eval", "clip")]
