@@ -222,6 +222,32 @@ def test_updates_per_vector_step_replaces_updates_per_env_step_times_the_envs(ti
 
 @pytest.mark.slow
 @needs_playground
+def test_a_thousand_envs_share_eight_updates_per_vector_step(tiny_sac_config, toy):
+    """FastSAC's shape: 1,024 envs, 8 updates of batch 256 per vector step (tiny networks), learning from
+    env step 2,048: of 4 vector steps the last 3 learn, 24 updates in all (not 3 x 1,024), and all 4,096
+    transitions reach the replay."""
+    from plasticity_zoo.training.device import DeviceOffPolicyIteration
+
+    cfg = _toy_sac(
+        tiny_sac_config,
+        num_envs=1024,
+        updates_per_vector_step=8,
+        batch_size=256,
+        buffer_size=8192,
+        learning_starts=2048,
+        total_steps=4096,
+    )
+    it = DeviceOffPolicyIteration(cfg, sac)
+    assert it.updates_per_iteration == 8 and it._updates_in(0, 4) == 24
+    it.fresh()
+    it.carry, report = it.chunk_fn(it.carry, jnp.int32(4), jnp.int32(0), None)
+    assert bool(report.learned) and bool(report.finite)
+    np.testing.assert_array_equal(it.carry.state.updates, [24])
+    np.testing.assert_array_equal(it.carry.buffer.size, [4096])
+
+
+@pytest.mark.slow
+@needs_playground
 def test_with_updates_per_vector_step_a_resumed_and_a_chunked_run_equal_the_uninterrupted_one(
     tmp_path, tiny_sac_config, assert_same_logs, toy
 ):
