@@ -167,8 +167,8 @@ def run_trial(
 ) -> int:
     """One attempt of one trial, in a Ray worker: train.py in a child process, output to ``log``, run in
     ``cwd`` (the sweep's own directory, wherever Ray starts its workers: relative paths and a user's
-    ``--env <module>:<id>`` resolve as on the command line).  ``watch``, if given, is called every
-    second while the child runs (a search reports the run's new evaluations to Ray Tune).
+    ``--env <module>:<id>`` resolve as on the command line).  ``watch``, if given, is called 4 times
+    a second while the child runs (a search reports the run's new evaluations to Ray Tune).
 
     Stopping the task (Ctrl-C of the sweep), or an exception out of ``watch`` (Tune stopping a
     trial), sends the child SIGTERM, on which train.py stops at the end of its iteration with a
@@ -205,7 +205,7 @@ def run_trial(
             put(pid=child.pid)
             while watch is not None:
                 try:
-                    return child.wait(timeout=1.0)
+                    return child.wait(timeout=0.25)
                 except subprocess.TimeoutExpired:
                     watch()
             return child.wait()

@@ -568,6 +568,12 @@ def _steps(run_dir: Path) -> list[int]:
         return sorted({int(r["step"]) for r in csv.DictReader(f)})
 
 
+# The stopping tests' runs go on for 500 steps after the stop at step 100 (about 3 s here): time for
+# the trial to see the step-100 evaluation (run_trial polls eval.csv 4 times a second) and for Tune to
+# decide before train.py finishes.  With 200 steps, the poor trial finished first once in a CI run.
+STOPPABLE = {**TINY, "total-steps": 600}
+
+
 def _stamps(d: Path) -> dict:
     return {p.name: (p / "eval.csv").stat().st_mtime_ns for p in (d / "runs").iterdir()}
 
@@ -587,6 +593,7 @@ def test_a_random_search_runs_on_ray_tune_stops_a_poor_trial_by_median_and_a_rel
             "min_trials": 1,
         },
         '"eval-episodes" = [1, 3]\n"actor-lr" = { low = 1e-4, high = 1e-3, log = true }',
+        STOPPABLE,
     )
     d = tmp_path / "sweep"
     out = _cli([spec, "--dir", d, "--num-cpus", "1"], timeout=600)
@@ -596,14 +603,14 @@ def test_a_random_search_runs_on_ray_tune_stops_a_poor_trial_by_median_and_a_rel
     recorded = json.loads((d / "sweep.json").read_text())["trials"]
     assert recorded[first]["params"]["eval-episodes"] == 3 and recorded[poor]["params"]["eval-episodes"] == 1
     assert 1e-4 <= recorded[poor]["params"]["actor-lr"] <= 1e-3
-    assert _status(d, first)["state"] == "done" and _steps(d / "runs" / first)[-1] == 200
+    assert _status(d, first)["state"] == "done" and _steps(d / "runs" / first)[-1] == 600
     cfg = json.loads((d / "runs" / poor / "config.json").read_text())
     assert (cfg["label"], cfg["eval_episodes"]) == ("t001", 1)
     assert cfg["agent"]["actor_lr"] == recorded[poor]["params"]["actor-lr"]
     s = _status(d, poor)
     assert (s["state"], s["stopped_by"], s["stopped_at"]) == ("stopped", "median", 100)
     assert json.loads((d / "runs" / poor / "stopped.json").read_text())["reason"].startswith("median stopping")
-    assert "stopped t001 early at step 100 of 200" in out.stdout
+    assert "stopped t001 early at step 100 of 600" in out.stdout
     assert "1 stopped early by median: t001" in out.stdout and "best complete trial: t000" in out.stdout
     with open(d / "search.csv", newline="") as f:
         assert [(r["trial"], r["state"]) for r in csv.DictReader(f)] == [("t000", "done"), ("t001", "stopped")]
@@ -631,13 +638,16 @@ def test_an_optuna_search_with_asha_stops_a_poor_trial_and_a_relaunch_keeps_the_
         "grace_steps": 100,
     }
     spec = _write(
-        tmp_path / "s.toml", search, '"eval-episodes" = [1, 3]\n"actor-lr" = { low = 1e-4, high = 1e-3, log = true }'
+        tmp_path / "s.toml",
+        search,
+        '"eval-episodes" = [1, 3]\n"actor-lr" = { low = 1e-4, high = 1e-3, log = true }',
+        STOPPABLE,
     )
     d = tmp_path / "sweep"
     out = _cli([spec, "--dir", d, "--num-cpus", "1"], timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "optuna search, 2 trials, 0 finished before, 2 to run" in out.stdout
-    assert "early stopping: ASHA on return_std (max), rungs from step 100 by a factor 2 up to 200" in out.stdout
+    assert "early stopping: ASHA on return_std (max), rungs from step 100 by a factor 2 up to 600" in out.stdout
     recorded = json.loads((d / "sweep.json").read_text())["trials"]
     first, poor = "Pendulum-v1__sac__t000__seed0", "Pendulum-v1__sac__t001__seed0"
     assert [recorded[name]["params"]["eval-episodes"] for name in (first, poor)] == [3, 1]
@@ -646,10 +656,10 @@ def test_an_optuna_search_with_asha_stops_a_poor_trial_and_a_relaunch_keeps_the_
         assert 1e-4 <= recorded[name]["params"]["actor-lr"] <= 1e-3
         cfg = json.loads((d / "runs" / name / "config.json").read_text())
         assert cfg["agent"]["actor_lr"] == recorded[name]["params"]["actor-lr"]
-    assert _status(d, first)["state"] == "done" and _steps(d / "runs" / first)[-1] == 200
+    assert _status(d, first)["state"] == "done" and _steps(d / "runs" / first)[-1] == 600
     s = _status(d, poor)
     assert (s["state"], s["stopped_by"], s["stopped_at"]) == ("stopped", "asha", 100)
-    assert "stopped t001 early at step 100 of 200" in out.stdout and "1 stopped early by asha: t001" in out.stdout
+    assert "stopped t001 early at step 100 of 600" in out.stdout and "1 stopped early by asha: t001" in out.stdout
     assert "ASHA (reduction factor 2)" in json.loads((d / "runs" / poor / "stopped.json").read_text())["reason"]
     with open(d / "search.csv", newline="") as f:
         assert [(r["trial"], r["state"], r["stopped_by"]) for r in csv.DictReader(f)] == [
