@@ -19,7 +19,13 @@ fixed random draws:
   it; two more updates with the gradient clip at 0.05 (each group's clip acting);
 * the posterior fit to its early stop (``train_model`` with its own rule: 89 epochs): every epoch's holdout
   MSE per member, the members improved, each epoch's permutation key and the kept ensemble, against our
-  ``dynamics.train`` (``fit``: the rows, split and keys handed over; seams for differences 1 and 2).
+  ``dynamics.train`` (``fit``: the rows, split and keys handed over; seams for differences 1 and 2);
+* imagination past one step (``roll/``): ``ContCollector`` on ``LearnedContEnv`` (episode limit 6, threshold
+  the 0.6 quantile, termination ``next_state[:, 0] > 2.4``) with the initial actor sampling, 8 rows (2 per
+  elite) from fixed prefixes of the 60 rows cut into trajectories by ``HistorySampler``, 5 steps until every
+  row has ended (a whole prefix, the uncertainty cut after 1 and 2 steps, a termination after 3, the limit
+  after 1 and 5): the tapes it returns for the buffer and each step's uncertainty, against ``neubay.collect``
+  (the tape ``imagination.imagine`` makes and what the learner reads from the tape buffer).
 
 The weights are mapped into our param trees here (Equinox ``Linear.weight`` [out, in] -> flax kernel
 [in, out]; ``Block``'s Linear / LayerNorm -> ``trunk.layers.i`` / ``trunk.norms.i``; the encoder's
@@ -28,16 +34,19 @@ The weights are mapped into our param trees here (Equinox ``Linear.weight`` [out
 ``logvar``), and our own functions run jitted: ``dynamics.predict``,
 ``ensemble_loss``, ``_train_epoch`` (the epoch ``dynamics.train`` runs), ``validation_mse``,
 ``with_elites``, ``dataset_uncertainties``, ``uncertainty_threshold``, ``epistemic_uncertainty``,
-``dynamics.step``; ``neubay._encode``, the encoders' returned state, ``act_step`` and ``neubay.update``
-(the step ``train_epoch`` takes).  The draws enter through the code's own random calls:
-``jax.random.normal`` and ``jax.random.choice`` are swapped, while our functions are traced, for stand-ins
-returning the fixture's arrays (``Draws``; every queued draw must be used).
+``dynamics.step``; ``neubay._encode``, the encoders' returned state, ``act_step``, ``neubay.update``
+(the step ``train_epoch`` takes) and ``neubay.collect`` (its collection).  The draws enter through the
+code's own random calls: ``jax.random.normal`` and ``jax.random.choice`` are swapped, while our functions
+are traced, for stand-ins returning the fixture's arrays (``Draws``; every queued draw must be used); inside
+the imagination's ``lax.while_loop``, for an ordered host callback answering each call when it runs
+(``RunDraws``).
 
 Tolerances (float32): ``RTOL, ATOL = 1e-5, 1e-6`` (|ours - reference| <= ATOL + RTOL |reference|) on
 forward values, losses and uncertainties; parameter changes after Adam steps are compared as changes
 (after - before) within 1e-4 of the reference's change plus 2 float32 spacings of the parameter
 (``STEP_RTOL``, ``STEP_ULPS``: the changes are differences of rounded parameters), the world model's
-one-epoch changes within 1e-4 + ``EPOCH_ATOL = 2e-7`` once difference 2 is removed by a seam.
+one-epoch changes within 1e-4 + ``EPOCH_ATOL = 2e-7`` once difference 2 is removed by a seam; the
+imagination's states, rewards and inputs within ``RTOL`` + ``ROLL_ATOL = 3e-6`` (the one step's s' bound).
 
 Deliberate differences, each measured here:
 
@@ -52,6 +61,9 @@ Deliberate differences, each measured here:
    clip at 1000 (the default) neither acts; ``test_joint_clip_difference`` measures the clip at 0.05.
 4. Holdout: the reference's split is sklearn's with ``random_state=42``; ours is drawn by the run's seed.
    Here our functions are given the reference's holdout rows.
+5. A transition that both terminates and is cut: the reference flags both, ours terminated only (neither
+   learner reads the truncation); compared as the reference's truncation where it did not terminate (the
+   fixture has no such transition).
 """
 
 from __future__ import annotations
@@ -60,6 +72,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +80,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.experimental import io_callback
 
-from plasticity_zoo.agents import dynamics, neubay
+from plasticity_zoo.agents import dynamics, imagination, neubay
+from plasticity_zoo.buffers import tapes as tapes_lib
 from tests.fidelity import flat, load_into
 
 FIXTURE = Path(__file__).parent / "fixtures" / "neubay_reference.npz"
@@ -78,6 +93,7 @@ EPOCH_ATOL = 2e-7
 EPS_AS_BUILT = 3e-4  # difference 1: measured 1.1e-4 absolute, see test_layer_norm_epsilon_as_built
 EPOCH_AS_BUILT = 0.02  # measured 0.012, see test_one_training_epoch_as_built
 LOGVAR_HEAD_SCALE = 1.0  # our head's raw output is the reference's log sigma (head_output="log_sigma")
+ROLL_ATOL = 3e-6  # imagined states, rewards (as the one step's s'); measured 9.5e-7, see test_imagined_rollout
 FIT_WEIGHT_ATOL = 1e-4  # the fit's kept weights, of each leaf's largest entry (see test_posterior_fit_to_early_stop)
 OBS, ACT = 3, 2
 FAST_COMPILE = {
@@ -558,6 +574,212 @@ def test_acting(fx, meta):
             False,
         )
         close(action, fx["act/action"][t], what=f"step {t}")
+
+
+# ----------------------------------------------------------------------------- imagination past one step
+class RunDraws:
+    """``jax.random.normal`` for code that draws inside a ``lax.while_loop`` (traced once, run at every
+    step): each call returns, when it *runs*, the next queued array of its shape (an ordered host callback).
+    A call past its queue gets zeros and is counted, so that ``done`` names it."""
+
+    def __init__(self, queues: dict):
+        self.queues = {tuple(shape): [np.asarray(x) for x in q] for shape, q in queues.items()}
+        self.past_queue: list = []
+
+    def normal(self, key, shape=(), dtype=jnp.float32):
+        shape = tuple(shape)
+        assert shape in self.queues, f"no fixed draws of shape {shape}"
+
+        def give():
+            queue = self.queues[shape]
+            if not queue:
+                self.past_queue.append(shape)
+                return np.zeros(shape, dtype)
+            return queue.pop(0).astype(dtype)
+
+        return io_callback(give, jax.ShapeDtypeStruct(shape, dtype), ordered=True)
+
+    def done(self):
+        assert not self.past_queue, f"more draws than the reference made: {self.past_queue}"
+        left = {s: len(q) for s, q in self.queues.items() if q}
+        assert not left, f"fixed draws left unused: {left}"
+
+
+def _reference_rows(meta) -> np.ndarray:
+    """Our row j <- the reference's row: ours binds row j to elite j % E, the reference rows n*B .. n*B + B-1
+    to elite n (its (N*B) layout), so our row j is the reference's (j % E) * B + j // E."""
+    r, e = meta["rollout"]["rows"], meta["elites"]
+    j = np.arange(r)
+    return (j % e) * (r // e) + j // e
+
+
+@pytest.fixture(scope="module")
+def rollout(fx, meta):
+    """``neubay.collect`` (the training loop's collection: ``imagination.imagine`` with the stochastic actor,
+    then the tape buffer) on the reference's dataset cut into trajectories, with its prefixes (the uniform
+    draw ``sample_prefixes`` makes, answered with the reference's global indices), the actor's samples and
+    each step's model noise (every member's: the reference's on the member each row is bound to, 100
+    elsewhere), the threshold from our ``uncertainty_threshold`` and the penalty's scale from our
+    ``dataset_uncertainties``, as ``prepare`` makes them.  -> (the tape, its stats, the new ``Data``, the
+    threshold, the config, the draws: ``test_imagined_rollout`` checks that each was used once)."""
+    r = meta["rollout"]
+    rows, horizon, elites = r["rows"], r["horizon"], fx["unc/elites"]
+    refs = _reference_rows(meta)
+    obs, act = fx["data/observations"], fx["data/actions"]
+    model = world_model(fx, meta, elites=elites)
+    cfg = dataclasses.replace(
+        agent_config(meta),
+        rollout_batch=rows,
+        max_horizon=horizon,
+        penalty=r["penalty"],
+        utd=meta["config"]["train"]["utd"],
+        planning_members=len(elites),
+    )
+    hist = imagination.histories(
+        obs, act, fx["data/rewards"], fx["data/next_observations"], fx["roll/terminals"], fx["roll/timeouts"], horizon
+    )
+    unc = dynamics.dataset_uncertainties(model, obs, act)
+    threshold = dynamics.uncertainty_threshold(model, obs, act, r["quantile"], uncertainties=unc)
+    world = neubay.World(model, hist, jnp.float32(threshold), jnp.float32(cfg.penalty / float(np.mean(unc))))
+    state = agent_state(fx, meta)
+    data = neubay.data_init(SimpleNamespace(obs=obs, action=act), cfg)  # the seed's empty tape buffer
+    d, above = r["terminate"]["dim"], r["terminate"]["above"]
+
+    def done_fn(next_obs):
+        return next_obs[:, d] > above
+
+    steps = fx["roll/model_noise"].shape[0]
+    members = model.cfg.members
+    noise = np.full((steps, members, rows, OBS + 1), 100.0, np.float32)  # a wrong member shows
+    j = np.arange(rows)
+    noise[:, elites[j % len(elites)], j] = fx["roll/model_noise"][:, j % len(elites), j // len(elites)]
+    actions = list(fx["roll/action_noise"][:, refs]) + [np.zeros((rows, ACT), np.float32)]  # ours samples a'
+    draws = RunDraws({(members, rows, OBS + 1): list(noise), (rows, ACT): actions})  # after the last step too
+    positions = jnp.asarray(fx["roll/global_idx"][refs], jnp.int32)
+
+    def randint(key, shape, minval, maxval, dtype=jnp.int32):
+        assert tuple(shape) == (rows,) and minval == 0, (shape, minval)  # sample_prefixes' one draw
+        return positions.astype(dtype)
+
+    captured = {}
+    imagine = imagination.imagine
+
+    def spy(*args, **kw):
+        captured["out"] = imagine(*args, **kw)
+        return captured["out"]
+
+    def run(state, data, world, key):
+        new = neubay.collect(state, data, world, key, cfg, done_fn)
+        return new, captured["out"]
+
+    jax.clear_caches()  # a cached trace of the jitted ``dynamics.step`` must not slip past the stand-ins
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(imagination, "imagine", spy)
+        mp.setattr(jax.random, "normal", draws.normal)
+        mp.setattr(jax.random, "randint", randint)
+        compiled = jax.jit(run).lower(state, data, world, jax.random.key(0)).compile(FAST_COMPILE)
+    jax.clear_caches()
+    new, (tape, stats) = jax.device_get(compiled(state, data, world, jax.random.key(0)))
+    return tape, stats, new, threshold, cfg, draws
+
+
+def _reference_tapes(fx, meta):
+    """The reference's tapes in our row order: each a dict of its positions (transitions + 1; the
+    transition fields' last entry is the reference's dummy)."""
+    out = []
+    for i in _reference_rows(meta):
+        n = int(fx["roll/tape_positions"][i])
+        keys = ("observation", "start", "action", "next_reward", "next_terminated", "next_truncated", "real")
+        out.append({k: fx[f"roll/tape_{k}"][i, :n] for k in keys} | {"row": i})
+    return out
+
+
+def test_imagined_rollout(fx, meta, rollout):
+    """``ContCollector`` on ``LearnedContEnv`` (episode limit 6, 8 rows, 2 per elite) against our
+    collection's tape: per row the prefix length, the member, the transitions, then every transition's
+    state, action, raw reward (the one the next input carries), termination, truncation (ours exclusive
+    of termination: difference 5), real flag and uncertainty, the final state; how each row ended; the
+    threshold (the 0.9 quantile of the dataset's uncertainties)."""
+    tape, stats, _, threshold, _, draws = rollout
+    r, elites = meta["rollout"], fx["unc/elites"]
+    close(threshold, fx["roll/threshold"], what="threshold")
+    refs = _reference_rows(meta)
+    ref = _reference_tapes(fx, meta)
+    length = np.array([len(t["observation"]) - 1 for t in ref])
+    prefix = np.array([t["real"][:-1].sum() for t in ref])
+    np.testing.assert_array_equal(tape.prefix, prefix, err_msg="prefix lengths t0")
+    np.testing.assert_array_equal(tape.member, elites[refs // (r["rows"] // len(elites))], err_msg="members")
+    np.testing.assert_array_equal(tape.length, length, err_msg="transitions per tape")
+    thr = fx["roll/threshold"]
+    worst = dict.fromkeys(("state", "action", "raw reward", "uncertainty"), 0.0)
+    for j, t in enumerate(ref):
+        n, t0, i = length[j], prefix[j], t["row"]
+        what = f"our row {j} (the reference's {i}, t0 {t0})"
+        states = t["observation"][:, :OBS]
+        close(tape.obs[j, : n + 1], states, atol=ROLL_ATOL, what=what + ": states")
+        close(tape.action[j, :n], t["action"][:n], what=what + ": actions")
+        close(tape.reward[j, :n], t["observation"][1:, -1], atol=ROLL_ATOL, what=what + ": raw rewards")
+        term = t["next_terminated"][:n]
+        np.testing.assert_array_equal(tape.terminated[j, :n], term, err_msg=what + ": terminated")
+        np.testing.assert_array_equal(
+            tape.truncated[j, :n], t["next_truncated"][:n] & ~term, err_msg=what + ": truncated"
+        )
+        np.testing.assert_array_equal(tape.real[j, :n], t["real"][:n], err_msg=what + ": real")
+        np.testing.assert_array_equal(tape.valid[j], np.arange(r["horizon"]) < n, err_msg=what + ": valid")
+        close(tape.uncertainty[j, t0:n], fx["roll/unc"][: n - t0, i], what=what + ": uncertainty")
+        assert not np.any(tape.uncertainty[j, :t0]), what
+        for key, ours, ref_x in (
+            ("state", tape.obs[j, : n + 1], states),
+            ("action", tape.action[j, :n], t["action"][:n]),
+            ("raw reward", tape.reward[j, :n], t["observation"][1:, -1]),
+            ("uncertainty", tape.uncertainty[j, t0:n], fx["roll/unc"][: n - t0, i]),
+        ):
+            worst[key] = max(worst[key], float(np.abs(np.asarray(ours) - ref_x).max(initial=0.0)))
+    imagined = length - prefix
+    np.testing.assert_array_equal(stats["horizon"], imagined)
+    last_term = np.array([t["next_terminated"][n - 1] for t, n in zip(ref, length)]) & (imagined > 0)
+    last_unc = fx["roll/unc"][np.maximum(imagined - 1, 0), refs]
+    by_unc = (imagined > 0) & ~last_term & (last_unc > thr)
+    np.testing.assert_array_equal(stats["ended_terminated"], last_term)
+    np.testing.assert_array_equal(stats["ended_uncertainty"], by_unc)
+    np.testing.assert_array_equal(stats["ended_horizon"], (imagined > 0) & ~last_term & ~by_unc)
+    ended = np.array(r["ended"])[refs]
+    assert {"prefix", "terminated", "uncertainty", "horizon"} <= set(ended) and r["steps"] >= 4
+    draws.done()  # as many steps as the reference took: each step's model noise and action noise used once
+    print("imagined rollout: largest residual of " + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()))
+
+
+def test_imagined_rollout_in_the_buffer(fx, meta, rollout):
+    """What the learner reads: the tape buffer after our collection (``buffer_tape`` over its stored
+    positions, episodes in our row order) against the reference's tapes as ``ContCollector`` returns them
+    for its buffer: inputs [s_t, a_{t-1}, r_{t-1}], starts, and where a transition follows, the action, the
+    penalised reward the critic learns, termination and real flags; the gradient steps owed (UTD)."""
+    _, _, new, _, cfg, _ = rollout
+    ref = _reference_tapes(fx, meta)
+    sizes = np.array([len(t["observation"]) for t in ref])
+    buf = new.tapes
+    n = int(buf.written)
+    assert n == sizes.sum() and int(buf.episodes) == len(ref)
+    np.testing.assert_array_equal(buf.episode_length[: len(ref)], sizes)
+    steps = jax.tree.map(lambda x: x[:n], buf.steps)
+    start = np.zeros(n, bool)
+    start[np.cumsum(sizes) - sizes] = True
+    batch = neubay.buffer_tape(
+        tapes_lib.Tape(steps.obs, steps.action, steps.reward, steps.terminated, steps.real, start, steps.penalty)
+    )
+    want = {k: np.concatenate([t[k] for t in ref]) for k in ref[0] if k != "row"}
+    has_next = np.concatenate([np.arange(s) < s - 1 for s in sizes])
+    np.testing.assert_array_equal(steps.has_next, has_next)
+    np.testing.assert_array_equal(batch.start[0], want["start"])
+    close(batch.inputs[0], want["observation"], atol=ROLL_ATOL, what="inputs")
+    close(batch.action[0][has_next], want["action"][has_next], what="actions")
+    close(batch.reward[0][has_next], want["next_reward"][has_next], atol=ROLL_ATOL, what="penalised rewards")
+    np.testing.assert_array_equal(batch.terminated[0][has_next], want["next_terminated"][has_next])
+    np.testing.assert_array_equal(batch.real[0][has_next], want["real"][has_next])
+    assert int(new.debt) == math.ceil(int(fx["roll/data_size"]) * cfg.utd) == math.ceil((sizes - 1).sum() * cfg.utd)
+    worst_in = np.abs(np.asarray(batch.inputs[0]) - want["observation"]).max()
+    worst_r = np.abs(np.asarray(batch.reward[0])[has_next] - want["next_reward"][has_next]).max()
+    print(f"imagined rollout in the buffer: largest residual of an input {worst_in:.3g}, of a reward {worst_r:.3g}")
 
 
 # ----------------------------------------------------------------------------- one update

@@ -1,4 +1,5 @@
-"""Fixture generator: NeuBay's world model, uncertainty, LRU encoder and one agent update from the official code.
+"""Fixture generator: NeuBay's world model, uncertainty, LRU encoder, one agent update and an imagined rollout
+from the official code.
 
 Runs the *official* code (JAX + Equinox) on fixed data, fixed weights and fixed random draws, and writes
 inputs, weights and outputs to ``tests/fixtures/neubay_reference.npz``, which ``tests/test_fidelity_neubay.py``
@@ -10,7 +11,12 @@ arXiv 2512.04341).  Executed as they stand:
 * ``offline_world/cont_ensemble.py``: ``LearnedContEnv.train_model`` (the ensemble's AdamW training: one
   epoch, each member its own permutation of the training split), ``LearnedContEnv.load_model_and_data``
   (the saved model reloaded, the elites by holdout MSE, the uncertainty over the dataset, its quantile
-  threshold and the penalty's scale) and ``LearnedContEnv.step`` (one imagined step of every elite);
+  threshold and the penalty's scale), ``LearnedContEnv.step`` (one imagined step of every elite) and
+  ``LearnedContEnv.reset`` (the prefixes);
+* ``experience/collector.py`` (``ContCollector.__call__``: the actor warmed up on the padded prefixes, then
+  stepped in the learned env until every row has ended, the tapes it returns for the buffer),
+  ``experience/world_buffer.py`` (``get_history_dataset``, ``HistorySampler``) and ``experience/evaluator.py``
+  (``Transition``);
 * ``offline_world/modules.py`` (``Scaler``, ``EnsembleContModel``, ``ContModel``, ``ModelBlock``,
   ``soft_clamp``, ``update_selected_members``, ``subselect_members``) and ``offline_world/losses.py``
   (``get_train_loss``, ``get_mse_and_unc``, ``get_nll_and_unc``);
@@ -26,7 +32,8 @@ Changes made from outside, none touching the reference's code:
 
 * environment and data: ``make_env`` is a stand-in with the shapes (obs 3, action 2 in [-1, 1], episode
   limit 1000); ``world_learning_dataset`` returns a fixed dataset of 60 transitions; ``wandb`` does
-  nothing; ``HistorySampler``, ``get_termination_fn`` (never terminating) and ``OracleEnv`` are inert.
+  nothing; ``HistorySampler``, ``get_termination_fn`` (never terminating) and ``OracleEnv`` are inert
+  (except for the imagination, last).
   ``train_test_split`` is sklearn's, wrapped to also split the row indices with the same ``random_state``
   (recorded, so the test knows the holdout rows).
 * sizes: ensemble of 6 members, hidden 8 (4 blocks), batch 16 (48 training rows: 3 whole batches), one
@@ -51,6 +58,17 @@ Changes made from outside, none touching the reference's code:
   member (its ``get_mse_and_unc`` calls, wrapped), the members it improved (``update_selected_members``'
   mask), each epoch's permutation key (the reference's key chain, checked against the last epoch's) and the
   kept ensemble.  It stops at epoch 89; the arrays above are unchanged by it.
+* after it, the imagination (``roll/``): ``load_model_and_data`` again with an episode limit of 6 (``make_env``'s
+  stand-in), ``unc_quantile`` 0.6, the reference's ``HistorySampler`` over the 60 rows cut into trajectories
+  (terminals and timeouts at fixed rows; ``get_dataset`` returns them) and a termination function
+  ``next_state[:, 0] > 2.4``; ``ContCollector`` with the initial actor (sampling: ``deterministic=False``) on
+  8 rows (2 per elite) from fixed prefixes (``HistorySampler``'s one ``default_rng(...).integers`` draw returns
+  their global indices), run eagerly (``jax.disable_jit``: the actor's and ``_step``'s jitted functions would
+  keep the first trace's draws) with each step's action noise and model noise queued.  Asserted: the rows
+  end every way (a whole-trajectory prefix, termination and the uncertainty cut after more than one step,
+  the episode limit), and no uncertainty lies within 0.1% of the threshold nor a state within 1e-3 of the
+  termination bound.  Recorded: the tapes, each step's uncertainty, the draws used; the earlier arrays are
+  unchanged (its random draws come after theirs).
 
 Usage, in a venv of its own (never the project's venv)::
 
@@ -99,6 +117,9 @@ FILES = {
     "ac_losses": "online_rl/ac_losses.py",
     "main": "offline_cont.py",
     "config": "configs/d4rl_loco/base.yaml",
+    "collector": "experience/collector.py",
+    "world_buffer": "experience/world_buffer.py",
+    "evaluator": "experience/evaluator.py",
 }
 OBS, ACT, ROWS = 3, 2, 60
 WORLD = dict(
@@ -137,7 +158,8 @@ class Draws:
         return jnp.asarray(idx, jnp.int32)
 
     @contextlib.contextmanager
-    def queued(self, normals=(), choices=()):
+    def queued(self, normals=(), choices=(), exact=True):
+        """``exact``: every queued draw must be used (else the caller counts what is left)."""
         self.normals, self.choices = list(normals), list(choices)
         saved = jax.random.normal, jax.random.choice
         jax.random.normal, jax.random.choice = self.normal, self.choice
@@ -145,7 +167,7 @@ class Draws:
             yield
         finally:
             jax.random.normal, jax.random.choice = saved
-        assert not self.normals and not self.choices, "fixed draws left unused"
+        assert not exact or (not self.normals and not self.choices), "fixed draws left unused"
 
 
 def leaves(tree) -> dict:
@@ -368,6 +390,183 @@ def run_fit(ref, world_kw: dict, save_dir: str, created: list, out: dict) -> int
     init = leaves(created[first])
     assert all(np.array_equal(v, out[f"wm/init/{k}"]) for k, v in init.items())  # seed 0: the same init as above
     return epochs
+
+
+# imagination past one step: the dataset's 60 rows cut into trajectories (the rows ending one: terminals and
+# timeouts; the env's episode limit ROLL_H cuts the longer ones), 8 rows imagined (2 per elite) from fixed
+# prefixes (trajectory, t0) until each ends, the actor sampling its actions
+ROLL_H, ROLL_QUANTILE, ROLL_ROWS = 6, 0.6, 8
+ROLL_TERMINALS, ROLL_TIMEOUTS = (3, 22, 33), (9, 17, 28, 45)
+ROLL_PREFIXES = ((0, 4), (1, 0), (1, 3), (2, 1), (3, 2), (4, 5), (5, 0), (6, 2))
+ROLL_TERM_DIM, ROLL_TERM_ABOVE = 0, 2.4  # the termination function: next_state[:, 0] > 2.4
+
+
+@contextlib.contextmanager
+def fixed_integers(values):
+    """``np.random.default_rng(seed).integers(high, size)`` returns ``values`` (``HistorySampler.sample``'s one
+    draw: the global indices of the prefixes' last states), once."""
+    saved, calls = np.random.default_rng, []
+
+    class Fixed:
+        def integers(self, high, size=None):
+            calls.append(int(high))
+            assert size == len(values) and int(np.max(values)) < high, (high, size)
+            return np.asarray(values)
+
+    np.random.default_rng = lambda seed=None: Fixed()
+    try:
+        yield calls
+    finally:
+        np.random.default_rng = saved
+    assert len(calls) == 1, calls
+
+
+def run_rollout(src: dict, ref: dict, data: dict, pi_network, draws: Draws, rng, save_dir: str, out: dict) -> dict:
+    """``ContCollector.__call__`` (the actor's warm-up on the padded prefixes, then ``LearnedContEnv.step``
+    until every row has ended) on a ``LearnedContEnv`` loaded as in section 2, with the episode limit
+    ``ROLL_H``, the quantile ``ROLL_QUANTILE``, the reference's ``HistorySampler`` over the dataset's rows
+    cut into trajectories, fixed prefixes and fixed draws (the actor's samples, each step's model noise)."""
+    world_ns = ref["world"]
+    evaluator_ns = load_definitions(src["evaluator"], FILES["evaluator"], {"Transition"})
+    flags = {
+        k: np.isin(np.arange(ROWS), rows) for k, rows in (("terminals", ROLL_TERMINALS), ("timeouts", ROLL_TIMEOUTS))
+    }
+    history_data = {**data, **flags}
+    buffer_ns = load_definitions(
+        src["world_buffer"],
+        FILES["world_buffer"],
+        {"tuple_keys", "get_history_dataset", "HistorySampler"},
+        {"Transition": evaluator_ns["Transition"], "get_dataset": lambda domain, env, **kw: dict(history_data)},
+    )
+    collector_ns = load_definitions(src["collector"], FILES["collector"], {"ContCollector"})
+    box = lambda n: SimpleNamespace(shape=(n,), low=-np.ones(n, np.float32), high=np.ones(n, np.float32))  # noqa
+    env = SimpleNamespace(_max_episode_steps=ROLL_H, observation_space=box(OBS), action_space=box(ACT))
+
+    def terminate(states, action, next_state):
+        return np.asarray(next_state)[:, ROLL_TERM_DIM] > ROLL_TERM_ABOVE
+
+    swapped = {
+        "make_env": lambda domain, name: env,
+        "HistorySampler": buffer_ns["HistorySampler"],
+        "get_termination_fn": lambda name: terminate,
+    }
+    saved = {k: world_ns[k] for k in swapped}
+    world_ns.update(swapped)
+    world = world_ns["LearnedContEnv"]()
+    try:
+        world.load_model_and_data(
+            domain="stand-in",
+            dataset_name="toy",
+            save_dir=save_dir,
+            plot_dir=save_dir,
+            model_seed=0,
+            ensemble_size=ELITES,
+            penalty_coef=PENALTY,
+            unc_quantile=ROLL_QUANTILE,
+            unc_type="epi_mean",
+        )
+    finally:
+        world_ns.update(saved)
+    assert world.max_horizon == world.max_rollout_len == ROLL_H
+    sampler = world.history_sampler
+    firsts = np.r_[0, sampler.cum_lengths[:-1]]
+    global_idx = np.array([firsts[k] + t0 for k, t0 in ROLL_PREFIXES])
+    lengths = np.diff(np.r_[0, sampler.cum_lengths]) - 1  # transitions per trajectory
+    assert all(0 <= t0 <= lengths[k] for k, t0 in ROLL_PREFIXES)
+
+    steps, step = [], world.step
+
+    def recording_step(action, key):
+        result = step(action, key)
+        steps.append(np.asarray(result[-1]))  # the uncertainty of each row's (s, a)
+        return result
+
+    world.step = recording_step
+    per = ROLL_ROWS // ELITES
+    action_noise = rng.standard_normal((ROLL_H, ROLL_ROWS, ACT)).astype(np.float32)
+    model_noise = rng.standard_normal((ROLL_H, ELITES, per, OBS + 1)).astype(np.float32)
+    queue = [x for k in range(ROLL_H) for x in (action_noise[k], model_noise[k])]  # warm-up's action first
+    # eagerly (no jit): the actor's and the step's jitted functions would keep their first draw
+    with fixed_integers(global_idx), jax.disable_jit(), draws.queued(normals=queue, exact=False):
+        tapes, metrics = collector_ns["ContCollector"](world)(
+            eqx.nn.inference_mode(pi_network),
+            deterministic=False,
+            start_from_s0=False,
+            parallel_size=ROLL_ROWS,
+            key=jax.random.PRNGKey(11),
+        )
+    n_steps = len(steps)
+    assert len(draws.normals) == 2 * (ROLL_H - n_steps), (len(draws.normals), n_steps)  # each step: a, noise
+
+    positions = np.array([len(t["observation"]) for t in tapes])  # transitions + 1
+    t0 = np.array([t0 for _, t0 in ROLL_PREFIXES])
+    assert np.array_equal(np.array([t["real"][:-1].sum() for t in tapes]), t0)
+    imagined = positions - 1 - t0  # the reference's first_done_idx
+    unc = np.stack(steps)  # (steps, rows)
+
+    def padded(key, width=ROLL_H + 1):
+        first = np.asarray(tapes[0][key])
+        x = np.zeros((ROLL_ROWS, width) + first.shape[1:], first.dtype)
+        for i, t in enumerate(tapes):
+            x[i, : len(t[key])] = t[key]
+        return x
+
+    for key in ("observation", "start", "action", "next_reward", "next_terminated", "next_truncated", "real"):
+        out[f"roll/tape_{key}"] = padded(key)
+    out.update(
+        {
+            "roll/tape_positions": positions.astype(np.int32),
+            "roll/terminals": flags["terminals"],
+            "roll/timeouts": flags["timeouts"],
+            "roll/global_idx": global_idx.astype(np.int32),
+            "roll/threshold": np.float32(world.unc_thres),
+            "roll/penalty_coef": np.float32(world.penalty_coef),
+            "roll/unc": unc,
+            "roll/action_noise": action_noise[:n_steps],
+            "roll/model_noise": model_noise[:n_steps],
+            "roll/data_size": np.int32(metrics["data_size"]),
+        }
+    )
+
+    # how each row ended, and how far every decision was from its boundary
+    thr = float(world.unc_thres)
+    ended, margin_unc, margin_term = [], math.inf, math.inf
+    for i, tape in enumerate(tapes):
+        if imagined[i] == 0:
+            ended.append("prefix")
+            continue
+        last = positions[i] - 2  # the last transition
+        term, trunc = bool(tape["next_terminated"][last]), bool(tape["next_truncated"][last])
+        u = unc[imagined[i] - 1, i]
+        ended.append("terminated" if term else "uncertainty" if u > thr else "horizon")
+        assert term or trunc
+        for k in range(imagined[i]):
+            margin_unc = min(margin_unc, abs(float(unc[k, i]) - thr) / thr)
+            s = tape["observation"][t0[i] + 1 + k, ROLL_TERM_DIM]
+            margin_term = min(margin_term, abs(float(s) - ROLL_TERM_ABOVE))
+    print(
+        f"imagination: {n_steps} steps, threshold {thr:.4g}; rows (t0, imagined, end): "
+        + ", ".join(f"({a}, {b}, {c})" for a, b, c in zip(t0, imagined, ended))
+        + f"; closest uncertainty {margin_unc:.3g} of the threshold, closest termination {margin_term:.3g}"
+    )
+    assert {"prefix", "terminated", "uncertainty", "horizon"} <= set(ended), ended
+    inside = [e for e, n in zip(ended, imagined) if n >= 2]  # ended after its first imagined step
+    assert "terminated" in inside and "uncertainty" in inside, list(zip(ended, imagined))
+    assert margin_unc > 1e-3 and margin_term > 1e-3, (margin_unc, margin_term)
+    return {
+        "horizon": ROLL_H,
+        "quantile": ROLL_QUANTILE,
+        "rows": ROLL_ROWS,
+        "penalty": PENALTY,
+        "terminals": list(ROLL_TERMINALS),
+        "timeouts": list(ROLL_TIMEOUTS),
+        "prefixes": [list(p) for p in ROLL_PREFIXES],
+        "terminate": {"dim": ROLL_TERM_DIM, "above": ROLL_TERM_ABOVE},
+        "steps": n_steps,
+        "ended": ended,
+        "closest_uncertainty": margin_unc,
+        "closest_termination": margin_term,
+    }
 
 
 def main():
@@ -659,6 +858,9 @@ def main():
     fit_world = dict(FIT_WORLD, weight_decay=config["ensemble"]["weight_decay"])
     fit_epochs = run_fit(ref, fit_world, save_dir, created, out)
 
+    # ------------------------------------------------------------------ 6. imagination past one step
+    rollout = run_rollout(src, ref, data, pi_network, draws, rng, save_dir, out)
+
     command = f"/tmp/neubayvenv/bin/python scripts/fidelity/neubay_reference.py --neubay {shlex.quote(a.neubay)}"
     meta = {
         "generator": "scripts/fidelity/neubay_reference.py",
@@ -672,6 +874,7 @@ def main():
         "neubay": {"repository": "https://github.com/twni2016/neubay", "commit": commit, "files": list(FILES.values())},
         "world": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in wm.items()},
         "fit": {**fit_world, "epochs_run": fit_epochs},
+        "rollout": rollout,
         "elites": ELITES,
         "quantile": QUANTILE,
         "penalty": PENALTY,
