@@ -59,11 +59,15 @@ class Net:
 
     def apply(self, params, *inputs, probes=None, member_inputs: bool = False):
         """Forward pass -> (output, taps).  ``member_inputs``: inputs carry a leading member axis."""
+        return self._map(self._forward, params, inputs, probes, member_inputs)
+
+    def _map(self, forward, params, inputs, probes, member_inputs: bool):
+        """``forward(params, x, probes)`` on the concatenated inputs, vmapped over an ensemble's members."""
         x = inputs[0] if len(inputs) == 1 else jnp.concatenate(inputs, axis=-1)
         if not self.ensemble:
-            return self._forward(params, x, probes)
+            return forward(params, x, probes)
         axes = (0, 0 if member_inputs else None, None if probes is None else 0)
-        return jax.vmap(self._forward, in_axes=axes)(params, x, probes)
+        return jax.vmap(forward, in_axes=axes)(params, x, probes)
 
     def _forward(self, params, x, probes):
         """One member's forward pass -> (output, taps)."""

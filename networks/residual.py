@@ -28,6 +28,10 @@ is zero (before an injection) it gets none and the head's own params do, once it
 round.  So the pair is inert before an injection (an agent's global-norm clip sees the gradients it saw
 without it) and, after it, gradient norms count only what trains.  The values are untouched.
 
+The two extra terms are computed only while the pair is not zero (a ``lax.cond`` on the pair itself,
+decided over all of an ensemble's members at once), so before an injection a one-seed update costs what
+it costs without the pair; under vmap over seeds JAX turns the branch into a select and both sides run.
+
 Hidden-layer taps (metrics, ReDo / ReGraMa scores) are those of the network's own pass; the copies are
 neither recorded nor probed.
 """
@@ -105,6 +109,11 @@ def head_paths(pair) -> set:
     return {path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(pair["fresh"])[0]}
 
 
+def _any_nonzero(tree) -> jax.Array:
+    """Whether any entry of any leaf of ``tree`` is not zero (a bool scalar)."""
+    return jnp.any(jnp.stack([jnp.any(v != 0) for v in jax.tree.leaves(tree)]))
+
+
 def _gated(v, on):
     """``v`` with its gradient multiplied by ``on`` (0 or 1): the same value, exactly (``v - v`` is 0)."""
     fixed = jax.lax.stop_gradient(v)
@@ -137,15 +146,34 @@ class ResidualHeadNet(Net):
     def module(self, params):
         return super().module(split(params)[0])
 
-    def _forward(self, params, x, probes):
+    def apply(self, params, *inputs, probes=None, member_inputs: bool = False):
+        # whether any member's pair is not zero, decided once outside the members' vmap, so that it stays
+        # a branch in an ensemble (a zero pair's terms are exactly 0, so computing them for all is exact)
+        live = _any_nonzero(split(params)[1])
+        forward = lambda p, x, pr: self._forward(p, x, pr, live)  # noqa: E731
+        return self._map(forward, params, inputs, probes, member_inputs)
+
+    def _forward(self, params, x, probes, live=None):
         base, pair = split(params)
+        live = _any_nonzero(pair) if live is None else live
         # the injection has happened iff theta' is not zero (a fresh draw never is); gradients reach theta'
         # only then, theta's head only before, theta'_frozen never; values pass through unchanged
-        on = jnp.any(jnp.stack([jnp.any(v != 0) for v in jax.tree.leaves(pair["fresh"])])).astype(jnp.float32)
+        on = _any_nonzero(pair["fresh"]).astype(jnp.float32)
         base = override(base, jax.tree.map(lambda v: _gated(v, 1.0 - on), head_part(base, self.head)))
-        fresh = self._out(override(base, jax.tree.map(lambda v: _gated(v, on), pair["fresh"])), x)
-        frozen = self._out(override(base, jax.tree.map(jax.lax.stop_gradient, pair["frozen"])), x)
-        return self._with_out(base, lambda y: y + (fresh - frozen))(x, probes)
+
+        def residual(base):
+            fresh = self._out(override(base, jax.tree.map(lambda v: _gated(v, on), pair["fresh"])), x)
+            frozen = self._out(override(base, jax.tree.map(jax.lax.stop_gradient, pair["frozen"])), x)
+            return fresh - frozen
+
+        def zero(base):
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(residual, base))
+
+        # while the pair is zero its two terms are exactly 0 (module docstring): skip them.  Unmapped (one
+        # seed) this is a branch and an update before the injection costs what it costs without the pair;
+        # under vmap over seeds JAX evaluates both sides and selects, as without the branch
+        delta = jax.lax.cond(live, residual, zero, base)
+        return self._with_out(base, lambda y: y + delta)(x, probes)
 
     def _with_out(self, params, fn):
         """The merged module with its output layer's result passed through ``fn``."""
