@@ -27,7 +27,7 @@ Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
 On-policy (``OnPolicyAgent``): rollouts with observation / reward normalisers in the state.
     Rollout                   the rollout buffer type (T + 1 observation slots per env)
     observe, normalize_obs, scale_reward, sample_action, value, reset_normalizers,
-    rollout_split / rollout_join / rollout_merge   (see ``training/onpolicy.py: FlatStep``)
+    rollout_split / rollout_join / rollout_merge   (see ``training/loops/onpolicy.py: FlatStep``)
     sample_batch(state, rollout, key, n) -> minibatch
 
 Offline (``OfflineAgent``): a fixed dataset.

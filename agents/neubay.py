@@ -246,7 +246,7 @@ def episode_limit(env_id: str) -> int:
 
 
 def with_dataset(cfg: NeuBayConfig, env_id: str, metadata: dict, total_updates: int) -> NeuBayConfig:
-    """The config a run on this dataset trains with (``training/offline.py`` calls it before ``init``):
+    """The config a run on this dataset trains with (``training/loops/offline.py`` calls it before ``init``):
     the per-task settings of the dataset's env and kind (``task_config``; the kind from its metadata,
     else ``--kind``), the actor's cosine over ``total_updates``, tapes cut at the env's episode
     limit, the world model's epoch cap of the kind (``dynamics.NEUBAY_EPOCH_CAPS``) unless

@@ -1,7 +1,7 @@
 """PPO for continuous control (CleanRL's 1M-step protocol) with an optional Gaussian trust region (GTR).
 
 Defaults: CleanRL's 1M-step MuJoCo protocol (Huang et al. 2022; vwxyzjn/cleanrl ``ppo_continuous_action.py``).  One
-iteration collects ``num_steps`` x ``num_envs`` transitions (the loop, ``training/onpolicy.py``), then
+iteration collects ``num_steps`` x ``num_envs`` transitions (the loop, ``training/loops/onpolicy.py``), then
 ``update`` computes GAE and runs ``update_epochs`` x ``num_minibatches`` gradient steps as one
 ``lax.scan`` (an epoch scan around a minibatch scan):
 

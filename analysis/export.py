@@ -92,7 +92,7 @@ def export_policy(run_dir, out, step: int | None = None, seed: int = 0, warn=Non
     env that cannot be exported."""
     from plasticity_zoo.analysis.restore import restore_policy, run_env_id
     from plasticity_zoo.training.config import to_json
-    from plasticity_zoo.training.evaluation import eval_action_mode
+    from plasticity_zoo.training.loops import eval_action_mode
     from plasticity_zoo.training.run import load_config
 
     run_dir, out = Path(run_dir), Path(out)

@@ -46,7 +46,7 @@ from plasticity_zoo.networks.distributions import tanh_gaussian_sample
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.evaluation import is_recurrent, policy_maker
 from plasticity_zoo.training.loop import RunTree
-from plasticity_zoo.training.offline import _buffers, initial_state, resolve_dataset
+from plasticity_zoo.training.loops.offline import _buffers, initial_state, resolve_dataset
 from plasticity_zoo.training.run import load_config
 
 

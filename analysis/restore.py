@@ -21,58 +21,20 @@ from plasticity_zoo.training.evaluation import (
     Evaluator,
     SeedPolicy,
     env_impl,
-    eval_action_mode,
     eval_block,
     is_recurrent,
     run_evaluator,
 )
-from plasticity_zoo.training.loop import RunTree
+from plasticity_zoo.training.loops import eval_action_mode, loop_for
 
 
 def checkpoint_template(cfg, agent, obs_dim: int, act_dim: int):
     """A tree with the structure, shapes and dtypes of the device tree the run's loop checkpoints
-    (``iteration.tree()``), built abstractly from the loop's own initialisers (nothing is computed;
-    the arrays are zeros, which the OS allocates lazily, so a large replay capacity costs nothing
-    until the checkpoint's rows are read).  The agent state is its first element."""
-    kind = agent.KIND
-    from plasticity_zoo.training import device
-
-    if kind != "offline" and device.uses_device_loop(cfg, agent):
-        build = lambda: device.initial_tree(cfg, agent)  # noqa: E731  (the device loop's carry)
-    elif kind == "offpolicy":
-        from plasticity_zoo.training.offpolicy import init_state
-
-        build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (a RunTree: state, buffer, key)
-    elif kind == "onpolicy":
-        from plasticity_zoo.training.onpolicy import init_state
-
-        build = lambda: init_state(agent, cfg, obs_dim, act_dim)  # noqa: E731  (a RunTree: state, loop, key)
-    elif kind == "offline":
-        from plasticity_zoo.buffers.replay import Transition
-        from plasticity_zoo.training.offline import _buffers, initial_state
-
-        class _Shapes:  # the dataset as initial_state reads it; its rows are not checkpointed
-            def __init__(self, real):
-                self.obs_dim, self.act_dim, self.real = obs_dim, act_dim, real
-
-            def transitions(self, unit_actions=False):
-                return self.real
-
-        def build():
-            real = Transition(
-                jnp.zeros((1, obs_dim)),
-                jnp.zeros((1, act_dim)),
-                jnp.zeros(1),
-                jnp.zeros((1, obs_dim)),
-                jnp.zeros(1, bool),
-                jnp.zeros(1, bool),
-            )
-            keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
-            state, data = initial_state(cfg, agent, _Shapes(real), keys[2:])
-            return RunTree(state, _buffers(data), keys[1])  # OfflineIteration.tree()
-    else:
-        raise ValueError(f"agent {cfg.agent_name!r} has unknown kind {kind!r}")
-    abstract = jax.eval_shape(build)
+    (``iteration.tree()``), traced abstractly from the loop's ``template_tree`` (``training.loops.loop_for``;
+    nothing is computed; the arrays are zeros, which the OS allocates lazily, so a large replay capacity
+    costs nothing until the checkpoint's rows are read).  The agent state is its first element."""
+    loop = loop_for(cfg, agent)
+    abstract = jax.eval_shape(lambda: loop.template_tree(cfg, agent, obs_dim, act_dim))
 
     def zeros(leaf):
         if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -260,7 +222,7 @@ class RestoredRun:
         non-stationary schedule as the run does), for one seed index or all (``seed=None``)."""
         ev = run_evaluator(
             self.cfg,
-            self.agent,
+            eval_action_mode(self.cfg, self.agent),
             env_id or self.env_id,
             episodes,
             seeds=None if seed is None else 1,

@@ -405,7 +405,7 @@ def convert(spec: str, root=None, cache_root=None, log: Callable = print) -> Pat
     return path
 
 
-resolve = convert  # what training/offline.py calls for ``--dataset minari:<id>``
+resolve = convert  # what training/loops/offline.py calls for ``--dataset minari:<id>``
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 MuJoCo Playground (Zakka et al. 2025, arXiv 2502.08844) ports the DeepMind Control Suite to MJX:
 physics that is a pure JAX function, so thousands of envs step under ``jit(vmap(step))`` and a
-whole training run can be one jitted program (``training/device.py``).  The zoo takes the
+whole training run can be one jitted program (``training/loops/device.py``).  The zoo takes the
 Control Suite ports that ship inside the ``playground`` wheel (``CartpoleBalance``, ``CheetahRun``,
 ``WalkerWalk``, ``HopperHop``, ...; ``task_names()``); its locomotion and manipulation tasks fetch
 model repositories on first load and are not offered.
@@ -29,7 +29,7 @@ Semantics, beside the matching ``dmc:`` task:
   ``diverged``: the env resets as after a termination (``terminated`` is set, so nothing bootstraps
   from it), its reward reads 0 and its ``next_obs`` the last finite observation, and it is not a
   finished episode (no return or length is reported).  The device loop counts such steps
-  (``env/diverged``) and keeps them out of the replay (``training/device.py``).
+  (``env/diverged``) and keeps them out of the replay (``training/loops/device.py``).
 - **Actions** reach the physics as ``envs/actions.py`` maps them (``rescale`` from [-1, 1] or
   ``clip`` to the actuators' control range, which is [-1, 1] for every offered task).
 

@@ -6,7 +6,7 @@
     python scripts/benchmark.py --agent mrq --steps 250 --warmup 1   # MR.Q: time whole 250-step sync periods
     python scripts/benchmark.py --plasticity --agent mrq             # cost of plasticity metrics, resets, SIGReg
 
-What is timed is the body of train.py's off-policy loop (training/offpolicy.py): step the envs on
+What is timed is the body of train.py's off-policy loop (training/loops/offpolicy.py): step the envs on
 the host, build the transition, call the step function from ``make_step_fn`` (store the
 transition, run the gradient step(s), choose the next action) and read its finite flag.  The
 replay buffer is the agent's own (``buffer_fns``) with the agent config's ``buffer_size`` (1M
@@ -51,7 +51,8 @@ from plasticity_zoo.envs import make_vector_env
 from plasticity_zoo.networks.config import NetworkConfig
 from plasticity_zoo.plasticity.config import PlasticityConfig
 from plasticity_zoo.training.config import RunConfig
-from plasticity_zoo.training.offpolicy import buffer_fns, init_state, make_step_fn, make_train_block
+from plasticity_zoo.training.loops.offpolicy import buffer_fns, init_state, make_step_fn, make_train_block
+from plasticity_zoo.training.seeds import over_seeds
 
 PEAK_N, PEAK_REPEAT = 2048, 20
 
@@ -98,7 +99,7 @@ def measure(
     key, k0 = jax.random.split(key)
     action = jax.random.uniform(k0, (S, E, act_dim), minval=-1.0, maxval=1.0)
 
-    def one(state, buffer, obs, action, key, learning=True):  # as in training.offpolicy.train
+    def one(state, buffer, obs, action, key, learning=True):  # as in training.loops.offpolicy.train
         new_obs, reward, terminated, truncated, next_obs = env.step(np.asarray(action).reshape(S * E, act_dim))
         tr = replay.Transition(obs, np.asarray(action).reshape(S * E, act_dim), reward, next_obs, terminated, truncated)
         key, k = jax.random.split(key)
@@ -204,7 +205,7 @@ def flops_per_env_step(agent_name: str, env_id: str, width: int | None, buffer_s
 
 
 # The interventions that change every update, at their presets' values, timed against the plain update.
-# (Injection: the three heads of a residual network run from the start; its step lies past the run.)
+# (Injection: a network with the residual pair, before its injection step, which lies past the run.)
 IN_UPDATE = {
     "plain": PlasticityConfig(metrics_every=0),
     "sigreg": PlasticityConfig(metrics_every=0, sigreg_coef=0.2),
@@ -261,7 +262,7 @@ def plasticity_overhead(
 
         @functools.partial(jax.jit, donate_argnums=(0, 1))
         def run(state, buffer, key, block=block):  # SIGReg is built into the state (init_state)
-            return jax.vmap(block)(state, buffer, key[None])
+            return over_seeds(block)(state, buffer, key[None])  # one seed: unmapped, as the loops run it
 
         state, buffer, _ = run(state, buffer, key)  # compile
         jax.block_until_ready(state)

@@ -6,7 +6,7 @@
     python scripts/benchmark_ppo.py --env playground:CheetahRun --num-envs 1 64 256 1024 --num-steps 32
         # the device loop (extra .[mjx]); --loop host: the host loop
 
-``measure_ppo`` times whole PPO iterations of the real loop body (``training.onpolicy.make_fns``:
+``measure_ppo`` times whole PPO iterations of the real loop body (``training.loops.onpolicy.make_fns``:
 vector-env step on the host + one jitted call per vector step, then the jitted update of
 ``update_epochs`` x ``num_minibatches`` gradient steps), after one warm-up iteration that compiles;
 logging, evaluation and checkpoints are left out.  The batch is kept at CleanRL's 2048 per seed
@@ -14,7 +14,7 @@ logging, evaluation and checkpoints are left out.  The batch is kept at CleanRL'
 ``measure_simulator`` steps the env alone with random actions: the bare Gymnasium env, the zoo's
 wrapped env, and the vector env of the chosen backend.
 
-For ``playground:`` envs the default is the device loop (``training/device.py``): ``measure_device_ppo``
+For ``playground:`` envs the default is the device loop (``training/loops/device.py``): ``measure_device_ppo``
 times one jitted chunk of ``--iterations`` whole iterations (env steps, rollout bookkeeping and
 updates on the device), after a first chunk of one iteration that compiles; ``measure_device_simulator``
 times the env's own batched step (``jit(step)`` over ``num_envs`` envs, random actions, in a scan).
@@ -48,7 +48,7 @@ import numpy as np
 from plasticity_zoo.envs import make_env, make_vector_env
 from plasticity_zoo.envs.playground import is_playground
 from plasticity_zoo.training.config import NetworkConfig, RunConfig
-from plasticity_zoo.training.onpolicy import init_state, make_fns
+from plasticity_zoo.training.loops.onpolicy import init_state, make_fns
 
 
 def measure_device_simulator(env_id: str, num_envs: int, steps: int = 256, env_impl: str = "jax") -> dict:
@@ -86,7 +86,7 @@ def measure_device_ppo(
     env_impl: str = "jax",
 ) -> dict:
     """Env steps/s (all seeds) of the device loop: one jitted chunk of ``iterations`` PPO iterations."""
-    from plasticity_zoo.training.device import DeviceOnPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOnPolicyIteration
 
     ppo = agents.get("ppo")
     if num_steps is None and batch % num_envs:

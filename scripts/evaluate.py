@@ -29,7 +29,9 @@ Gymnasium MuJoCo envs (from the model's ``track`` camera where it has one, which
 body), ``dmc:`` tasks (camera 0) and ``ns:`` variants of them render with MuJoCo's OpenGL: the first
 backend that renders here of ``$MUJOCO_GL`` (if set), egl, osmesa and glfw, each tried in a
 subprocess, is used and named.  Pendulum-v1 is drawn with numpy (no OpenGL, no pygame); other
-Gymnasium envs use their own renderer (classic control and Box2D need pygame).
+Gymnasium envs use their own renderer (classic control and Box2D need pygame).  On a run trained with
+``--wandb``, the video also goes to that seed's W&B run (the same run, continued; offline if the run
+was), as ``eval/video`` beside ``eval/video_return`` and ``eval/video_step``; ``--no-wandb`` keeps it local.
 
 A mistake (a directory that is no run, a missing checkpoint or step, an env of other shapes, a bad
 value) stops with one ``error:`` line and exit status 2; ``--debug`` (or RLZOO_DEBUG=1) shows the
@@ -86,6 +88,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--video", default=None, help="record the first episode of --seed (or seed 0): a .gif or .mp4")
     p.add_argument("--video-size", default="320x240", help="video frame size WIDTHxHEIGHT (default 320x240)")
     p.add_argument("--fps", type=float, default=None, help="video frames per second (default: real time)")
+    p.add_argument(
+        "--no-wandb", action="store_true", help="on a run trained with --wandb, do not log the video to its W&B run"
+    )
     return p.parse_args(argv)
 
 
@@ -378,7 +383,7 @@ def record(
     over the evaluated seeds, ``row`` the seed's row) is called on arrays shaped as in the evaluation,
     so the actions, and the return, are the evaluation's own."""
     from plasticity_zoo.envs import make_env, nonstationary
-    from plasticity_zoo.training.evaluation import eval_action_mode
+    from plasticity_zoo.training.loops import eval_action_mode
 
     cfg, episodes = restored.cfg, evaluator.episodes
     env_seed = evaluator.env_seeds[row * episodes]
@@ -464,6 +469,18 @@ def main(argv=None) -> dict:
         check_video(video, size)
         if video.resolve() == out.resolve():
             raise SystemExit("--video and --out name the same file")
+    wandb = None  # the run's W&B settings, where the video goes too
+    if video is not None and cfg.wandb and not args.no_wandb:
+        import importlib.util
+
+        from plasticity_zoo.training.logger import wandb_settings
+
+        if importlib.util.find_spec("wandb") is None:
+            raise SystemExit(
+                "the run logs to W&B (--wandb), and --video would go there too: pip install -e '.[wandb]', "
+                "or pass --no-wandb"
+            )
+        wandb = wandb_settings(cfg)
     run_env = run_env_id(run_dir, cfg)
     env_id = args.env or run_env
     gl = None
@@ -570,13 +587,19 @@ def main(argv=None) -> dict:
             f"{v['fps']:.4g} fps, {size[0]}x{size[1]}, return {v['return']:.2f}{same}{backend}"
         )
         result["video"] = v
+        if wandb is not None:
+            from plasticity_zoo.training.logger import wandb_video
+
+            values = {"eval/video_return": v["return"], "eval/video_step": restored.step}
+            wandb_video(run_dir, wandb, seed, video, v["fps"], values)
+            print(f"logged {video.name} to seed {seed}'s W&B run ({wandb['mode']})")
     return result
 
 
 def _check_compatible(env_id: str, run_env: str, cfg):
     from plasticity_zoo import agents
     from plasticity_zoo.envs import make_env
-    from plasticity_zoo.training.evaluation import eval_action_mode
+    from plasticity_zoo.training.loops import eval_action_mode
 
     agent = agents.get(cfg.agent_name)
 

@@ -183,7 +183,7 @@ def brax_ppo(z: Sizes) -> list[dict]:
 
 
 def offpolicy_device(agent_name: str, z: Sizes) -> list[dict]:
-    from plasticity_zoo.training.device import DeviceOffPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOffPolicyIteration
 
     agent = agents.get(agent_name)
     out = []

@@ -250,7 +250,7 @@ class SacRun:
         os.replace(tmp, final)
 
     def ensure_trained(self):
-        from plasticity_zoo.training.offpolicy import train
+        from plasticity_zoo.training.loops.offpolicy import train
 
         marker = self.run_dir / RUN_MARKER
         want = _comparable(to_json(self.cfg))
@@ -317,7 +317,7 @@ class SacRun:
     # -- replay buffer ----------------------------------------------------------------------
     def replay_rows(self, n: int) -> D.Dataset:
         """The first ``n`` transitions of the SAC replay buffer (seed 0) from the final checkpoint."""
-        from plasticity_zoo.training.offpolicy import init_state
+        from plasticity_zoo.training.loops.offpolicy import init_state
 
         path = checkpoint.latest(self.run_dir)
         if path is None:

@@ -137,7 +137,7 @@ def test_off_policy_agent_runs_init_act_update_on_a_tiny_problem(name, registry)
 
 
 def test_on_policy_agent_runs_a_rollout_update():
-    from plasticity_zoo.training.onpolicy import empty_loop
+    from plasticity_zoo.training.loops.onpolicy import empty_loop
 
     agent = agents.get("ppo")
     cfg = agent.CONFIG(num_steps=8, num_minibatches=2, update_epochs=1)

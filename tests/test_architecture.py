@@ -41,17 +41,18 @@ def imports(path: Path) -> set[str]:
 
 
 def project_modules() -> set[str]:
+    """Every module of the packages, subpackages included (``training/loops/device.py``: ``training.loops.device``)."""
     return {
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for pkg in PACKAGES
-        for p in (ROOT / pkg).glob("*.py")
+        for p in (ROOT / pkg).rglob("*.py")
     }
 
 
 def test_imports_point_down():
     upward = []
     for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).glob("*.py")):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
             for name in imports(path):
                 top = name.split(".")[0]
                 if top in PACKAGES and top != pkg and top not in ALLOWED[pkg]:
@@ -120,6 +121,22 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_package_has_an_import_cycle():
     cycle = find_cycle(module_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Inside training/ (docs/architecture.md, "Layers"): the services know no loop kind, and neither the
+# services nor the loops (with the machinery they share) know how a run is started.
+STARTING = {"training.run", "training.cli", "training.presets", "training.sweep"}
+SERVICES = {"training.evaluation", "training.logger", "training.checkpoint", "training.provenance"}
+LOOP_MACHINERY = {"training.driver", "training.loop", "training.seeds"}
+
+
+def test_inside_training_the_services_and_loops_import_nothing_above_them():
+    graph = module_graph()
+    loops = {m for m in graph if m == "training.loops" or m.startswith("training.loops.")}
+    assert {"training.loops", "training.loops.offpolicy", "training.loops.device"} <= loops
+    wrong = [f"{m} imports {d}" for m in sorted(SERVICES | LOOP_MACHINERY | loops) for d in graph[m] & STARTING]
+    wrong += [f"{m} imports {d}" for m in sorted(SERVICES) for d in graph[m] & (loops | LOOP_MACHINERY)]
+    assert not wrong, "imports against the order inside training/:\n" + "\n".join(wrong)
 
 
 def test_the_cycle_finder_finds_a_cycle_through_function_level_imports():

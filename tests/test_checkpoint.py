@@ -16,7 +16,7 @@ import pytest
 from plasticity_zoo.agents import sac
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.training import checkpoint
-from plasticity_zoo.training.offpolicy import init_state, train
+from plasticity_zoo.training.loops.offpolicy import init_state, train
 
 
 def _bits(tree):
@@ -122,7 +122,7 @@ def test_keep_checkpoints_prunes_the_oldest_stale_temporaries_and_skipped_newer_
 
 def test_keep_checkpoints_flag_is_checked_and_may_change_on_resume(tiny_sac_config):
     from plasticity_zoo.training import config as config_lib
-    from plasticity_zoo.training.offpolicy import check
+    from plasticity_zoo.training.loops.offpolicy import check
 
     with pytest.raises(ValueError, match="--keep-checkpoints must be >= 1"):
         check(tiny_sac_config(keep_checkpoints=0))

@@ -69,7 +69,7 @@ def test_unknown_env_id_fails_clearly_from_the_command_line(tmp_path):
 @pytest.mark.slow
 def test_resume_refuses_config_changes(tiny_sac_config, tmp_path):
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     train(tiny_sac_config(total_steps=200), sac, tmp_path / "r")
     cfg = train_script.parse(["--resume", str(tmp_path / "r"), "--total-steps", "400"])

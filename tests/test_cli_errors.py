@@ -485,8 +485,8 @@ def test_ravl_takes_an_explicit_env_equal_to_the_default(tmp_path):
 
 def _failing_loop(monkeypatch, write_checkpoint=False):
     """Replace the off-policy loop by one that opens its run directory, then fails like a user error."""
-    from plasticity_zoo.training import offpolicy
     from plasticity_zoo.training.logger import RunLogger
+    from plasticity_zoo.training.loops import offpolicy
 
     def train(cfg, agent, run_dir, resume=False, stop_at=None):
         logger = RunLogger(run_dir, cfg.tensorboard)

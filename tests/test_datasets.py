@@ -441,7 +441,7 @@ def test_medium_replay_is_the_start_of_the_sac_buffer(made):
     from plasticity_zoo.agents import sac
     from plasticity_zoo.envs import VectorEnv
     from plasticity_zoo.training import checkpoint
-    from plasticity_zoo.training.offpolicy import init_state
+    from plasticity_zoo.training.loops.offpolicy import init_state
     from plasticity_zoo.training.run import load_config
 
     _, out, paths = made

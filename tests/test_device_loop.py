@@ -1,4 +1,4 @@
-"""playground: envs (envs/playground.py) and the device loop (training/device.py)."""
+"""playground: envs (envs/playground.py) and the device loop (training/loops/device.py)."""
 
 import importlib.util
 import subprocess
@@ -210,8 +210,8 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
     the host loop stepping the same envs from Python and the device loop agree on every stored
     transition (final values at truncations included) and on the updated agents."""
     from plasticity_zoo.envs.playground import PlaygroundVectorEnv
-    from plasticity_zoo.training.device import DeviceOnPolicyIteration, make_chunk
-    from plasticity_zoo.training.onpolicy import OnPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOnPolicyIteration, make_chunk
+    from plasticity_zoo.training.loops.onpolicy import OnPolicyIteration
 
     cfg = tiny(env=TOY)
     env = short_episodes(5, device_toy.NAME)
@@ -251,7 +251,7 @@ def test_the_device_loop_does_the_host_loops_rollout_gae_and_update_on_the_same_
 def test_a_resumed_device_run_and_a_differently_chunked_one_equal_the_uninterrupted_run(
     tmp_path, assert_same_logs, toy
 ):
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     cfg = tiny(env=TOY)
     full = device.train(cfg, ppo, tmp_path / "full")
@@ -296,7 +296,7 @@ def test_plasticity_events_fall_at_chunk_ends_in_the_device_loop(tmp_path, toy):
     the log rows at those steps."""
     import csv
 
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     cfg = tiny(
         env=TOY,
@@ -320,8 +320,8 @@ def test_the_off_policy_device_loop_stores_and_learns_as_the_host_loop(tiny_sac_
     host loop (env stepped from Python, ``store`` and ``learn_and_act`` per step) and one device
     chunk of 10 agree on every replay row (truncations included) and on the updated agents."""
     from plasticity_zoo.envs.playground import PlaygroundVectorEnv
-    from plasticity_zoo.training.device import DeviceOffPolicyIteration, make_offpolicy_chunk
-    from plasticity_zoo.training.offpolicy import OffPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOffPolicyIteration, make_offpolicy_chunk
+    from plasticity_zoo.training.loops.offpolicy import OffPolicyIteration
 
     cfg = tiny_sac_config(
         env=TOY, seeds=2, num_envs=2, learning_starts=12, batch_size=8, buffer_size=64, total_steps=40
@@ -360,7 +360,7 @@ def test_a_resumed_off_policy_device_run_and_a_chunked_one_equal_the_uninterrupt
     agent_name, tmp_path, tiny_sac_config, assert_same_logs, toy
 ):
     from plasticity_zoo import agents
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     if agent_name == "sac":
         cfg = tiny_sac_config(
@@ -417,7 +417,7 @@ def test_an_off_policy_device_chunk_needs_no_memory_that_grows_with_the_replay_c
     """The replay is carried through the chunk's loop and written in place: XLA's memory analysis of
     the compiled chunk must not depend on the capacity (a copy of the buffer per step would)."""
     from plasticity_zoo import agents
-    from plasticity_zoo.training.device import DeviceOffPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOffPolicyIteration
 
     temps = []
     for capacity in (4_096, 65_536):
@@ -442,7 +442,7 @@ def test_ppo_on_the_device_learns_to_balance_the_cartpole(tmp_path):
     returns must rise and one seed must balance."""
     import csv
 
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     cfg = RunConfig(
         env=ENV,
@@ -484,7 +484,7 @@ def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
 
     from plasticity_zoo import agents
     from plasticity_zoo.agents.sac import SACConfig
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     cfg = RunConfig(
         env=ENV,
@@ -509,7 +509,7 @@ def test_sac_on_the_device_learns_a_little_on_the_cartpole(tmp_path):
 
     from plasticity_zoo.training.evaluation import policy_maker, run_evaluator
 
-    evaluator, policy = run_evaluator(cfg, agents.get("sac")), policy_maker(agents.get("sac"))(out["state"])
+    evaluator, policy = run_evaluator(cfg, "rescale"), policy_maker(agents.get("sac"))(out["state"])
     assert evaluator.on_device and policy.pure is not None
     logged = [float(x) for x in rows[-1]["episode_returns"].split()]
     assert evaluator(policy) == [logged]  # the run's own evaluation, again on the device

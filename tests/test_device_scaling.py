@@ -91,7 +91,7 @@ def test_the_old_rule_lagged_behind_and_a_resume_cut_evaluations_it_had_written(
 def _counted_iteration(kind, cfg, agent):
     """A device iteration of ``cfg``'s sizes whose chunks do no work (they only advance the step)."""
     from plasticity_zoo.agents.api import updates_per_vector_step
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     S, E = cfg.seeds, cfg.num_envs
     it = object.__new__(device.DeviceOnPolicyIteration if kind == "onpolicy" else device.DeviceOffPolicyIteration)
@@ -125,9 +125,9 @@ def _counted_iteration(kind, cfg, agent):
 
 def _host_calls(tmp_path, agent_name, preset):
     from plasticity_zoo import agents
-    from plasticity_zoo.training import onpolicy
     from plasticity_zoo.training.cli import parse
     from plasticity_zoo.training.driver import Driver
+    from plasticity_zoo.training.loops import onpolicy
 
     cfg = parse([agent_name, "--preset", preset, "--env", "playground:CartpoleBalance", "--no-progress"])
     agent = agents.get(agent_name)
@@ -207,7 +207,7 @@ def test_updates_per_vector_step_replaces_updates_per_env_step_times_the_envs(ti
     read; test_device_loop's host-loop comparison checks that the device runs as many), with
     --updates-per-vector-step 2 two (6 in all, on the device too); every env's transition of every step
     reaches the replay (20 rows per seed).  (The program is the resume test's below.)"""
-    from plasticity_zoo.training.device import DeviceOffPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOffPolicyIteration
 
     default = DeviceOffPolicyIteration(_toy_sac(tiny_sac_config, seeds=2), sac)
     assert default.updates_per_iteration == 4 and default._updates_in(0, 5) == 12
@@ -226,7 +226,7 @@ def test_a_thousand_envs_share_eight_updates_per_vector_step(tiny_sac_config, to
     """FastSAC's shape: 1,024 envs, 8 updates of batch 256 per vector step (tiny networks), learning from
     env step 2,048: of 4 vector steps the last 3 learn, 24 updates in all (not 3 x 1,024), and all 4,096
     transitions reach the replay."""
-    from plasticity_zoo.training.device import DeviceOffPolicyIteration
+    from plasticity_zoo.training.loops.device import DeviceOffPolicyIteration
 
     cfg = _toy_sac(
         tiny_sac_config,
@@ -255,7 +255,7 @@ def test_with_updates_per_vector_step_a_resumed_and_a_chunked_run_equal_the_unin
     past one): stopped at step 20 and resumed, and chunked by 1, the runs end bit for bit equal with the
     same log and evaluation rows (the rule before issue #50 checkpointed 15 as the next evaluation at step
     20, and the resumed run dropped the evaluation at 16)."""
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     cfg = _toy_sac(
         tiny_sac_config,

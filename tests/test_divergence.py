@@ -1,5 +1,5 @@
 """Non-finite env states on the device: a diverged env resets, is counted (``env/diverged``) and is kept out
-of the replay (``envs/playground.py``, ``training/device.py``, ``buffers``)."""
+of the replay (``envs/playground.py``, ``training/loops/device.py``, ``buffers``)."""
 
 import csv
 import importlib.util
@@ -71,7 +71,7 @@ def test_sac_on_a_diverging_env_keeps_the_diverged_steps_out_of_its_replay_and_c
     the actions blow the toy's physics up): every stored transition is finite, each seed's replay holds
     its env steps less its diverged ones, and the count is logged."""
     from plasticity_zoo import agents
-    from plasticity_zoo.training import device
+    from plasticity_zoo.training.loops import device
 
     cfg = tiny_sac_config(
         env=device_toy.EXPLODING,
@@ -99,8 +99,8 @@ def test_sac_on_a_diverging_env_keeps_the_diverged_steps_out_of_its_replay_and_c
 @pytest.mark.slow
 def test_ppo_on_a_diverging_env_stays_finite_and_counts_them(toy, tmp_path):
     from plasticity_zoo.agents import ppo
-    from plasticity_zoo.training import device
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.training.loops import device
 
     cfg = RunConfig(
         env=device_toy.EXPLODING,
@@ -130,7 +130,7 @@ def test_the_host_loop_on_a_diverging_playground_env_keeps_the_diverged_steps_ou
     """``--loop host``: the host vector env flags the rows of a step where an env diverged, and the off-policy
     loop's store keeps them out of the replay (2 seeds x 4 envs, 38 vector steps, 5% of random actions blow up)."""
     from plasticity_zoo import agents
-    from plasticity_zoo.training.offpolicy import OffPolicyIteration
+    from plasticity_zoo.training.loops.offpolicy import OffPolicyIteration
 
     cfg = tiny_sac_config(env=device_toy.EXPLODING, seeds=2, num_envs=4, learning_starts=140, buffer_size=1024)
     host = OffPolicyIteration(cfg, agents.get("sac"))

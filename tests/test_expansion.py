@@ -241,7 +241,7 @@ def test_auto_batch_halves_the_batch_while_the_critics_fau_is_below_036():
 def test_an_ne_event_sets_the_half_batch_flag_from_the_critics_fau(monkeypatch, tiny_sac_config, fau, half):
     from plasticity_zoo.agents import sac
     from plasticity_zoo.plasticity import hooks
-    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.loops import offpolicy
 
     p_cfg = PlasticityConfig(ne=True, metrics_every=0, reset_batch=16)
     state, buffer, _ = offpolicy.init_state(sac, tiny_sac_config(plasticity=p_cfg), 3, 1)
@@ -302,8 +302,8 @@ def test_ne_and_kron_are_refused_where_they_do_not_apply():
 
 @pytest.fixture
 def counted_train(monkeypatch):
-    """training.offpolicy.train, recording the jitted step function and the hooks it built."""
-    from plasticity_zoo.training import offpolicy
+    """training.loops.offpolicy.train, recording the jitted step function and the hooks it built."""
+    from plasticity_zoo.training.loops import offpolicy
 
     seen = {}
     make, hooks_cls = offpolicy.make_step_fn, offpolicy.Hooks
@@ -419,7 +419,7 @@ def test_ne_with_kron_reaches_the_target_on_schedule_in_sac_without_recompiling(
 def test_an_ne_run_with_review_and_auto_batch_resumes_bit_identically(tiny_sac_config, tmp_path, assert_same_logs):
     """The schedule, masks and replay controls (review probability, half-batch flag) are checkpointed."""
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.loops import offpolicy
 
     cfg = tiny_sac_config(
         total_steps=600,

@@ -64,7 +64,7 @@ def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_
 
     from plasticity_zoo.agents import sac
     from plasticity_zoo.training.config import PlasticityConfig
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=0, least=True, least_warmup=0.0, least_window=20)
     cfg = tiny_sac_config(total_steps=1200, env="InvertedPendulum-v5", plasticity=pcfg, checkpoint_every=1200)
@@ -73,7 +73,7 @@ def test_least_on_sac_stores_stopped_episodes_as_truncated(tiny_sac_config, tmp_
     stops = max(float(r["plasticity/least_stops"]) for r in rows)
     assert stops > 0
     from plasticity_zoo.training import checkpoint
-    from plasticity_zoo.training.offpolicy import init_state
+    from plasticity_zoo.training.loops.offpolicy import init_state
 
     (_, buffer, _), host, _ = checkpoint.load(checkpoint.latest(tmp_path / "r"), init_state(sac, cfg, 4, 1))
     data = jax.tree.map(lambda x: np.asarray(x[0]), buffer.data)

@@ -30,7 +30,8 @@ def make_dataset():
 def no_sac(make_dataset, monkeypatch):
     """Any SAC build or training step fails the test."""
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training import offpolicy, run
+    from plasticity_zoo.training import run
+    from plasticity_zoo.training.loops import offpolicy
 
     def boom(*args, **kwargs):
         raise AssertionError("a random-only dataset built or trained SAC")
@@ -74,7 +75,7 @@ def test_random_only_trains_no_sac_and_takes_ref_max_from_the_flag_then_from_d4r
 
 
 def test_random_only_without_any_ref_max_records_nan_and_warns(make_dataset, no_sac, tmp_path, capsys):
-    from plasticity_zoo.training.offline import scores
+    from plasticity_zoo.training.loops.offline import scores
 
     path = make_dataset.main(["--env", "Pendulum-v1", "--kind", "random", "--out", str(tmp_path / "p.hdf5"), *SMALL])[
         "random"

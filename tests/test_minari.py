@@ -357,7 +357,7 @@ def test_ravl_trains_on_a_minari_id_end_to_end_and_evaluates(paths, tmp_path, ca
 
 def test_neubay_takes_a_minari_id_with_the_kind_from_its_name(paths):
     from plasticity_zoo.agents import neubay
-    from plasticity_zoo.training.offline import dataset_config, resolve_dataset
+    from plasticity_zoo.training.loops.offline import dataset_config, resolve_dataset
     from plasticity_zoo.training.run import preflight
     from scripts.train import parse
 

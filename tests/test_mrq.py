@@ -229,7 +229,7 @@ def test_paper_size_parameter_count_width_scaling_and_act(tiny):
 
 @pytest.mark.slow
 def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and_seeds_differ():
-    from plasticity_zoo.training.offpolicy import init_state, make_train_block, seed_slice
+    from plasticity_zoo.training.loops.offpolicy import init_state, make_train_block, seed_slice
 
     cfg = RunConfig(
         env="Pendulum-v1",
@@ -293,7 +293,7 @@ def test_target_sync_and_encoder_burst_every_250_updates_reward_scale_timing_and
 @pytest.mark.optimized
 @pytest.mark.slow
 def test_mrq_learns_pendulum(tmp_path):
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     # width 64 (z_a 32), batch 32, otherwise the paper's settings (T_target 250, LAP, H_Q 3, H_enc 5).
     # The run behind this test swung up by 4000 steps (eval -1571 untrained, -144 at 4000); at batch 64

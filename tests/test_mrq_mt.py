@@ -307,7 +307,7 @@ def test_a_resumed_run_with_plasticity_metrics_and_redo_equals_the_uninterrupted
     and resumed, the run ends bit-identical to an uninterrupted one, with per-task eval rows."""
     import csv
 
-    from plasticity_zoo.training import offpolicy
+    from plasticity_zoo.training.loops import offpolicy
 
     agent = importlib.import_module("plasticity_zoo.agents").get("mrq-mt")
     cfg = _run_config()
@@ -340,8 +340,8 @@ def test_a_short_run_on_two_tasks_beats_its_untrained_policy_on_each(tmp_path):
     Pendulum -1397 -> -1004, cartpole-swingup 14 -> 138; about 100 s on 2 cores)."""
     import csv
 
-    from plasticity_zoo.training import offpolicy
     from plasticity_zoo.training.config import PlasticityConfig
+    from plasticity_zoo.training.loops import offpolicy
 
     agent = importlib.import_module("plasticity_zoo.agents").get("mrq-mt")
     env = "mt:Pendulum-v1,dmc:cartpole-swingup"

@@ -152,12 +152,10 @@ def test_the_evaluator_gives_each_task_k_episodes_per_seed_at_the_fixed_env_seed
 
 
 def test_run_evaluator_strides_by_the_runs_block_of_k_times_t_episodes(tmp_path):
-    from plasticity_zoo import agents
-
     cfg = _mt_config(tmp_path, eval_episodes=2, seeds=3)
-    ev = run_evaluator(cfg, agents.get("sac"), seeds=1, first_seed=2)
+    ev = run_evaluator(cfg, "rescale", seeds=1, first_seed=2)
     assert ev.episodes == 4 and ev.env_seeds == [eval_base_seed(cfg) + 2 * 4 + k for k in range(4)]
-    ev = run_evaluator(cfg, agents.get("sac"))
+    ev = run_evaluator(cfg, "rescale")
     assert ev.env_seeds == [eval_base_seed(cfg) + j * 4 + k for j in range(3) for k in range(4)]
 
 
@@ -223,7 +221,7 @@ def test_evaluate_py_reports_per_task_returns_equal_to_the_runs_own(mt_run, tmp_
 @pytest.mark.slow
 def test_a_single_task_run_keeps_its_eval_columns(tiny_sac_config, tmp_path):
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     train(tiny_sac_config(total_steps=300, eval_every=300, learning_starts=100), sac, tmp_path / "r")
     with open(tmp_path / "r" / "eval.csv", newline="") as f:

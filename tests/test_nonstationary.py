@@ -301,7 +301,7 @@ def test_a_chain_run_with_eval_all_writes_a_row_per_task_and_their_mean(tiny_sac
     import csv
 
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     cfg = tiny_sac_config(
         env=CARTPOLES.replace("every=7", "every=25,eval=all"),

@@ -195,7 +195,7 @@ def test_sac_trains_with_shrink_perturb_and_layer_resets_through_the_loop(tmp_pa
     import csv
 
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     cfg = RunConfig(
         env="Pendulum-v1",

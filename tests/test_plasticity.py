@@ -195,7 +195,7 @@ def test_interventions_are_refused_where_they_do_not_apply():
 @pytest.mark.parametrize("flags", [dict(redo=True, redo_tau=0.1), dict(regrama=True, sigreg_coef=0.2)])
 def test_flags_work_on_sac_and_log_metrics(tiny_sac_config, tmp_path, flags):
     from plasticity_zoo.agents import sac
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=100, reset_every=100, **flags)
     out = train(tiny_sac_config(total_steps=500, seeds=2, plasticity=pcfg), sac, tmp_path / "r")
@@ -223,7 +223,7 @@ def test_flags_work_on_ppo_and_least_is_refused(tmp_path):
 
     from plasticity_zoo.agents import ppo
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
-    from plasticity_zoo.training.onpolicy import train as train_onpolicy
+    from plasticity_zoo.training.loops.onpolicy import train as train_onpolicy
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
     pcfg = PlasticityConfig(metrics_every=8, regrama=True, reset_every=8, sigreg_coef=0.2)

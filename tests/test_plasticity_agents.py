@@ -56,7 +56,7 @@ def _mrq_cfg(plasticity, env="Pendulum-v1", total_steps=120, **agent):
 @pytest.mark.slow
 def test_mrq_least_sigreg_and_metrics(tmp_path):
     from plasticity_zoo.agents import mrq
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     pcfg = PlasticityConfig(
         metrics_every=20,
@@ -125,7 +125,7 @@ def test_mrq_least_signals_and_sigreg_on_the_state_encoder():
 @pytest.mark.slow
 def test_mrq_regrama_and_ne(tmp_path):
     from plasticity_zoo.agents import mrq
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     pcfg = PlasticityConfig(metrics_every=0, regrama=True, reset_every=20, ne=True, ne_every=20, ne_review=False)
     out = train(_mrq_cfg(pcfg), mrq, tmp_path / "r")
@@ -180,7 +180,7 @@ def test_mrq_kron_with_ne_masks_one_encoder_and_rl_step():
 
 def test_mrq_refuses_ne_review(tmp_path):
     from plasticity_zoo.agents import mrq
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     with pytest.raises(ValueError, match="ne-review does not apply to agent 'mrq'"):
         train(_mrq_cfg(PlasticityConfig(ne=True, ne_review=True)), mrq, tmp_path / "r")
@@ -207,7 +207,7 @@ def test_ne_replay_controls_are_refused_the_same_way_for_every_kind_without_unif
 @pytest.mark.usefixtures("no_compilation_cache_writes")  # Kron: see test_mrq_kron_with_ne_masks_one_encoder_and_rl_step
 def test_ppo_ne_kron(tmp_path):
     from plasticity_zoo.agents import ppo
-    from plasticity_zoo.training.onpolicy import train
+    from plasticity_zoo.training.loops.onpolicy import train
 
     agent_cfg = dataclasses.replace(ppo.PPOConfig(), num_steps=64, num_minibatches=4, update_epochs=2)
     pcfg = PlasticityConfig(metrics_every=8, ne=True, ne_every=8, kron=HAS_KRON, ne_review=False)  # PPO: no replay

@@ -389,7 +389,7 @@ def test_injection_and_trac_are_refused_where_they_do_not_apply(capsys):
 def test_resume_after_the_injection_is_exact_and_the_checkpoint_restores_the_policy(tiny_sac_config, tmp_path):
     from plasticity_zoo.agents import sac
     from plasticity_zoo.analysis.restore import restore_policy
-    from plasticity_zoo.training.offpolicy import train
+    from plasticity_zoo.training.loops.offpolicy import train
 
     pc = PlasticityConfig(metrics_every=0, injection_step=30, trac=True)
     cfg = tiny_sac_config(total_steps=180, learning_starts=40, checkpoint_every=90, eval_every=90, plasticity=pc)

@@ -322,7 +322,7 @@ def mrq_hook():
     from plasticity_zoo.plasticity.config import PlasticityConfig
     from plasticity_zoo.plasticity.hooks import Hooks
     from plasticity_zoo.training.config import RunConfig
-    from plasticity_zoo.training.offpolicy import init_state
+    from plasticity_zoo.training.loops.offpolicy import init_state
 
     cfg = RunConfig(
         env="dmc:cartpole-balance",

@@ -13,7 +13,7 @@ from plasticity_zoo.envs import make_vector_env
 from plasticity_zoo.networks.distributions import gaussian_log_prob
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.config import NetworkConfig, RunConfig
-from plasticity_zoo.training.onpolicy import init_state, make_fns, train
+from plasticity_zoo.training.loops.onpolicy import init_state, make_fns, train
 
 
 def tiny(**kw):
@@ -445,7 +445,7 @@ def test_ppo_clip_mode_stores_the_unclipped_sample_and_its_log_prob_and_sends_th
 @pytest.mark.slow
 def test_the_on_policy_loop_builds_its_envs_with_the_agents_action_mode(monkeypatch, tmp_path):
     import plasticity_zoo.training.evaluation as evaluation
-    import plasticity_zoo.training.onpolicy as onpolicy
+    import plasticity_zoo.training.loops.onpolicy as onpolicy
 
     modes = []
     real_vec, real_eval = onpolicy.make_vector_env, evaluation.Evaluator

@@ -103,6 +103,31 @@ def test_wandb_offline_writes_one_run_per_seed_with_config_metrics_and_commit(ti
             saved["provenance"]["git"]["commit"] or "commit",
         ):
             assert text.encode() in data, (d.name, text)
+    # evaluate.py --video on the tracked run: the video goes to seed 1's W&B run (continued, offline)
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "evaluate.py"
+    spec = importlib.util.spec_from_file_location("evaluate_script", script)
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    gif = tmp_path / "pendulum.gif"
+    out = evaluate.main([str(tmp_path / "r"), "--seed", "1", "--out", str(tmp_path / "e.csv"), "--video", str(gif)])
+    later = [d for d in (tmp_path / "r" / "wandb").glob("offline-run-*-seed1") if d not in runs]
+    assert len(later) == 1  # the same W&B run id as training's seed 1, continued
+    media = list(later[0].rglob("media/videos/eval/video_*.gif"))
+    assert len(media) == 1 and media[0].read_bytes() == gif.read_bytes()
+    data = b"".join(p.read_bytes() for p in later[0].glob("*.wandb"))
+    assert b"eval/video_return" in data and b"eval/video_step" in data and out["video"]["seed"] == 1
+    nothing = tmp_path / "nothing"
+    shutil.copytree(tmp_path / "r", nothing, ignore=shutil.ignore_patterns("wandb"))
+    evaluate.main([str(nothing), "--seed", "1", "--out", str(tmp_path / "e2.csv"), "--video", str(gif), "--no-wandb"])
+    assert not (nothing / "wandb").exists()
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[wandb\]', or pass --no-wandb"):
+        evaluate.main([str(tmp_path / "r"), "--out", str(tmp_path / "e3.csv"), "--video", str(tmp_path / "v3.gif")])
+    assert not (tmp_path / "e3.csv").exists() and not (tmp_path / "v3.gif").exists()
 
 
 def test_wandb_without_the_package_is_one_clear_line_before_anything_is_created(tiny_sac_config, tmp_path, monkeypatch):

@@ -159,8 +159,8 @@ def test_a_run_claims_its_directory_and_the_default_one_steps_aside(tiny_sac_con
 def test_a_user_error_in_the_loop_after_overwrite_keeps_the_moved_run_and_drops_the_empty_new_one(
     tiny_sac_config, tmp_path, monkeypatch
 ):
-    from plasticity_zoo.training import offpolicy
     from plasticity_zoo.training.logger import RunLogger
+    from plasticity_zoo.training.loops import offpolicy
 
     def train(cfg, agent, run_dir, resume=False, stop_at=None):
         RunLogger(run_dir).write_config({"agent_name": cfg.agent_name})
@@ -179,7 +179,7 @@ def test_an_offline_run_without_env_is_named_after_its_dataset(tmp_path, monkeyp
     config.json written when it is claimed) name the dataset's env, not RunConfig's Pendulum-v1 default."""
     from plasticity_zoo.envs import datasets
     from plasticity_zoo.envs.collect import collect
-    from plasticity_zoo.training import offline
+    from plasticity_zoo.training.loops import offline
     from scripts.train import parse
 
     rng = np.random.default_rng(0)

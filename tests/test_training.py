@@ -12,7 +12,7 @@ from plasticity_zoo.agents import sac
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.logger import RunLogger
 from plasticity_zoo.training.loop import StopAtIterationEnd, StopSignals
-from plasticity_zoo.training.offpolicy import NonFiniteLossError, seed_slice, train
+from plasticity_zoo.training.loops.offpolicy import NonFiniteLossError, seed_slice, train
 
 
 def leaves(state):
@@ -138,7 +138,7 @@ def test_checkpoint_from_another_config_is_refused(tiny_sac_config, tmp_path):
     cfg = tiny_sac_config(total_steps=300)
     train(cfg, sac, tmp_path / "r")
     path = checkpoint.latest(tmp_path / "r")
-    from plasticity_zoo.training.offpolicy import init_state
+    from plasticity_zoo.training.loops.offpolicy import init_state
 
     other = init_state(sac, tiny_sac_config(critics=4), 3, 1)
     with pytest.raises(ValueError, match="config"):
@@ -214,8 +214,8 @@ def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(case):
     from plasticity_zoo import agents
     from plasticity_zoo.buffers import replay
     from plasticity_zoo.plasticity.expansion import ReplayControl
-    from plasticity_zoo.training import offpolicy
     from plasticity_zoo.training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.training.loops import offpolicy
 
     name = case.split("_")[0]
     agent = agents.get(name)

@@ -1,8 +1,8 @@
 """The one loop driver: everything a training run does around its iterations, written once.
 
-Each kind of agent supplies an *iteration* (``training/offpolicy.py``: one vector-env step;
-``training/onpolicy.py``: one rollout and its update, a vector step per call; ``training/offline.py``:
-one epoch; ``training/device.py``: a chunk of iterations in one jitted call); the ``Driver`` owns the
+Each kind of agent supplies an *iteration* (``training/loops/offpolicy.py``: one vector-env step;
+``training/loops/onpolicy.py``: one rollout and its update, a vector step per call; ``training/loops/offline.py``:
+one epoch; ``training/loops/device.py``: a chunk of iterations in one jitted call); the ``Driver`` owns the
 rest: the run directory's logs, starting fresh or resuming from the last checkpoint, the evaluation /
 log / checkpoint schedule, the step counter, the plasticity hooks' events and the rows they log, the
 NaN stop, Ctrl-C / SIGTERM (checkpoint at the iteration's end), the progress bar and the final

@@ -1,8 +1,9 @@
 """Deterministic evaluation at fixed evaluation seeds: the evaluator every loop builds, and the policies it runs.
 
-Every loop builds its evaluator as ``run_evaluator(cfg, agent)`` does: seed ``j``'s evaluation
+Every loop builds its evaluator as ``run_evaluator(cfg, action_mode)`` does: seed ``j``'s evaluation
 episode ``k`` resets its env with seed ``eval_base_seed(cfg) + j * eval_block(cfg) + k``, the action
-repeat is the run's and the action mode the loop's (``eval_action_mode``).  For a multitask
+repeat is the run's and the action mode the loop's (its ``action_mode``; for a finished run
+``training.loops.eval_action_mode``).  For a multitask
 (``mt:``) env ``--eval-episodes K`` counts episodes per task: a seed's block is K x T episodes
 (``eval_block``), episode ``k`` runs task ``k % T``, and ``training.logger.task_results`` summarises
 them per task.  A task chain with ``eval=all`` (``ns:chain:...:eval=all``) is scored the same way over
@@ -149,15 +150,16 @@ def eval_base_seed(cfg) -> int:
     return cfg.seed * 10_000 + EVAL_SEED_OFFSET
 
 
-def eval_action_mode(cfg, agent) -> str:
-    """How the evaluation envs map actions: the on-policy loop's ``--action-mode``; ``rescale`` otherwise."""
-    return cfg.agent.action_mode if agent.KIND == "onpolicy" else "rescale"
-
-
 def run_evaluator(
-    cfg, agent, env_id: str | None = None, episodes: int | None = None, seeds: int | None = None, first_seed: int = 0
+    cfg,
+    action_mode: str,
+    env_id: str | None = None,
+    episodes: int | None = None,
+    seeds: int | None = None,
+    first_seed: int = 0,
 ) -> Evaluator:
-    """The evaluator of a run (``cfg``, ``agent``): on ``env_id`` (default ``cfg.env``), ``episodes``
+    """The evaluator of a run (``cfg``; ``action_mode``: how its loop's envs map actions, the loop's
+    ``action_mode(cfg, agent)``): on ``env_id`` (default ``cfg.env``), ``episodes``
     per seed (per task and seed on an ``mt:`` env; default ``cfg.eval_episodes``), for ``seeds`` seeds
     (default ``cfg.seeds``) starting at seed index ``first_seed``.  Seed ``j``'s episode ``k`` resets
     with the env seed ``eval_base_seed(cfg) + j * eval_block(cfg) + k``, so the run's own evaluation
@@ -171,7 +173,7 @@ def run_evaluator(
         episodes,
         eval_base_seed(cfg) + first_seed * block,
         cfg.action_repeat,
-        eval_action_mode(cfg, agent),
+        action_mode,
         stride=block,
         env_impl=env_impl(cfg),
     )

@@ -227,26 +227,45 @@ class RunLogger:
             writer.close()
 
     def _wandb_run(self, j: int):
-        """Seed ``j``'s W&B run: its id is fixed by the run directory and the seed, so a ``--resume``
-        continues it; grouped by the run directory's name unless ``--wandb-group`` says otherwise."""
-        import wandb
-
-        s = self.wb_settings
-        rid = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16] + f"-seed{j}"
+        """Seed ``j``'s W&B run (``wandb_run``), with the run's config and provenance."""
         config = {**(self.config or {}), "seed_index": j, "provenance": self.provenance}
-        return wandb.init(
-            project=s["project"],
-            entity=s["entity"],
-            group=s["group"] or self.dir.name,
-            tags=list(s["tags"]) or None,
-            mode=s["mode"],
-            dir=str(self.dir),
-            id=rid,
-            name=f"{self.dir.name}/seed{j}",
-            resume="allow",
-            reinit="create_new",
-            config=config,
-        )
+        return wandb_run(self.dir, self.wb_settings, j, config)
+
+
+def wandb_run(run_dir, settings: dict, j: int, config: dict | None = None):
+    """Seed ``j``'s W&B run of ``run_dir``, started or continued: its id is fixed by the run directory
+    and the seed, so a ``--resume`` (and ``scripts/evaluate.py --video``) continues it; grouped by the
+    run directory's name unless ``--wandb-group`` says otherwise.  ``settings``: ``wandb_settings``."""
+    import wandb
+
+    run_dir = Path(run_dir)
+    rid = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16] + f"-seed{j}"
+    return wandb.init(
+        project=settings["project"],
+        entity=settings["entity"],
+        group=settings["group"] or run_dir.name,
+        tags=list(settings["tags"]) or None,
+        mode=settings["mode"],
+        dir=str(run_dir),
+        id=rid,
+        name=f"{run_dir.name}/seed{j}",
+        resume="allow",
+        reinit="create_new",
+        config=config,
+    )
+
+
+def wandb_video(run_dir, settings: dict, j: int, path, fps: float, values: dict) -> None:
+    """A video of seed ``j``'s policy (``scripts/evaluate.py --video``) into that seed's W&B run, as
+    ``eval/video``, with ``values`` (e.g. the episode's return and the checkpoint's step) beside it."""
+    import wandb
+
+    run = wandb_run(run_dir, settings, j)
+    try:
+        video = wandb.Video(str(path), fps=max(1, round(fps)))  # the format from the file's suffix
+        run.log({"eval/video": video, **values})
+    finally:
+        run.finish()
 
 
 def wandb_settings(cfg) -> dict | None:

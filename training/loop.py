@@ -1,8 +1,8 @@
 """Machinery every training loop shares: argument checks, the evaluate / log / checkpoint
 cadence, resuming from the last checkpoint, NaN stops, Ctrl-C / SIGTERM and the progress bar.
 
-The loops (``offpolicy``, ``onpolicy``, ``offline``) count time in their own unit (env steps
-per seed, or gradient updates); everything here works in that unit.
+The loops (``training/loops/``: ``offpolicy``, ``onpolicy``, ``offline``, ``device``) count time in
+their own unit (env steps per seed, or gradient updates); everything here works in that unit.
 """
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def run_counts(cfg) -> dict:
     }
 
 
+def env_resolve(cfg, agent):
+    """``resolve`` of a loop whose envs come from ``--env`` (``training/loops/__init__.py``): the config
+    as given, and the observation and action sizes of its env, built once and closed (an unknown or
+    malformed env id fails here)."""
+    from plasticity_zoo.envs import make_env
+
+    env = make_env(cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl)
+    try:
+        return cfg, int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
+    finally:
+        env.close()
+
+
 class Schedule:
     """When to evaluate, log and checkpoint.
 
@@ -122,7 +135,7 @@ class Schedule:
 
     def room(self, step: int, end: int) -> int:
         """Steps from ``step`` to the next host event: log row, evaluation, checkpoint or ``end`` (0 if
-        none lies past ``step``).  The device loop ends its chunks there (``training/device.py``)."""
+        none lies past ``step``).  The device loop ends its chunks there (``training/loops/device.py``)."""
         return min((t - step for t in (self.next_log, self.next_eval, self.next_ckpt, end) if t > step), default=0)
 
     def final_eval_due(self, step: int, last: int) -> bool:

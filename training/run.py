@@ -1,4 +1,5 @@
-"""Entry point shared by scripts/train.py: check the config, pick the loop for the agent, set up the run dir.
+"""Entry point shared by scripts/train.py: check the config, run it in its loop (``training.loops.loop_for``),
+set up the run dir.
 
 ``preflight(cfg, agent)`` runs every check that needs no training (flag values and their
 relations, env id, dataset, plasticity interventions, the run directory, the checkpoint to
@@ -15,16 +16,14 @@ exclusively, so two commands started at once cannot share it either.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import time
 from pathlib import Path
 
-import numpy as np
-
 from plasticity_zoo import agents
 from plasticity_zoo.training import config as config_lib
+from plasticity_zoo.training import loops
 from plasticity_zoo.training.config import RunConfig
 
 # What a mistaken command line raises: scripts/train.py prints these as one `error:` line.  A
@@ -50,46 +49,11 @@ def load_config(run_dir) -> RunConfig:
 
 
 def final_step(cfg: RunConfig) -> int:
-    """The step a finished run ends at (what ``--total-steps`` counts): ``total_steps``, except an
-    on-policy agent's run, which ends at its last whole rollout (``training.onpolicy.check``: the number
-    of iterations times the rollout batch).  A run whose last evaluation is below it stopped early."""
+    """The step a finished run ends at (what ``--total-steps`` counts): its loop's ``last_step``
+    (``total_steps``, except an on-policy agent's run, which ends at its last whole rollout).  A run
+    whose last evaluation is below it stopped early."""
     agent = agents.get(cfg.agent_name)
-    if agent.KIND == "onpolicy":
-        batch, iterations = loop_module(agent).check(cfg)  # the on-policy loop's (through LOOPS, as loop_module)
-        return batch * iterations
-    return cfg.total_steps
-
-
-LOOPS = {
-    "offpolicy": "plasticity_zoo.training.offpolicy",
-    "onpolicy": "plasticity_zoo.training.onpolicy",
-    "offline": "plasticity_zoo.training.offline",
-}
-
-
-def loop_module(agent, cfg: RunConfig | None = None):
-    """The module with the run's iteration: ``check(cfg)`` and ``train(cfg, agent, run_dir, ...)``.
-
-    By the agent's kind, except that ``cfg`` may ask for the device loop (``training/device.py``:
-    ``--loop device``, or ``auto`` on a ``playground:`` env with an online agent)."""
-    if agent.KIND not in LOOPS:
-        raise ValueError(f"agent {agent.__name__!r} has unknown kind {agent.KIND!r}; kinds: {', '.join(LOOPS)}")
-    if cfg is not None and agent.KIND != "offline":
-        from plasticity_zoo.training import device
-
-        if device.uses_device_loop(cfg, agent):
-            return device
-    return importlib.import_module(LOOPS[agent.KIND])
-
-
-def check_loop(cfg: RunConfig, agent):
-    """The run's loop's ``check(cfg)`` (the device loop's also refuses agent kinds it cannot run)."""
-    from plasticity_zoo.training import device
-
-    module = loop_module(agent, cfg)
-    if getattr(cfg, "loop", "auto") == "device" or module is device:
-        return device.check(cfg, agent)
-    return module.check(cfg)
+    return loops.loop_for(cfg, agent).last_step(cfg, agent)
 
 
 # What a run writes into its directory; a directory holding any of them holds a run.
@@ -166,26 +130,15 @@ def preflight(cfg: RunConfig, agent=None, overwrite: bool = False):
             )
     elif cfg.run_dir and not overwrite and run_files(cfg.run_dir):
         raise SystemExit(holds_a_run(cfg.run_dir, run_files(cfg.run_dir)))
-    check_loop(cfg, agent)  # counts below 1, the kind's own arithmetic, the device loop's needs
+    loops.check(cfg, agent)  # counts below 1, the kind's own arithmetic, the device loop's needs
     if cfg.wandb:
         from plasticity_zoo.training.logger import require_wandb
 
         require_wandb()
     check_relations(cfg, agent)
-    if agent.KIND == "offline":
-        from plasticity_zoo.training.offline import dataset_config, resolve_dataset
-
-        _, dataset, env_id = resolve_dataset(cfg)  # the dataset file exists, is readable HDF5 and fits its env
-        cfg = dataset_config(cfg, agent, dataset, env_id)  # the agent's config as the run will build it
-        obs_dim, act_dim = dataset.obs_dim, dataset.act_dim
-    else:
-        from plasticity_zoo.envs import make_env
-
-        env = make_env(
-            cfg.env, 0, cfg.action_repeat, env_impl=cfg.env_impl
-        )  # an unknown or malformed env id fails here
-        obs_dim, act_dim = int(np.prod(env.observation_space.shape)), int(np.prod(env.action_space.shape))
-        env.close()
+    # an unknown or malformed env id fails here; for an offline agent a missing, unreadable or
+    # mismatched dataset, and cfg becomes the agent's config as the run will build it
+    cfg, obs_dim, act_dim = loops.loop_for(cfg, agent).resolve(cfg, agent)
     check_applicable(default_metrics(cfg, agent, log=lambda *_: None).plasticity, agent, cfg.agent_name)
     check_agent_config(cfg, agent, obs_dim, act_dim)
 
@@ -337,15 +290,13 @@ def run(cfg: RunConfig, stop_at: int | None = None, check: bool = True, overwrit
     else:
         from plasticity_zoo.training.loop import default_run_dir
 
-        if agent.KIND == "offline" and cfg.env is None:  # the command line's "not given": the dataset's env
-            from plasticity_zoo.training.offline import resolve_dataset
-
-            cfg = dataclasses.replace(cfg, env=resolve_dataset(cfg)[2])
+        if cfg.env is None:  # the command line's "not given" (offline agents): the loop resolves it (the dataset's)
+            cfg = dataclasses.replace(cfg, env=loops.loop_for(cfg, agent).resolve(cfg, agent)[0].env)
         run_dir, resume = (Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)), False
         if overwrite:
             move_aside(run_dir)
         run_dir, existed = claim(run_dir, cfg, default=not cfg.run_dir)
-    train = loop_module(agent, cfg).train
+    train = loops.loop_for(cfg, agent).train
     print(f"run directory: {run_dir}")
     try:
         return train(cfg, agent, run_dir, resume=resume, stop_at=stop_at)

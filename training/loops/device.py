@@ -12,13 +12,13 @@ of every seed step as one batch of S * E (seed j owns envs ``j*E .. j*E+E-1``).
 
 - **On-policy (PPO)**, ``DeviceOnPolicyIteration``: an iteration is a rollout, a ``lax.scan`` over
   ``num_steps`` vector steps, each followed by the host loop's own bookkeeping
-  (``training/onpolicy.py: seed_fns``, vmapped over seeds: reward scaling, the rollout slot,
+  (``training/loops/onpolicy.py: seed_fns``, vmapped over seeds: reward scaling, the rollout slot,
   V(true final observation) at truncations, observation statistics, the next actions), then the
   update (``agent.update``: GAE, epochs x minibatches) per seed.
 - **Off-policy (SAC, MR.Q)**, ``DeviceOffPolicyIteration``: an iteration is one vector step:
   the env step, ``agent.buffer_add`` of all ``num_envs`` transitions into the replay (on the device,
   in the carry), then once learning has started ``agent.train_block`` and the next actions (uniform
-  random before ``learning_starts``, counted in env steps per seed), as ``training/offpolicy.py``
+  random before ``learning_starts``, counted in env steps per seed), as ``training/loops/offpolicy.py``
   does per step.  The updates per vector step are ``updates_per_step * num_envs`` by default, or
   ``--updates-per-vector-step K`` whatever the number of envs (``agents.api.updates_per_vector_step``):
   many envs with a few large-batch updates per vector step, as Brax's SAC (``grad_updates_per_step``,
@@ -50,24 +50,18 @@ from plasticity_zoo.agents.api import updates_per_vector_step
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.envs import playground
 from plasticity_zoo.plasticity.hooks import Hooks
-from plasticity_zoo.training import offpolicy, onpolicy
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
 from plasticity_zoo.training.evaluation import run_evaluator
-from plasticity_zoo.training.onpolicy import seed_fns
+from plasticity_zoo.training.loop import env_resolve
+from plasticity_zoo.training.loops import DEVICE_KINDS, offpolicy, onpolicy
+from plasticity_zoo.training.loops.onpolicy import seed_fns
 from plasticity_zoo.training.seeds import add_over_seeds, over_seeds
 
-KINDS = ("onpolicy", "offpolicy")  # agent kinds with a device loop
 
-
-def uses_device_loop(cfg: RunConfig, agent) -> bool:
-    """Whether a run takes this loop: ``--loop device``, or ``auto`` on a ``playground:`` env with an
-    agent kind the device loop runs (and no LEAST, which needs the host loop)."""
-    loop = getattr(cfg, "loop", "auto")
-    if loop == "device":
-        return True
-    least = agent.KIND == "offpolicy" and cfg.plasticity.least
-    return loop == "auto" and playground.is_playground(cfg.env) and agent.KIND in KINDS and not least
+def _host(agent):
+    """The host loop of the agent's kind, whose checks, initialisers and action mode this loop shares."""
+    return {"onpolicy": onpolicy, "offpolicy": offpolicy}[agent.KIND]
 
 
 def check(cfg: RunConfig, agent=None):
@@ -77,7 +71,7 @@ def check(cfg: RunConfig, agent=None):
             f"--loop device needs an env that steps on the device (playground:<Name>), got {cfg.env!r}; use --loop host"
         )
     kind = "onpolicy" if agent is None else agent.KIND
-    if kind not in KINDS:
+    if kind not in DEVICE_KINDS:
         raise ValueError(
             f"--loop device runs on-policy (PPO) and off-policy (SAC, MR.Q) agents; "
             f"{agent.__name__.split('.')[-1]} is {kind}"
@@ -159,9 +153,23 @@ def _offpolicy_start(env, carry, env_keys, S: int, E: int):
     return OffPolicyCarry(carry.state, carry.buffer, env_state, env_state.inner.obs.reshape(S, E, -1), action, key)
 
 
-def initial_tree(cfg: RunConfig, agent):
+resolve = env_resolve  # the config as given; the sizes of the env (built and closed)
+
+
+def last_step(cfg: RunConfig, agent) -> int:
+    """The step a finished run ends at: the host loop's of its kind (on-policy: its last whole rollout)."""
+    return _host(agent).last_step(cfg, agent)
+
+
+def action_mode(cfg: RunConfig, agent) -> str:
+    """How the envs map actions: as the host loop of the agent's kind maps them."""
+    return _host(agent).action_mode(cfg, agent)
+
+
+def template_tree(cfg: RunConfig, agent, obs_dim: int | None = None, act_dim: int | None = None):
     """The device tree a fresh run of this loop checkpoints, agent state first (build it under
-    ``jax.eval_shape`` for a checkpoint template: ``analysis/restore.py: checkpoint_template``)."""
+    ``jax.eval_shape`` for a checkpoint template: ``analysis/restore.py: checkpoint_template``).
+    ``obs_dim`` and ``act_dim`` are the Playground env's own, which this builds."""
     S, E = cfg.seeds, cfg.num_envs
     if agent.KIND == "onpolicy":
         env = playground.make(cfg.env, cfg.action_repeat, cfg.agent.action_mode, cfg.env_impl)
@@ -232,7 +240,7 @@ class _DeviceIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = cfg.seeds, cfg.num_envs
         self.env = playground.make(cfg.env, cfg.action_repeat, action_mode, cfg.env_impl)
-        self.evaluator = run_evaluator(cfg, agent)
+        self.evaluator = run_evaluator(cfg, action_mode)
         self.metrics, self.updates_done = None, 0
         self.diverged = np.zeros(self.S, np.int64)  # per seed, env steps whose state was not finite
 
@@ -323,7 +331,7 @@ class _DeviceIteration:
 # ----------------------------------------------------------------------------------------------
 class OnPolicyCarry(NamedTuple):
     state: object  # the agents (leading seed axis S)
-    loop: object  # training.onpolicy.LoopState per seed
+    loop: object  # training.loops.onpolicy.LoopState per seed
     env: object  # envs.playground.EnvState of S * E envs (None before the first reset)
     action: Any  # (S, E, act_dim): the actions the envs take next (None before the first reset)
     key: jax.Array
@@ -451,7 +459,7 @@ class OffPolicyCarry(NamedTuple):
 def make_offpolicy_chunk(agent, agent_cfg, env: playground.Playground, S: int, E: int):
     """``chunk(carry, n, step, replay_control) -> (carry, report)``: ``n`` vector steps (traced) from
     env step ``step`` (per seed), jitted with the carry donated.  Per step the keys are drawn as in
-    ``training/offpolicy.py``: one split of the run key, then (train key, act key)."""
+    ``training/loops/offpolicy.py``: one split of the run key, then (train key, act key)."""
     num_updates = updates_per_vector_step(agent_cfg, E)
     block = offpolicy.make_train_block(agent, agent_cfg, num_updates)
     learning_starts, act_dim = agent_cfg.learning_starts, env.act_dim

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.envs import datasets
 from plasticity_zoo.envs.scores import d4rl_name, gymnasium_id, normalized_score
 from plasticity_zoo.networks.runtime import cached_per_config, dots_only_library_fusion
@@ -177,8 +178,8 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     }
 
 
-def check(cfg: RunConfig):
-    """Settings the offline loop cannot run with (a ValueError naming the flag)."""
+def check(cfg: RunConfig, agent=None):
+    """Settings the offline loop cannot run with (a ValueError naming the flag; ``agent`` is not needed)."""
     a = cfg.agent
     check_positive(**run_counts(cfg))
     if cfg.total_steps % a.updates_per_epoch:
@@ -199,7 +200,7 @@ class OfflineIteration:
     def __init__(self, cfg: RunConfig, agent, path, dataset, env_id: str):
         a = cfg.agent
         self.cfg, self.U, S = cfg, a.updates_per_epoch, cfg.seeds
-        self.evaluator = run_evaluator(cfg, agent, env_id)
+        self.evaluator = run_evaluator(cfg, action_mode(cfg, agent), env_id)
         keys = jax.random.split(jax.random.key(cfg.seed), S + 2)
         k_prepare, self.key = keys[0], keys[1]
         self.aux = agent.prepare(k_prepare, dataset, path, a, cfg.seed, log=print)
@@ -244,6 +245,53 @@ class OfflineIteration:
             key=jax.random.fold_in(k, 1),
             last_log=self.last_log,
         )
+
+
+def resolve(cfg: RunConfig, agent):
+    """The config as the run records it (``dataset_config``: the dataset's env, the agent's config for
+    this dataset) and the dataset's observation and action sizes; the dataset file must exist, be
+    readable HDF5 and fit its env (``resolve_dataset``)."""
+    _, dataset, env_id = resolve_dataset(cfg)
+    return dataset_config(cfg, agent, dataset, env_id), dataset.obs_dim, dataset.act_dim
+
+
+def last_step(cfg: RunConfig, agent) -> int:
+    """The update a finished run ends at: ``--total-steps`` (a multiple of ``--updates-per-epoch``)."""
+    return cfg.total_steps
+
+
+def action_mode(cfg: RunConfig, agent) -> str:
+    """How the evaluation envs map actions: ``rescale`` (the agent acts in [-1, 1], as the dataset's
+    actions are scaled: ``Dataset.transitions(unit_actions=True)``)."""
+    return "rescale"
+
+
+class _Shapes:
+    """A dataset as ``initial_state`` reads it, holding one row of ``real`` (the dataset's rows are not
+    checkpointed, so a template needs only their shapes)."""
+
+    def __init__(self, obs_dim: int, act_dim: int, real):
+        self.obs_dim, self.act_dim, self.real = obs_dim, act_dim, real
+
+    def transitions(self, unit_actions=False):
+        return self.real
+
+
+def template_tree(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
+    """The device tree a fresh run checkpoints (``OfflineIteration.tree()``: the agent states, the
+    agent's buffers without the dataset, the key), from ``initial_state`` on a one-row stand-in for the
+    dataset; trace it with ``jax.eval_shape`` for a template."""
+    real = Transition(
+        jnp.zeros((1, obs_dim)),
+        jnp.zeros((1, act_dim)),
+        jnp.zeros(1),
+        jnp.zeros((1, obs_dim)),
+        jnp.zeros(1, bool),
+        jnp.zeros(1, bool),
+    )
+    keys = jax.random.split(jax.random.key(cfg.seed), cfg.seeds + 2)
+    state, data = initial_state(cfg, agent, _Shapes(obs_dim, act_dim, real), keys[2:])
+    return RunTree(state, _buffers(data), keys[1])
 
 
 def _buffers(data):

@@ -29,12 +29,25 @@ from plasticity_zoo.training.loop import (
     RunTree,
     agent_config,
     check_positive,
+    env_resolve,
     finished_episodes,
     run_counts,
 )
 from plasticity_zoo.training.seeds import add_over_seeds, init_over_seeds, over_seeds
 
-__all__ = ["NonFiniteLossError", "train", "init_state", "seed_slice", "make_step_fn", "make_train_block"]
+__all__ = [
+    "NonFiniteLossError",
+    "train",
+    "check",
+    "resolve",
+    "template_tree",
+    "last_step",
+    "action_mode",
+    "init_state",
+    "seed_slice",
+    "make_step_fn",
+    "make_train_block",
+]
 
 
 def make_train_block(agent, cfg, num_updates: int):
@@ -112,6 +125,25 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     return RunTree(state, buffer, keys[0])
 
 
+def template_tree(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
+    """The device tree a fresh run checkpoints (``OffPolicyIteration.tree()``: the agent states, the
+    replays, the key), as ``init_state`` builds it; trace it with ``jax.eval_shape`` for a template."""
+    return init_state(agent, cfg, obs_dim, act_dim)
+
+
+resolve = env_resolve  # the config as given; the sizes of the env (built and closed)
+
+
+def last_step(cfg: RunConfig, agent) -> int:
+    """The step a finished run ends at: ``--total-steps``."""
+    return cfg.total_steps
+
+
+def action_mode(cfg: RunConfig, agent) -> str:
+    """How the envs, the evaluation's included, map actions: ``rescale`` (``envs.actions``)."""
+    return "rescale"
+
+
 def seed_slice(tree, j: int):
     """One seed's agent state out of a vmapped one (for evaluation or export)."""
     return jax.tree.map(lambda x: x[j], tree)
@@ -134,9 +166,10 @@ def train(cfg: RunConfig, agent, run_dir: Path, resume: bool = False, stop_at: i
     return {"state": iteration.state, "step": driver.step, "last_eval": last_eval, "run_dir": str(run_dir)}
 
 
-def check(cfg: RunConfig, device: bool = False):
-    """Settings the off-policy loop cannot run with (a ValueError naming the flag); ``device``: the
-    device loop's checks (``training/device.py``), which also takes ``--updates-per-vector-step``."""
+def check(cfg: RunConfig, agent=None, device: bool = False):
+    """Settings the off-policy loop cannot run with (a ValueError naming the flag; ``agent`` is not
+    needed); ``device``: the device loop's checks (``training/loops/device.py``), which also takes
+    ``--updates-per-vector-step``."""
     check_positive(**run_counts(cfg))
     if not device and getattr(cfg.agent, "updates_per_vector_step", None) is not None:
         raise ValueError(
@@ -159,7 +192,7 @@ class OffPolicyIteration:
         self.cfg, self.agent = cfg, agent
         self.S, self.E = S, E = cfg.seeds, cfg.num_envs
         self.env = make_vector_env(cfg.env, S * E, cfg.seed * 10_000, cfg.action_repeat, env_impl=cfg.env_impl)
-        self.evaluator = run_evaluator(cfg, agent)
+        self.evaluator = run_evaluator(cfg, action_mode(cfg, agent))
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.buffer, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.num_updates = a.updates_per_step * E

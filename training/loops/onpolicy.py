@@ -39,7 +39,7 @@ from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plas
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
 from plasticity_zoo.training.evaluation import run_evaluator
-from plasticity_zoo.training.loop import RunTree, check_positive, finished_episodes, run_counts
+from plasticity_zoo.training.loop import RunTree, check_positive, env_resolve, finished_episodes, run_counts
 from plasticity_zoo.training.seeds import init_over_seeds, over_seeds
 
 
@@ -74,6 +74,27 @@ def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
     return RunTree(state, loop, keys[0])
 
 
+def template_tree(cfg: RunConfig, agent, obs_dim: int, act_dim: int):
+    """The device tree a fresh run checkpoints (``OnPolicyIteration.tree()``: the agent states, the
+    rollout buffers, the key), as ``init_state`` builds it; trace it with ``jax.eval_shape`` for a template."""
+    return init_state(agent, cfg, obs_dim, act_dim)
+
+
+resolve = env_resolve  # the config as given; the sizes of the env (built and closed)
+
+
+def last_step(cfg: RunConfig, agent) -> int:
+    """The step a finished run ends at: its last whole rollout (``check``: the number of iterations
+    times the rollout batch), at or below ``--total-steps``."""
+    batch, iterations = check(cfg)
+    return batch * iterations
+
+
+def action_mode(cfg: RunConfig, agent) -> str:
+    """How the envs, the evaluation's included, map actions: ``--action-mode`` (``envs.actions``)."""
+    return cfg.agent.action_mode
+
+
 def _write_policy_slot(buffer, i, obs_n, action, logp, value):
     return buffer._replace(
         obs=buffer.obs.at[i].set(obs_n),
@@ -91,7 +112,7 @@ def seed_fns(agent, T: int):
     truncated, next_obs, new_obs, key) -> (state, loop, action)``: one vector step's bookkeeping (the
     key of step ``t`` is ``fold_in(key, t)``, split over seeds); ``iterate_all(state, loop, key) ->
     (state, loop, action, metrics, finite)``: the update and the next rollout's first actions.
-    The host loop jits each (``make_fns``); the device loop (``training/device.py``) composes
+    The host loop jits each (``make_fns``); the device loop (``training/loops/device.py``) composes
     them with the env's step inside one jitted program, so both loops do the same arithmetic.
     """
 
@@ -212,7 +233,9 @@ class FlatStep:
         return self._compiled[self._current[0]](ff, fm, *args)
 
 
-def check(cfg: RunConfig):
+def check(cfg: RunConfig, agent=None):
+    """Settings the on-policy loop cannot run with (a ValueError naming the flag; ``agent`` is not
+    needed) -> (the rollout batch in env steps per seed, the number of iterations)."""
     a = cfg.agent
     check_positive(
         **run_counts(cfg), num_steps=a.num_steps, num_minibatches=a.num_minibatches, update_epochs=a.update_epochs
@@ -265,7 +288,7 @@ class OnPolicyIteration:
             action_mode=a.action_mode,
             env_impl=cfg.env_impl,
         )
-        self.evaluator = run_evaluator(cfg, agent)  # --action-mode
+        self.evaluator = run_evaluator(cfg, action_mode(cfg, agent))  # --action-mode
         self.obs_dim, self.act_dim = self.env.obs_dim, self.env.act_dim
         self.state, self.loop, self.key = init_state(agent, cfg, self.obs_dim, self.act_dim)
         self.start_fn, self.step_fn, self.iterate_fn, self.reset_norm_fn, _ = make_fns(agent, T)
