@@ -113,13 +113,18 @@ def frozen_head(tx: optax.GradientTransformation) -> optax.GradientTransformatio
         injected = state.stage > 0
         u, inner = tx.update(_hold(g, head, injected), state.inner, p)
         u = _hold(u, head, injected)
-        fresh_state = _select(state.stage == 1, tx.init(p_pair["fresh"]), state.fresh)
-        u_fresh, fresh = tx.update(g_pair["fresh"], fresh_state, p_pair["fresh"])
-        u_fresh = jax.tree.map(lambda x: jnp.where(injected, x, jnp.zeros_like(x)), u_fresh)
+
+        def trained(_):  # theta' after the injection: its own state, fresh at the first update
+            fresh_state = _select(state.stage == 1, tx.init(p_pair["fresh"]), state.fresh)
+            return tx.update(g_pair["fresh"], fresh_state, p_pair["fresh"])
+
+        def held(_):  # before it: no update and the state kept (a branch: no work at one seed)
+            return jax.tree.map(jnp.zeros_like, p_pair["fresh"]), state.fresh
+
+        u_fresh, fresh = jax.lax.cond(injected, trained, held, None)
         zero = jax.tree.map(jnp.zeros_like, p_pair["frozen"])
         stage = jnp.where(state.stage == 1, 2, state.stage).astype(jnp.int32)
-        new = InjectState(stage, inner, _select(injected, fresh, fresh_state))
-        return join(u, {"fresh": u_fresh, "frozen": zero}), new
+        return join(u, {"fresh": u_fresh, "frozen": zero}), InjectState(stage, inner, fresh)
 
     return optax.GradientTransformation(init, update)
 
