@@ -290,6 +290,21 @@ def load_reference(src: dict, stand_ins: dict) -> dict:
     }
 
 
+def load_world(world, save_dir: str, quantile: float):
+    """The reference's ``LearnedContEnv.load_model_and_data`` on the fitted stand-in ensemble in ``save_dir``."""
+    world.load_model_and_data(
+        domain="stand-in",
+        dataset_name="toy",
+        save_dir=save_dir,
+        plot_dir=save_dir,
+        model_seed=0,
+        ensemble_size=ELITES,
+        penalty_coef=PENALTY,
+        unc_quantile=quantile,
+        unc_type="epi_mean",
+    )
+
+
 def dataset(rng):
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     obs = f32(rng.normal(size=(ROWS, OBS)) * [1.0, 0.5, 2.0] + [0.3, -1.0, 0.0])
@@ -454,17 +469,7 @@ def run_rollout(src: dict, ref: dict, data: dict, pi_network, draws: Draws, rng,
     world_ns.update(swapped)
     world = world_ns["LearnedContEnv"]()
     try:
-        world.load_model_and_data(
-            domain="stand-in",
-            dataset_name="toy",
-            save_dir=save_dir,
-            plot_dir=save_dir,
-            model_seed=0,
-            ensemble_size=ELITES,
-            penalty_coef=PENALTY,
-            unc_quantile=ROLL_QUANTILE,
-            unc_type="epi_mean",
-        )
+        load_world(world, save_dir, ROLL_QUANTILE)
     finally:
         world_ns.update(saved)
     assert world.max_horizon == world.max_rollout_len == ROLL_H
@@ -664,17 +669,7 @@ def main():
     # ------------------------------------------------------------------ 2. reload: elites, uncertainty, threshold
     world2, frames = LearnedContEnv(), {}
     with locals_at_return({"load_model_and_data"}, frames):
-        world2.load_model_and_data(
-            domain="stand-in",
-            dataset_name="toy",
-            save_dir=save_dir,
-            plot_dir=save_dir,
-            model_seed=0,
-            ensemble_size=ELITES,
-            penalty_coef=PENALTY,
-            unc_quantile=QUANTILE,
-            unc_type="epi_mean",
-        )
+        load_world(world2, save_dir, QUANTILE)
     lm = frames["load_model_and_data"]
     out["unc/val_mse"], out["unc/elites"] = np.asarray(lm["mse_valid"]), np.asarray(lm["best_idx"]).astype(np.int32)
     out["unc/all_unc"] = np.asarray(lm["all_unc"])  # train rows (in split order), then the holdout rows
