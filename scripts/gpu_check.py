@@ -6,12 +6,12 @@
 It measures, in this order (each item is timed and its failure recorded, so one broken item does not
 cost the others; items not started within ``--budget-s`` are listed as skipped):
 
-1. ``ppo_device``: the device loop's PPO env steps/s on ``playground:CheetahRun`` at 1,024 / 4,096 / 8,192
+1. ``mrq_replay_memory``: the bytes of MR.Q's LAP replay at 1M rows on HalfCheetah's widths, and the
+   device's peak memory in use after building it (where the backend reports it; first, so that the peak
+   is the buffer's and not an earlier item's).
+2. ``ppo_device``: the device loop's PPO env steps/s on ``playground:CheetahRun`` at 1,024 / 4,096 / 8,192
    envs (``scripts/benchmark_ppo.measure_device_ppo``: one jitted chunk of whole iterations, 32-step
-   unrolls), with physics ``--env-impl jax`` and, where the backend is a GPU, ``warp``.
-2. ``brax_ppo``: Brax's own PPO trainer (``brax.training.agents.ppo.train`` on Playground's env) at the
-   same env counts, when Brax is installed (it is not a dependency of the zoo); env steps/s of the
-   training after its first (compiling) evaluation interval.
+   unrolls), with physics ``--env-impl jax`` and, where the backend is a GPU and ``warp`` imports, ``warp``.
 3. ``sac_device`` / ``mrq_device``: SAC and MR.Q in the off-policy device loop at 128 and 1,024 envs with
    8 updates per vector step (``--updates-per-vector-step 8``), env steps/s and updates/s.
 4. ``mrq_host``: MR.Q at full size on a host env (HalfCheetah-v5) with 1 and 10 vmapped seeds
@@ -19,9 +19,13 @@ cost the others; items not started within ``--budget-s`` are listed as skipped):
 5. ``neubay_update``: NeuBay's jitted update (default sizes: 2,048-position tape, Hopper's widths) per second.
 6. ``sigreg_share``: SIGReg's share of a SAC update (``scripts/benchmark.plasticity_overhead``, plain and
    SIGReg training blocks alternated).
-7. ``mrq_replay_memory``: the bytes of MR.Q's LAP replay at 1M rows on HalfCheetah's widths, and the
-   device's peak memory in use after building it (where the backend reports it).
+7. ``brax_ppo``: Brax's own PPO trainer (``brax.training.agents.ppo.train`` on Playground's env, MJX
+   physics as ``ppo_device``'s first rows) at the same env counts, when Brax is installed (it is not a
+   dependency of the zoo); env steps/s of its last training epoch. Last: it compiles its epoch program twice
+   per size, the longest item.
 
+The JSON and the table are rewritten after every item, so a run stopped by its loan's end keeps what it
+measured.
 ``--tiny`` runs every item at CPU sizes (``playground:CartpoleBalance``, one size per item, width-16
 networks, Pendulum-v1, short windows) so the suite checks the script on every change
 (``tests/test_gpu_check.py``).  Outputs: ``<out>/gpu_check.json`` (every row with its settings) and
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import platform
 import sys
@@ -107,23 +112,31 @@ def row(item: str, setting: str, value: float, unit: str, **extra) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the items
+def physics_impls() -> list[str]:
+    """MJX (``jax``) always; MuJoCo Warp too where the backend is a GPU and ``warp`` imports."""
+    if jax.default_backend() != "gpu":
+        return ["jax"]
+    return ["jax", "warp"] if importlib.util.find_spec("warp") is not None else ["jax"]
+
+
 def ppo_device(z: Sizes) -> list[dict]:
-    impls = ["jax"] + (["warp"] if jax.default_backend() == "gpu" else [])
     out = []
-    for impl in impls:
+    for impl in physics_impls():
         for n in z.ppo_envs:
-            r = benchmark_ppo.measure_device_ppo(
-                z.playground, n, iterations=z.ppo_iterations, num_steps=z.ppo_steps, width=z.width, env_impl=impl
-            )
-            out.append(
-                row(
-                    "ppo_device",
-                    f"{z.playground} x{n} envs, impl {impl}",
-                    r["env_steps_per_s"],
-                    "env steps/s",
-                    compile_s=r["first_iteration_s"],
+            setting = f"{z.playground} x{n} envs, impl {impl}"
+            try:
+                r = benchmark_ppo.measure_device_ppo(
+                    z.playground, n, iterations=z.ppo_iterations, num_steps=z.ppo_steps, width=z.width, env_impl=impl
                 )
+            except Exception as e:  # one size or physics failing keeps the others' rows
+                traceback.print_exc()
+                out.append(row("ppo_device", setting, float("nan"), "", error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            out.append(
+                row("ppo_device", setting, r["env_steps_per_s"], "env steps/s", compile_s=r["first_iteration_s"])
             )
+    if jax.default_backend() == "gpu" and "warp" not in physics_impls():
+        out.append(row("ppo_device", f"{z.playground}, impl warp", float("nan"), "", note="warp-lang is not installed"))
     return out
 
 
@@ -154,7 +167,7 @@ def brax_ppo(z: Sizes) -> list[dict]:
         value_hidden_layer_sizes=(z.width or 64,) * 2,
         activation=jax.nn.tanh,
     )
-    impl = "warp" if jax.default_backend() == "gpu" else "jax"  # Playground's GPU default; MJX on a CPU
+    impl = "jax"  # MJX, as ppo_device's first rows (Playground's own default config would pick Warp)
     out = []
     for n in z.ppo_envs:
         minibatches = min(32, n)
@@ -323,15 +336,15 @@ def mrq_replay_memory(z: Sizes) -> list[dict]:
     ]
 
 
-ITEMS = {
+ITEMS = {  # in this order: the replay's memory first (the device's peak is then the buffer's), Brax last
+    "mrq_replay_memory": mrq_replay_memory,
     "ppo_device": ppo_device,
-    "brax_ppo": brax_ppo,
     "sac_device": lambda z: offpolicy_device("sac", z),
     "mrq_device": lambda z: offpolicy_device("mrq", z),
     "mrq_host": mrq_host,
     "neubay_update": neubay_update,
     "sigreg_share": sigreg_share,
-    "mrq_replay_memory": mrq_replay_memory,
+    "brax_ppo": brax_ppo,
 }
 
 
@@ -354,6 +367,15 @@ def table(rows: list[dict], device: str) -> str:
         unit = r["unit"] + (f" ({note})" if note else "")
         lines.append(f"| {r['item']} | {r['setting']} | {value} | {unit} | {r.get('seconds', 0):.1f} |")
     return "\n".join(lines)
+
+
+def write(out: Path, device: str, tiny: bool, sizes: Sizes, rows: list[dict]) -> str:
+    """``out/gpu_check.json`` (every row with its settings) and ``out/gpu_check.md`` (the table, returned)."""
+    report = {"device": device, "tiny": tiny, "sizes": dataclasses.asdict(sizes), "rows": rows}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    md = table(rows, device)
+    (out / "gpu_check.md").write_text(md + "\n")
+    return md
 
 
 def main(argv=None) -> int:
@@ -389,12 +411,9 @@ def main(argv=None) -> int:
         for r in got:
             r["seconds"] = seconds
         rows.extend(got)
-        print(table(got, device).splitlines()[-1], flush=True)
-    report = {"device": device, "tiny": args.tiny, "sizes": dataclasses.asdict(sizes), "rows": rows}
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    md = table(rows, device)
-    (args.out / "gpu_check.md").write_text(md + "\n")
-    print(md)
+        print("\n".join(table(got, device).splitlines()[4:]), flush=True)
+        write(args.out, device, args.tiny, sizes, rows)  # after every item: a run cut short keeps what it measured
+    print(write(args.out, device, args.tiny, sizes, rows))
     return 1 if any("error" in r for r in rows) else 0
 
 
