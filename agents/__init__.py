@@ -1,4 +1,4 @@
-"""Agent registry: name -> module exposing CONFIG, init, act, update, PLASTIC."""
+"""Agent registry: name -> agent module (the contract of its kind: ``agents/api.py``)."""
 
 from __future__ import annotations
 

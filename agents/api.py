@@ -13,7 +13,12 @@ Every agent (``Agent``):
                               ``plasticity``: a ``plasticity.api.StaticPlasticity`` (Kron / NE masks in
                               the plastic optimizers, SIGReg in the losses), kept as a static state field
     act(state, obs, key, explore) -> action in [-1, 1]   (key None and explore False for evaluation)
-    update(state, batch, key) -> (state, metrics)        one gradient step on a given batch
+
+Only the on-policy loop (``training/loops/onpolicy.py: seed_fns``, which the device loop runs too) calls
+``update`` itself, so only ``OnPolicyAgent`` requires it.  An off-policy or offline agent's gradient
+step (``update(state, batch, key) -> (state, metrics)`` in every agent so far) is its own, run inside
+its ``train_block`` / ``make_epoch``; ``scripts/benchmark.py`` counts an off-policy ``update``'s FLOPs
+where the agent has no ``work_per_env_step``.
 
 Off-policy (``OffPolicyAgent``): a device-side replay of the agent's choice.
     buffer_init(capacity, obs_dim, act_dim, cfg) -> buffer (cfg: the agent config);
@@ -29,6 +34,8 @@ On-policy (``OnPolicyAgent``): rollouts with observation / reward normalisers in
     observe, normalize_obs, scale_reward, sample_action, value, reset_normalizers,
     rollout_split / rollout_join / rollout_merge   (see ``training/loops/onpolicy.py: FlatStep``)
     sample_batch(state, rollout, key, n) -> minibatch
+    update(state, rollout, key) -> (state, metrics)      one iteration's learning on a seed's rollout
+                              (the loop's one call per iteration: GAE, epochs x minibatches)
 
 Offline (``OfflineAgent``): a fixed dataset.
     prepare(key, dataset, dataset_path, cfg, seed, log) -> aux     once per run (e.g. a dynamics model)
@@ -115,8 +122,6 @@ class Agent(Protocol):
 
     def act(self, state, obs, key, explore: bool): ...
 
-    def update(self, state, batch, key): ...
-
 
 @runtime_checkable
 class OffPolicyAgent(Agent, Protocol):
@@ -152,6 +157,8 @@ class OnPolicyAgent(Agent, Protocol):
     def rollout_merge(self, state, mutable): ...
 
     def sample_batch(self, state, batch, key, size: int): ...
+
+    def update(self, state, batch, key): ...
 
 
 @runtime_checkable

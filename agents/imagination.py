@@ -1,7 +1,7 @@
 """Long-horizon imagination in a world-model posterior: NeuBay's rollouts (Ni et al., arXiv 2512.04341).
 
 Offline RL as an epistemic POMDP (NeuBay, sections 3-4): every imagined trajectory draws one member
-of the dynamics ensemble (``agents/dynamics.py``, ``neubay_config``) and keeps it for its whole
+of the dynamics ensemble (``agents/dynamics/``, ``neubay_config``) and keeps it for its whole
 length, so a history-dependent agent that acts well across trajectories acts well across plausible
 worlds.  One collection (section 4, "rollouts"; the reference's ``ContCollector``):
 

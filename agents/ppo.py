@@ -8,7 +8,7 @@ iteration collects ``num_steps`` x ``num_envs`` transitions (the loop, ``trainin
   ratio  r = pi(a|s) / pi_old(a|s)
   policy L_pi = E[max(-A r, -A clip(r, 1 - eps, 1 + eps))]        (``--no-clip``: E[-A r])
   value  L_V  = 0.5 E[max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)]  (value clipping)
-  loss   L_pi - c_ent H + c_V L_V (+ the GTR penalty below)
+  loss   L_pi - c_ent H + c_V L_V (+ the GTR penalty with ``--trust-region gtr``, ``agents/gtr.py``)
   Adam(eps 1e-5) on actor and critic, lr annealed linearly to 0, one global grad-norm clip (0.5).
   (Built with ``plasticity.optim.optimizer``: ``--plasticity.kron`` / ``--plasticity.ne`` switch it;
   see ``_optimizers``.)
@@ -29,31 +29,16 @@ statistics are shared by that seed's envs and updated with every vector step's b
 one normaliser per env; with its single env the two agree).  The true final observation of an ended
 episode is normalised with the current statistics but does not update them.
 
-GTR (arXiv 2606.03382, ``--trust-region gtr``)
-----------------------------------------------
-**The paper's words** (abstract only, spec section 3.2): GTR "reshapes the trust region using a
-Gaussian kernel"; the constraint is bounded and non-monotonic, strongly stabilising locally and
-relaxing "under sustained high-advantage updates"; a "Mixture Gaussian Anchor" adapts to recent
-policy trajectories to reduce the variance of stale references.
+GTR (``--trust-region gtr``, arXiv 2606.03382): a Gaussian-kernel penalty on the distance to recent
+policies (anchors), added to the actor's loss; its math and our reconstruction of it are
+``agents/gtr.py``, its settings the ``gtr_*`` fields of ``PPOConfig``.  Here it is three calls: at the
+start of ``update`` the rollout policy joins the anchors and their per-sample statistics are computed
+once for the iteration, ``actor_loss`` adds the penalty, and the KL to each anchor is logged.
 
-**Our reconstruction** ([INFERRED], spec section 4; to be replaced if the paper's objective becomes
-known): per state, D_k(s) = KL(pi_k(.|s) || pi_theta(.|s)) in closed form for diagonal Gaussians, a
-kernel K_mix(s) = sum_k w_k exp(-D_k(s) / (2 sigma^2)) over the last M iteration-end policies
-(``gtr_anchors``; slot 0 is the rollout policy pi_old) with recency weights w_k ∝ lambda^age
-(``gtr_weights``: ``recency``, ``uniform``, or ``ema``: one anchor that is an EMA of the rollout
-policies' parameters), and the penalty P(s) = beta (1 - K_mix(s)) added to the loss as its batch mean.
-P is bounded by beta, equals beta D / (2 sigma^2) to first order near an anchor (a KL penalty with
-coefficient beta / (2 sigma^2)) and its pull vanishes far from the anchors.  ``gtr_form=logratio`` is
-the spec's per-sample variant: D_k = (log pi_theta(a|s) - log pi_k(a|s))^2 with width
-``gtr_logratio_sigma``.  The clip stays on by default (``--no-clip`` removes it; ``--target-kl``
-gives the spec's safety early stop).  With beta = 0 GTR is plain PPO.  The anchors' per-state
-means/log-stds (or log-probs) are computed once per iteration, before the epochs.
-
-Diagnostics per iteration (spec section 4.4): ``gtr/kl_anchor{k}`` (mean KL from anchor k to the
-updated policy), ``gtr/kernel`` (K_mix), ``gtr/penalty``; for every run ``diag/update_cosine`` (cosine
-between consecutive iteration-level actor-parameter deltas) and ``diag/directional_efficiency``
-(net actor-parameter displacement / path length over the last ``diag_window`` iterations), plus
-``charts/approx_kl``, ``charts/clipfrac``, ``charts/explained_variance``.
+Diagnostics per iteration: for every run ``diag/update_cosine`` (cosine between consecutive
+iteration-level actor-parameter deltas) and ``diag/directional_efficiency`` (net actor-parameter
+displacement / path length over the last ``diag_window`` iterations), plus ``charts/approx_kl``,
+``charts/clipfrac``, ``charts/explained_variance``; with GTR its own (``gtr/*``, ``agents/gtr.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +53,8 @@ import optax
 from flax import nnx, struct
 from jax.flatten_util import ravel_pytree
 
-from plasticity_zoo.networks import Net, TrunkSpec, build, orthogonal
+from plasticity_zoo.agents import gtr
+from plasticity_zoo.networks import Net, TrunkSpec, build, distributions, orthogonal
 from plasticity_zoo.networks.blocks import Trunk
 from plasticity_zoo.networks.config import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, RATE, UNIT, NetworkConfig, check_ranges
 from plasticity_zoo.networks.distributions import gaussian_log_prob
@@ -315,10 +301,7 @@ def init(
         *build("critic", lambda r: PPOCritic(obs_dim, spec, rngs=r), k_critic), plasticity
     )
     tx_a, tx_c = _optimizers(cfg, plasticity)
-    if cfg.trust_region == "gtr":
-        anchors = jax.tree.map(lambda p: jnp.broadcast_to(p, (cfg.gtr_anchors, *p.shape)).copy(), actor_params)
-    else:
-        anchors = None
+    anchors = gtr.init_anchors(actor_params, cfg.gtr_anchors) if cfg.trust_region == "gtr" else None
     flat = ravel_pytree(actor_params)[0]
     snapshots = jnp.zeros((cfg.diag_window + 1, flat.size), jnp.float32).at[0].set(flat)
     return PPOState(
@@ -471,42 +454,6 @@ def value_loss(new_values, old_values, returns, clip_coef: float, clip_vloss: bo
     return 0.5 * jnp.maximum(unclipped, (clipped - returns) ** 2).mean()
 
 
-def gaussian_kl(mean_p, log_std_p, mean_q, log_std_q):
-    """KL(N(mean_p, std_p^2) || N(mean_q, std_q^2)) for diagonal Gaussians, summed over the last axis."""
-    var_p, var_q = jnp.exp(2.0 * log_std_p), jnp.exp(2.0 * log_std_q)
-    return jnp.sum(log_std_q - log_std_p + (var_p + (mean_p - mean_q) ** 2) / (2.0 * var_q) - 0.5, axis=-1)
-
-
-def anchor_weights(count, num_anchors: int, mode: str = "recency", decay: float = 0.8):
-    """Mixture weights over anchor slots (slot k has age k); zero on unfilled slots; they sum to one."""
-    age = jnp.arange(num_anchors)
-    filled = age < jnp.maximum(count, 1)
-    if mode == "ema":
-        w = (age == 0).astype(jnp.float32)
-    elif mode == "uniform":
-        w = filled.astype(jnp.float32)
-    else:
-        w = jnp.where(filled, decay ** age.astype(jnp.float32), 0.0)
-    return w / w.sum()
-
-
-def gtr_penalty(divergence, weights, beta: float, width2: float):
-    """P = beta (1 - sum_k w_k exp(-D_k / (2 width2))) per sample; ``divergence`` is (..., M).
-
-    Returns (penalty, kernel K_mix)."""
-    kernel = jnp.sum(weights * jnp.exp(-divergence / (2.0 * width2)), axis=-1)
-    return beta * (1.0 - kernel), kernel
-
-
-def _gtr_divergence(cfg: PPOConfig, mb: Minibatch, mean, log_std, new_logp):
-    """(D (B, M), kernel width^2) for the configured form."""
-    if cfg.gtr_form == "logratio":
-        rho = new_logp[:, None] - mb.anchor_logp
-        return rho**2, cfg.gtr_logratio_sigma**2
-    kl = gaussian_kl(mb.anchor_mean, mb.anchor_log_std, mean[:, None], log_std[:, None])
-    return kl, cfg.gtr_sigma2
-
-
 def actor_loss(actor_params, state: PPOState, mb: Minibatch, weights=None):
     """Surrogate - c_ent H (+ GTR penalty).  Returns (loss, aux)."""
     cfg = state.cfg
@@ -527,8 +474,7 @@ def actor_loss(actor_params, state: PPOState, mb: Minibatch, weights=None):
     }
     loss = pg - cfg.ent_coef * entropy
     if cfg.trust_region == "gtr" and weights is not None:
-        div, width2 = _gtr_divergence(cfg, mb, mean, log_std, new_logp)
-        penalty, kernel = gtr_penalty(div, weights, cfg.gtr_beta, width2)
+        penalty, kernel = gtr.actor_penalty(cfg, mb, mean, log_std, new_logp, weights)
         aux["gtr/penalty"], aux["gtr/kernel"] = penalty.mean(), kernel.mean()
         loss = loss + penalty.mean()
     return loss, aux
@@ -559,25 +505,6 @@ def learning_rate(state: PPOState):
         return jnp.asarray(cfg.learning_rate, jnp.float32)
     frac = 1.0 - state.iteration.astype(jnp.float32) / jnp.maximum(state.num_iterations, 1).astype(jnp.float32)
     return cfg.learning_rate * jnp.clip(frac, 0.0, 1.0)
-
-
-def _push_anchor(state: PPOState) -> PPOState:
-    """Add the rollout policy pi_old as the newest anchor (slot 0), or fold it into the EMA anchor."""
-    cfg = state.cfg
-    if cfg.gtr_weights == "ema":
-        tau = jnp.where(state.anchor_count == 0, 1.0, cfg.gtr_ema_tau)
-        anchors = jax.tree.map(lambda a, p: a.at[0].set((1 - tau) * a[0] + tau * p), state.anchors, state.actor_params)
-        return state.replace(anchors=anchors, anchor_count=jnp.ones((), jnp.int32))
-    anchors = jax.tree.map(lambda a, p: jnp.concatenate([p[None], a[:-1]], axis=0), state.anchors, state.actor_params)
-    return state.replace(anchors=anchors, anchor_count=jnp.minimum(state.anchor_count + 1, cfg.gtr_anchors))
-
-
-def _anchor_stats(state: PPOState, obs, actions):
-    """Per-sample anchor statistics for the flat batch (computed once per iteration)."""
-    means, log_stds = jax.vmap(lambda p: state.actor(p, obs))(state.anchors)  # (M, N, A)
-    if state.cfg.gtr_form == "logratio":
-        return {"anchor_logp": gaussian_log_prob(actions[None], means, log_stds).T}  # (N, M)
-    return {"anchor_mean": jnp.swapaxes(means, 0, 1), "anchor_log_std": jnp.swapaxes(log_stds, 0, 1)}
 
 
 def _diagnostics(state: PPOState, new_actor_params):
@@ -644,11 +571,12 @@ def update(state: PPOState, batch: Rollout, key):
     mb_size = n // cfg.num_minibatches
     data = flat_samples(cfg, batch)
     weights = None
-    gtr = cfg.trust_region == "gtr"
-    if gtr:
-        state = _push_anchor(state)
-        data.update(_anchor_stats(state, data["obs"], data["actions"]))
-        weights = anchor_weights(state.anchor_count, cfg.gtr_anchors, cfg.gtr_weights, cfg.gtr_decay)
+    use_gtr = cfg.trust_region == "gtr"
+    if use_gtr:  # the rollout policy joins the anchors; their statistics once for the iteration
+        anchors, anchor_count = gtr.push_anchor(cfg, state.anchors, state.anchor_count, state.actor_params)
+        state = state.replace(anchors=anchors, anchor_count=anchor_count)
+        data.update(gtr.anchor_stats(cfg, state.actor, state.anchors, data["obs"], data["actions"]))
+        weights = gtr.anchor_weights(state.anchor_count, cfg.gtr_anchors, cfg.gtr_weights, cfg.gtr_decay)
     lr = learning_rate(state)
     tx_a, tx_c = _optimizers(cfg, state.plasticity)
     old_actor = state.actor_params
@@ -698,14 +626,13 @@ def update(state: PPOState, batch: Rollout, key):
         var_y > 0, 1.0 - jnp.var(data["returns"] - data["values"]) / jnp.where(var_y > 0, var_y, 1.0), jnp.nan
     )
     metrics["charts/advantage_std"] = jnp.std(data["advantages"])
-    if gtr:
-        mean, log_std = state.actor(actor_params, data["obs"])
-        m_a, s_a = jax.vmap(lambda p: state.actor(p, data["obs"]))(state.anchors)
-        kl = gaussian_kl(m_a, s_a, mean[None], log_std[None]).mean(axis=1)  # (M,)
-        for k in range(cfg.gtr_anchors):
-            metrics[f"gtr/kl_anchor{k}"] = jnp.where(k < state.anchor_count, kl[k], jnp.nan)
-        metrics["gtr/weight0"] = weights[0]
-    kl_old = gaussian_kl(*state.actor(old_actor, data["obs"]), *state.actor(actor_params, data["obs"])).mean()
+    if use_gtr:
+        metrics.update(
+            gtr.anchor_metrics(cfg, state.actor, state.anchors, state.anchor_count, actor_params, data["obs"], weights)
+        )
+    kl_old = distributions.gaussian_kl(
+        *state.actor(old_actor, data["obs"]), *state.actor(actor_params, data["obs"])
+    ).mean()
     metrics["charts/kl_iteration"] = kl_old
     state = state.replace(
         actor_params=actor_params,

@@ -10,7 +10,7 @@ updated; RAVL drops the dynamics penalty of MOPO/MOBILE and lets the pessimism o
 Algorithm (one epoch; the paper runs 3000 epochs of 1000 updates):
 
   0. once: fit the probabilistic dynamics ensemble on the dataset's true next observations
-     (``agents/dynamics.py``; 7 members, 5 elites) -- cached next to the dataset and reused
+     (``agents/dynamics/``; 7 members, 5 elites) -- cached next to the dataset and reused
   1. sample ``rollout_batch`` (50k) states uniformly from the dataset
   2. roll the *stochastic* current policy out for k (5) steps in the model, a random elite per
      row; a branch stops after its first termination (the terminating transition is kept)
@@ -62,7 +62,7 @@ class RAVLConfig(sac.SACHyperparams, OfflineDataConfig):
     """EDAC gradient-diversity coefficient"""
     edac_init: bool = True
     model: Optional[str] = None
-    """a trained dynamics model (.npz from agents/dynamics.py); default: <dataset>.dynamics-<seed>.npz,
+    """a trained dynamics model (.npz from agents/dynamics/); default: <dataset>.dynamics-<seed>.npz,
     trained on first use and then reused"""
     batch_size: int = 256
     horizon: int = 5

@@ -16,6 +16,12 @@ def gaussian_log_prob(x, mean, log_std):
     return jnp.sum(-0.5 * z**2 - log_std - 0.5 * LOG_2PI, axis=-1)
 
 
+def gaussian_kl(mean_p, log_std_p, mean_q, log_std_q):
+    """KL(N(mean_p, std_p^2) || N(mean_q, std_q^2)) for diagonal Gaussians, summed over the last axis."""
+    var_p, var_q = jnp.exp(2.0 * log_std_p), jnp.exp(2.0 * log_std_q)
+    return jnp.sum(log_std_q - log_std_p + (var_p + (mean_p - mean_q) ** 2) / (2.0 * var_q) - 0.5, axis=-1)
+
+
 def tanh_log_det_jacobian(u):
     """log |d tanh(u) / du| = log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), summed."""
     return jnp.sum(2.0 * (jnp.log(2.0) - u - jax.nn.softplus(-2.0 * u)), axis=-1)

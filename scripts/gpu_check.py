@@ -261,7 +261,7 @@ def neubay_update(z: Sizes) -> list[dict]:
     from plasticity_zoo.agents import neubay
 
     obs_dim, act_dim = z.neubay_dims
-    cfg = neubay.NeuBayConfig()
+    cfg = neubay.CONFIG()
     if z.width is not None:
         cfg = dataclasses.replace(cfg, head_width=z.width, d_model=z.width, d_hidden=z.width, tape_len=64)
     cfg = dataclasses.replace(cfg, updates=1_000)

@@ -1,4 +1,4 @@
-"""Probabilistic dynamics ensemble (agents/dynamics.py; RAVL's / MBPO's ensemble, Sims et al. 2024)."""
+"""Probabilistic dynamics ensemble (agents/dynamics/; RAVL's / MBPO's ensemble, Sims et al. 2024)."""
 
 from dataclasses import replace
 
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from plasticity_zoo.agents import dynamics as dyn
+from plasticity_zoo.agents.dynamics import ensemble
+from plasticity_zoo.agents.dynamics import io as dynamics_io
 from plasticity_zoo.envs import termination
 from plasticity_zoo.networks.core import path_names
 
@@ -49,7 +51,7 @@ def trained(data):
 
 
 def named(params):
-    return dyn._named_leaves(params)
+    return dynamics_io._named_leaves(params)
 
 
 def edit(params, fn):
@@ -219,13 +221,13 @@ def test_ensemble_loss_matches_numpy():
 def test_bootstrap_resamples_are_dealt_to_the_members_anew_each_epoch(data, monkeypatch):
     """As the RAVL reference's ``train_dynamics_model.py`` (``x_batch[:, perm]`` with a fresh member
     permutation per epoch): each epoch's rows per member are the same M resamples, in another order."""
-    dealt, epoch = [], dyn._train_epoch
+    dealt, epoch = [], ensemble._train_epoch
 
     def spy(params, opt_state, key, x, y, boot, net, cfg):
         dealt.append(np.asarray(boot))
         return epoch(params, opt_state, key, x, y, boot, net, cfg)
 
-    monkeypatch.setattr(dyn, "_train_epoch", spy)
+    monkeypatch.setattr(ensemble, "_train_epoch", spy)
     cfg = replace(CFG, members=5, elites=2, min_epochs=0, max_epochs=4)
     dyn.train(jax.random.key(0), *data, cfg)
     assert len(dealt) == 4
@@ -540,7 +542,7 @@ def test_fixed_logsigma_bounds_clamp_and_never_move(data):
     cfg = dyn.neubay_config(**NEUBAY_SMALL)
     model, _ = dyn.train(jax.random.key(2), s, a, r, s2, cfg)
     for name, value in (("max_logvar", 0.5), ("min_logvar", -10.0)):
-        np.testing.assert_array_equal(np.asarray(dyn._leaf(model.params, name)), value)
+        np.testing.assert_array_equal(np.asarray(ensemble._leaf(model.params, name)), value)
     # push the log-variance head far out: log sigma stays in [-5, 0.25]; the soft clamp's second softplus
     # can lift the top by log1p(exp(-(0.25 + 5))) (soft_clamp's docstring)
     top = 0.25 + np.log1p(np.exp(-5.25)) + 1e-5
@@ -563,12 +565,12 @@ def test_without_bootstrap_each_member_shuffles_its_own_way(data):
     x = jnp.asarray(np.concatenate([s, a], 1))
     y = jnp.asarray(np.concatenate([s2 - s, r[:, None]], 1))
     boot = jnp.tile(jnp.arange(len(s), dtype=jnp.int32), (cfg.members, 1))
-    opt = dyn._optimizer(cfg).init(same)
-    after, _, _ = dyn._train_epoch(same, opt, jax.random.key(1), x, y, boot, model.net, dyn._epoch_cfg(cfg))
+    opt = ensemble._optimizer(cfg).init(same)
+    after, _, _ = ensemble._train_epoch(same, opt, jax.random.key(1), x, y, boot, model.net, ensemble._epoch_cfg(cfg))
     kernel = np.asarray(named(after)["trunk/layers/0/kernel"])
     assert not np.allclose(kernel[0], kernel[1])
-    shared, _, _ = dyn._train_epoch(
-        same, opt, jax.random.key(1), x, y, boot, model.net, dyn._epoch_cfg(replace(cfg, bootstrap=True))
+    shared, _, _ = ensemble._train_epoch(
+        same, opt, jax.random.key(1), x, y, boot, model.net, ensemble._epoch_cfg(replace(cfg, bootstrap=True))
     )
     kernel = np.asarray(named(shared)["trunk/layers/0/kernel"])  # one shared order, identity "bootstrap"
     np.testing.assert_allclose(kernel[0], kernel[1], rtol=1e-5, atol=1e-6)

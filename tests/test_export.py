@@ -325,7 +325,7 @@ def _error(args, capsys) -> str:
 
 
 def test_mistakes_stop_with_one_error_line(tmp_path, capsys):
-    from plasticity_zoo.agents.neubay import NeuBayConfig
+    from plasticity_zoo.agents.neubay_config import NeuBayConfig
     from plasticity_zoo.agents.sac import SACConfig
 
     out = str(tmp_path / "p.npz")

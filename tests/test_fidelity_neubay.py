@@ -83,6 +83,8 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from plasticity_zoo.agents import dynamics, imagination, neubay
+from plasticity_zoo.agents.dynamics import ensemble as dynamics_ensemble
+from plasticity_zoo.agents.neubay_config import NeuBayConfig
 from plasticity_zoo.buffers import tapes as tapes_lib
 from tests.fidelity import flat, load_into
 
@@ -246,7 +248,7 @@ def world_model(fx, meta, prefix="wm/trained", eqx_eps=True, elites=None, logvar
     """Our ``DynamicsModel`` with the reference's weights and its ``Scaler``'s statistics (targets: ours
     predict Δs / std(s), so the state's target mean is 0)."""
     cfg = world_config(meta)
-    dynamics._initializer.cache_clear()  # its cache must not keep a graph built with the swapped LayerNorm
+    dynamics_ensemble._initializer.cache_clear()  # its cache must not keep a graph built with the swapped LayerNorm
     with pytest.MonkeyPatch.context() as mp:
         if eqx_eps:
             mp.setattr(nnx, "LayerNorm", _EqxEpsLayerNorm)
@@ -260,7 +262,7 @@ def world_model(fx, meta, prefix="wm/trained", eqx_eps=True, elites=None, logvar
             np.r_[np.zeros(OBS, np.float32), fx["wm/scaler_output_mean"][OBS:]],
             fx["wm/scaler_output_std"],
         )
-    dynamics._initializer.cache_clear()
+    dynamics_ensemble._initializer.cache_clear()
     model = model.replace(params=load_into(model.params, world_tree(fx, prefix, logvar_scale)))
     if elites is not None:
         model = model.replace(elites=jnp.asarray(elites, jnp.int32))
@@ -272,7 +274,7 @@ def agent_config(meta, clip=None):
     m, t = c["model"], c["train"]
     assert t["critic_enc_lr"] == t["actor_enc_lr"] and t["critic_head_lr"] == t["actor_head_lr"]
     assert t["critic_lr_ratio"] == 1.0 and t["weight_decay"] == 0.0 and m["target_alpha_ratio"] == 1.0
-    return neubay.NeuBayConfig(
+    return NeuBayConfig(
         critics=m["num_critics"],
         sampled_critics=m["sampled_critics"],
         head_width=m["head_d_hidden"],
@@ -376,9 +378,9 @@ def test_normalisation_and_targets(fx, meta):
     close(mean[OBS:], fx["wm/scaler_output_mean"][OBS:], atol=1e-6)
     model = world_model(fx, meta)
     rows = fx["wm/train_rows"]
-    x = dynamics._normalize(jnp.asarray(inputs[rows]), model.input_mean, model.input_std, model.cfg)
+    x = dynamics_ensemble._normalize(jnp.asarray(inputs[rows]), model.input_mean, model.input_std, model.cfg)
     close(x, fx["wm/X_train"], atol=2e-6)
-    y = dynamics._scaled_targets(model, obs[rows], rew[rows, None], nxt[rows])
+    y = dynamics_ensemble._scaled_targets(model, obs[rows], rew[rows, None], nxt[rows])
     ref_y = fx["wm/Y_train"] - np.c_[fx["wm/X_train"][:, :OBS], np.zeros(len(rows))]
     close(y, ref_y, atol=2e-6)
 
@@ -442,15 +444,17 @@ def _epoch(fx, meta, logvar_scale):
     np.testing.assert_array_equal(perms, fx["wm/perm"])  # our epoch's shuffles are the reference's
     obs, act = fx["data/observations"], fx["data/actions"]
     rows = fx["wm/train_rows"]
-    x = dynamics._normalize(jnp.asarray(np.c_[obs, act][rows]), model.input_mean, model.input_std, model.cfg)
+    x = dynamics_ensemble._normalize(jnp.asarray(np.c_[obs, act][rows]), model.input_mean, model.input_std, model.cfg)
     y = jnp.asarray(
-        dynamics._scaled_targets(model, obs[rows], fx["data/rewards"][rows, None], fx["data/next_observations"][rows])
+        dynamics_ensemble._scaled_targets(
+            model, obs[rows], fx["data/rewards"][rows, None], fx["data/next_observations"][rows]
+        )
     )
     boot = jnp.tile(jnp.arange(n, dtype=jnp.int32), (model.cfg.members, 1))
-    opt = dynamics._optimizer(model.cfg).init(model.params)
-    net, cfg = model.net, dynamics._epoch_cfg(model.cfg)
+    opt = dynamics_ensemble._optimizer(model.cfg).init(model.params)
+    net, cfg = model.net, dynamics_ensemble._epoch_cfg(model.cfg)
     # a fresh function object, so that the trace (and any seam of the caller) is never a cached one
-    epoch = jax.jit(lambda p, o, k, x, y, b: dynamics._train_epoch.__wrapped__(p, o, k, x, y, b, net, cfg))
+    epoch = jax.jit(lambda p, o, k, x, y, b: dynamics_ensemble._train_epoch.__wrapped__(p, o, k, x, y, b, net, cfg))
     params, _, _ = epoch(model.params, opt, key, x, y, boot)
     return flat(params), world_tree(fx, "wm/init", logvar_scale), world_tree(fx, "wm/trained", logvar_scale)
 
@@ -466,7 +470,7 @@ def test_one_training_epoch_with_reference_loss(fx, meta, monkeypatch):
     after its first epoch (3 AdamW steps per member), as changes."""
     nll = dynamics.gaussian_nll
     m = meta["world"]["total_size"]
-    monkeypatch.setattr(dynamics, "gaussian_nll", lambda *a: (0.5 * nll(*a) + 0.5 * math.log(2 * math.pi)) / m)
+    monkeypatch.setattr(dynamics_ensemble, "gaussian_nll", lambda *a: (0.5 * nll(*a) + 0.5 * math.log(2 * math.pi)) / m)
     ours, before, after = _epoch(fx, meta, logvar_scale=1.0)
     for name in before:
         if name[0] in ("max_logvar", "min_logvar"):
@@ -910,19 +914,19 @@ def fit(fx, meta):
     init_model, nll, m = dynamics.init_model, dynamics.gaussian_nll, cfg.members
 
     def reference_init(*args, **kw):
-        dynamics._initializer.cache_clear()
+        dynamics_ensemble._initializer.cache_clear()
         with pytest.MonkeyPatch.context() as inner:
             inner.setattr(nnx, "LayerNorm", _EqxEpsLayerNorm)
             model = init_model(*args, **kw)
-        dynamics._initializer.cache_clear()
+        dynamics_ensemble._initializer.cache_clear()
         return model.replace(params=load_into(model.params, world_tree(fx, "wm/init", logvar_scale=1.0)))
 
     random = _FitRandom(split_perm, fx["fit/perm_keys"])
     jax.clear_caches()  # the module-level jitted epoch must be traced through the seams below
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dynamics, "init_model", reference_init)
-        mp.setattr(dynamics, "gaussian_nll", lambda *a: (0.5 * nll(*a) + 0.5 * math.log(2 * math.pi)) / m)
-        mp.setattr(dynamics, "jax", _FitJax(random))
+        mp.setattr(dynamics_ensemble, "init_model", reference_init)
+        mp.setattr(dynamics_ensemble, "gaussian_nll", lambda *a: (0.5 * nll(*a) + 0.5 * math.log(2 * math.pi)) / m)
+        mp.setattr(dynamics_ensemble, "jax", _FitJax(random))
         rows_logged = []
         model, info = dynamics.train(
             jax.random.key(0),

@@ -74,6 +74,7 @@ import pytest
 from jax.experimental import io_callback
 
 from plasticity_zoo.agents import dynamics, ravl, sac
+from plasticity_zoo.agents.dynamics import ensemble, prediction
 from plasticity_zoo.buffers import replay
 from plasticity_zoo.buffers.replay import Transition
 from plasticity_zoo.envs import termination
@@ -202,7 +203,13 @@ def _patched(mp, **modules):
         fake = {name: _queue(*arrays) for name, arrays in kw.items()}
         calls += fake.values()
         mp.setattr(
-            {"ravl": ravl, "dynamics": dynamics, "replay": replay, "distributions": distributions}[module],
+            {
+                "ravl": ravl,
+                "ensemble": ensemble,
+                "prediction": prediction,
+                "replay": replay,
+                "distributions": distributions,
+            }[module],
             "jax",
             _Jax(**fake),
         )
@@ -218,14 +225,14 @@ def dyn(fx):
     out = {"val_mse": dynamics.validation_mse(model, *_split(fx, "val"))}
     out["elites"] = dynamics.select_elites(out["val_mse"], E)
     s, a, r, s2 = _split(fx, "train")
-    x = dynamics._normalize(jnp.asarray(np.concatenate([s, a], 1)), model.input_mean, model.input_std, DYN)
+    x = ensemble._normalize(jnp.asarray(np.concatenate([s, a], 1)), model.input_mean, model.input_std, DYN)
     y = jnp.asarray(np.concatenate([s2 - s, r[:, None]], 1))
     boot = jnp.asarray(fx["dyn/boot"])
     vg = jax.jit(jax.value_and_grad(dynamics.ensemble_loss, has_aux=True), static_argnums=(1, 4))
     (out["total"], out["nll"]), out["grad"] = vg(model.params, model.net, x[boot], y[boot], DYN)
-    opt_state = dynamics._optimizer(DYN).init(model.params)
-    out["step"], _, out["epoch_nll"] = dynamics._train_epoch(
-        model.params, opt_state, jax.random.key(0), x, y, boot, model.net, dynamics._epoch_cfg(DYN)
+    opt_state = ensemble._optimizer(DYN).init(model.params)
+    out["step"], _, out["epoch_nll"] = ensemble._train_epoch(
+        model.params, opt_state, jax.random.key(0), x, y, boot, model.net, ensemble._epoch_cfg(DYN)
     )
     return jax.device_get(out)
 
@@ -282,7 +289,7 @@ def epoch(fx, dyn):
         calls = _patched(
             mp,
             ravl={"randint": [fx["rollout/start_rows"], fx["update/real_rows"]]},
-            dynamics={"normal": [noise], "randint": [fx["rollout/elite_pick"]]},
+            prediction={"normal": [noise], "randint": [fx["rollout/elite_pick"]]},
             replay={"randint": [fx["update/model_rows"]]},
             distributions={"normal": [fx["rollout/eps_policy"], *eps]},
         )
@@ -542,7 +549,13 @@ def _served(mp, **modules):
         }
         calls += fake.values()
         mp.setattr(
-            {"ravl": ravl, "dynamics": dynamics, "replay": replay, "distributions": distributions}[module],
+            {
+                "ravl": ravl,
+                "ensemble": ensemble,
+                "prediction": prediction,
+                "replay": replay,
+                "distributions": distributions,
+            }[module],
             "jax",
             _Jax(**fake),
         )
@@ -569,7 +582,7 @@ def test_rollouts_of_three_steps_into_the_fifo(fx, dyn):
             mp,
             ravl={"randint": [fx["rollk/start_rows"]]},
             distributions={"normal": list(fx["rollk/eps"])},
-            dynamics={"normal": list(noise), "randint": list(fx["rollk/pick"])},
+            prediction={"normal": list(noise), "randint": list(fx["rollk/pick"])},
         )
         run = jax.jit(lambda s, d, m, k: ravl.rollouts(s, d, m, k, cfg, termination.termination_fn("hopper-medium-v2")))
         new_data, stats = jax.device_get(run(state, data, model, jax.random.key(0)))
@@ -650,8 +663,8 @@ def fit(fx):
 
     rows = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dynamics, "init_model", reference_init)
-        calls = _served(mp, dynamics={"permutation": perms, "randint": [boot]})
+        mp.setattr(ensemble, "init_model", reference_init)
+        calls = _served(mp, ensemble={"permutation": perms, "randint": [boot]})
         model, info = dynamics.train(
             jax.random.key(0),
             d["observations"],

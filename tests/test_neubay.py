@@ -10,9 +10,10 @@ import pytest
 from plasticity_zoo.agents import dynamics as dyn
 from plasticity_zoo.agents import imagination as im
 from plasticity_zoo.agents import neubay
+from plasticity_zoo.agents.neubay_config import NeuBayConfig, resolved, task_config, with_dataset
 
 OBS, ACT = 3, 2
-SMALL = neubay.NeuBayConfig(
+SMALL = NeuBayConfig(
     critics=4,
     sampled_critics=2,
     head_width=16,
@@ -27,7 +28,7 @@ SMALL = neubay.NeuBayConfig(
     fixed_alpha=False,
 )
 # the one other config the tests compile: all weight on real data, alpha fixed (as for hopper)
-REAL_FIXED = neubay.NeuBayConfig(**{**SMALL.__dict__, "real_weight": 1.0, "fixed_alpha": True})
+REAL_FIXED = NeuBayConfig(**{**SMALL.__dict__, "real_weight": 1.0, "fixed_alpha": True})
 STEP = jax.jit(neubay.update)
 
 
@@ -136,22 +137,20 @@ def test_huber():
 
 
 def test_task_settings_and_their_overrides():
-    cfg = neubay.task_config(neubay.NeuBayConfig(), "hopper", "medium-replay")
+    cfg = task_config(NeuBayConfig(), "hopper", "medium-replay")
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha) == (3e-7, 0.5, True)
-    cfg = neubay.task_config(neubay.NeuBayConfig(), "HalfCheetah-v5", "medium-replay", real_weight=0.3)
+    cfg = task_config(NeuBayConfig(), "HalfCheetah-v5", "medium-replay", real_weight=0.3)
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha) == (1e-5, 0.3, False)
     # a value set in the config (a flag) is kept; a task outside the table keeps the base values
-    cfg = neubay.task_config(neubay.NeuBayConfig(encoder_lr=2e-4), "Hopper-v5", "medium")
+    cfg = task_config(NeuBayConfig(encoder_lr=2e-4), "Hopper-v5", "medium")
     assert (cfg.encoder_lr, cfg.real_weight) == (2e-4, 0.8)
-    assert neubay.resolved(neubay.task_config(neubay.NeuBayConfig(), "ant", "medium")) == neubay.resolved(
-        neubay.NeuBayConfig()
-    )
+    assert resolved(task_config(NeuBayConfig(), "ant", "medium")) == resolved(NeuBayConfig())
     with pytest.raises(ValueError, match="sampled-critics"):
-        neubay.NeuBayConfig(critics=2, sampled_critics=3)
+        NeuBayConfig(critics=2, sampled_critics=3)
 
 
 def test_a_run_resolves_presets_from_the_dataset():
-    cfg = neubay.with_dataset(neubay.NeuBayConfig(), "Hopper-v5", {"kind": "medium-replay"}, 50_000)
+    cfg = with_dataset(NeuBayConfig(), "Hopper-v5", {"kind": "medium-replay"}, 50_000)
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.updates, cfg.max_horizon) == (
         3e-7,
         0.5,
@@ -160,13 +159,13 @@ def test_a_run_resolves_presets_from_the_dataset():
         1000,
     )
     assert cfg.dynamics.max_epochs == dyn.NO_EPOCH_CAP  # medium-replay: no cap
-    cfg = neubay.with_dataset(neubay.NeuBayConfig(kind="medium"), "Walker2d-v5", {}, 10)
+    cfg = with_dataset(NeuBayConfig(kind="medium"), "Walker2d-v5", {}, 10)
     assert (cfg.encoder_lr, cfg.real_weight, cfg.fixed_alpha, cfg.dynamics.max_epochs) == (3e-6, 0.5, False, 1200)
-    given = neubay.NeuBayConfig(dynamics=dyn.neubay_config(max_epochs=7), updates=99)
-    cfg = neubay.with_dataset(given, "Hopper-v5", {"kind": "medium"}, 10)
+    given = NeuBayConfig(dynamics=dyn.neubay_config(max_epochs=7), updates=99)
+    cfg = with_dataset(given, "Hopper-v5", {"kind": "medium"}, 10)
     assert (cfg.dynamics.max_epochs, cfg.updates) == (7, 99)  # flags win over the presets
-    assert neubay.with_dataset(cfg, "Hopper-v5", {"kind": "medium"}, 10) == cfg  # a resumed run: unchanged
-    cfg = neubay.with_dataset(neubay.NeuBayConfig(), "ToyReach-v0", {"kind": "random"}, 10)
+    assert with_dataset(cfg, "Hopper-v5", {"kind": "medium"}, 10) == cfg  # a resumed run: unchanged
+    cfg = with_dataset(NeuBayConfig(), "ToyReach-v0", {"kind": "random"}, 10)
     assert (cfg.encoder_lr, cfg.real_weight, cfg.max_horizon) == (1e-5, 0.05, 20)  # base values; its 20-step limit
 
 
@@ -267,7 +266,7 @@ def test_stepping_the_actor_equals_running_it_over_the_sequence():
         np.testing.assert_allclose(np.asarray(a), np.asarray(stepped[t]), rtol=1e-4, atol=1e-5)
 
 
-MARKOV = neubay.NeuBayConfig(**{**SMALL.__dict__, "markov": True})
+MARKOV = NeuBayConfig(**{**SMALL.__dict__, "markov": True})
 
 
 @pytest.mark.slow
@@ -350,7 +349,7 @@ def _run_config(dataset, run_dir, total=400, **kw):
     from plasticity_zoo.training.config import RunConfig
 
     world = dyn.neubay_config(members=4, elites=3, width=32, depth=2, max_epochs=30, batch_size=128)
-    agent = neubay.NeuBayConfig(
+    agent = NeuBayConfig(
         dataset=str(dataset),
         critics=4,
         head_width=32,
@@ -508,8 +507,8 @@ def toy_world(n=30):
 def test_one_collection_owes_utd_times_its_transitions(markov):
     from plasticity_zoo.envs import termination
 
-    cfg = neubay.resolved(
-        neubay.NeuBayConfig(
+    cfg = resolved(
+        NeuBayConfig(
             **{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12, "utd": 0.25, "updates": 100, "markov": markov}
         )
     )
@@ -536,7 +535,7 @@ def test_a_reward_penalty_comes_off_the_learned_rewards_not_the_inputs():
     so its checkpoints keep their layout."""
     from plasticity_zoo.envs import termination
 
-    plain = neubay.resolved(neubay.NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12}))
+    plain = resolved(NeuBayConfig(**{**SMALL.__dict__, "rollout_batch": 4, "max_horizon": 12}))
     penalised = dataclasses_replace(plain, penalty=0.5)
     model, hist, n = toy_world()
     coef = 0.7  # World.penalty: --penalty over the dataset's mean uncertainty

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from plasticity_zoo.agents import ppo
+from plasticity_zoo.agents import gtr, ppo
 from plasticity_zoo.envs import make_vector_env
+from plasticity_zoo.networks import distributions
 from plasticity_zoo.networks.distributions import gaussian_log_prob
 from plasticity_zoo.training import checkpoint
 from plasticity_zoo.training.config import NetworkConfig, RunConfig
@@ -127,36 +128,36 @@ def test_gaussian_kl_closed_form_matches_monte_carlo():
     mq, lq = jnp.array([0.0, 0.4]), jnp.array([0.2, -0.3])
     x = mp + jnp.exp(lp) * jax.random.normal(jax.random.key(0), (400_000, 2))
     mc = (ppo.gaussian_log_prob(x, mp, lp) - ppo.gaussian_log_prob(x, mq, lq)).mean()
-    assert float(ppo.gaussian_kl(mp, lp, mq, lq)) == pytest.approx(float(mc), abs=3e-3)
-    assert float(ppo.gaussian_kl(mp, lp, mp, lp)) == pytest.approx(0.0, abs=1e-7)
+    assert float(distributions.gaussian_kl(mp, lp, mq, lq)) == pytest.approx(float(mc), abs=3e-3)
+    assert float(distributions.gaussian_kl(mp, lp, mp, lp)) == pytest.approx(0.0, abs=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["recency", "uniform", "ema"])
 def test_anchor_weights_sum_to_one_and_skip_unfilled_slots(mode):
     for count in range(0, 5):
-        w = np.asarray(ppo.anchor_weights(jnp.int32(count), 4, mode, 0.5))
+        w = np.asarray(gtr.anchor_weights(jnp.int32(count), 4, mode, 0.5))
         assert w.sum() == pytest.approx(1.0) and np.all(w >= 0)
         assert np.all(w[max(count, 1) :] == 0)
-    w = np.asarray(ppo.anchor_weights(jnp.int32(4), 4, mode, 0.5))
+    w = np.asarray(gtr.anchor_weights(jnp.int32(4), 4, mode, 0.5))
     expected = {"recency": np.array([8, 4, 2, 1]) / 15, "uniform": np.full(4, 0.25), "ema": np.array([1, 0, 0, 0])}
     np.testing.assert_allclose(w, expected[mode], rtol=1e-6)
 
 
 def test_gtr_penalty_bounded_local_kl_and_redescending_force():
     beta, s2 = 0.3, 0.01
-    w = ppo.anchor_weights(jnp.int32(3), 3, "recency", 0.8)
+    w = gtr.anchor_weights(jnp.int32(3), 3, "recency", 0.8)
     d = jnp.asarray(np.random.default_rng(0).uniform(0, 1e3, (1000, 3)), jnp.float32)
-    p, k = ppo.gtr_penalty(d, w, beta, s2)
+    p, k = gtr.gtr_penalty(d, w, beta, s2)
     assert float(p.min()) >= 0 and float(p.max()) <= beta + 1e-7 and float(k.max()) <= 1 + 1e-7
-    assert float(ppo.gtr_penalty(jnp.full((1, 3), 1e6), w, beta, s2)[0][0]) == pytest.approx(beta)
+    assert float(gtr.gtr_penalty(jnp.full((1, 3), 1e6), w, beta, s2)[0][0]) == pytest.approx(beta)
     # near the anchors: a KL penalty with coefficient beta / (2 sigma^2)
     small = jnp.full((1, 3), 1e-4)
-    assert float(ppo.gtr_penalty(small, w, beta, s2)[0][0]) == pytest.approx(beta * 1e-4 / (2 * s2), rel=1e-2)
+    assert float(gtr.gtr_penalty(small, w, beta, s2)[0][0]) == pytest.approx(beta * 1e-4 / (2 * s2), rel=1e-2)
 
     # one anchor, the policy mean shifted by x: D = KL(anchor || current) = x^2 / 2 (unit std)
     def penalty(x):
-        kl = ppo.gaussian_kl(jnp.zeros(1), jnp.zeros(1), jnp.array([x]), jnp.zeros(1))
-        return ppo.gtr_penalty(kl[None, None], jnp.ones(1), beta, s2)[0][0]
+        kl = distributions.gaussian_kl(jnp.zeros(1), jnp.zeros(1), jnp.array([x]), jnp.zeros(1))
+        return gtr.gtr_penalty(kl[None, None], jnp.ones(1), beta, s2)[0][0]
 
     force = lambda x: abs(float(jax.grad(penalty)(x)))  # noqa: E731
     xs = [0.01, 0.05, 0.1, 0.2, 0.5, 1.0]
@@ -241,7 +242,7 @@ def test_actor_loss_adds_the_gtr_penalty_of_either_form(form):
         anchor_log_std=0.1 * f(B, M, 2),
         anchor_logp=f(B, M) - 3,
     )
-    w = ppo.anchor_weights(jnp.int32(M), M, "recency", 0.8)
+    w = gtr.anchor_weights(jnp.int32(M), M, "recency", 0.8)
     loss, aux = ppo.actor_loss(state.actor_params, state, mb, w)
     plain, _ = ppo.actor_loss(state.actor_params, state.replace(cfg=ppo.PPOConfig(clip=False)), mb)
     mean, log_std = (np.asarray(x) for x in state.actor(state.actor_params, mb.obs))

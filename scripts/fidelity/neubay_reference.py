@@ -3,7 +3,7 @@ from the official code.
 
 Runs the *official* code (JAX + Equinox) on fixed data, fixed weights and fixed random draws, and writes
 inputs, weights and outputs to ``tests/fixtures/neubay_reference.npz``, which ``tests/test_fidelity_neubay.py``
-compares against ``agents/neubay.py`` / ``agents/dynamics.py`` / ``networks/recurrent.py`` without Equinox.
+compares against ``agents/neubay.py`` / ``agents/dynamics/`` / ``networks/recurrent.py`` without Equinox.
 
 Reference (read from a fetched snapshot, never copied into this repository): twni2016/neubay (Ni et al.,
 arXiv 2512.04341).  Executed as they stand:

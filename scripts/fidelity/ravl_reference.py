@@ -2,7 +2,7 @@
 
 Runs the *official* code (anyasims/edge-of-reach, Sims et al. 2024) on fixed weights, a fixed dataset and
 fixed random draws, and writes inputs, weights and outputs to ``tests/fixtures/ravl_reference.npz``, which
-``tests/test_fidelity_ravl.py`` compares against ``agents/dynamics.py``, ``agents/ravl.py`` and
+``tests/test_fidelity_ravl.py`` compares against ``agents/dynamics/``, ``agents/ravl.py`` and
 ``agents/sac.py`` without torch.
 
 Reference (read from a fetched snapshot, never copied into this repository).  Executed as they stand:
