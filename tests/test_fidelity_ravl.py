@@ -197,19 +197,24 @@ def _queue(*arrays):
     return call
 
 
+# The modules whose ``jax`` the fixtures' random draws are served through (a module global is looked up in
+# the module that defines the code: the fit in ``ensemble``, the rollouts in ``prediction``).
+PATCHABLE = {
+    "ravl": ravl,
+    "ensemble": ensemble,
+    "prediction": prediction,
+    "replay": replay,
+    "distributions": distributions,
+}
+
+
 def _patched(mp, **modules):
     calls = []
     for module, kw in modules.items():
         fake = {name: _queue(*arrays) for name, arrays in kw.items()}
         calls += fake.values()
         mp.setattr(
-            {
-                "ravl": ravl,
-                "ensemble": ensemble,
-                "prediction": prediction,
-                "replay": replay,
-                "distributions": distributions,
-            }[module],
+            PATCHABLE[module],
             "jax",
             _Jax(**fake),
         )
@@ -549,13 +554,7 @@ def _served(mp, **modules):
         }
         calls += fake.values()
         mp.setattr(
-            {
-                "ravl": ravl,
-                "ensemble": ensemble,
-                "prediction": prediction,
-                "replay": replay,
-                "distributions": distributions,
-            }[module],
+            PATCHABLE[module],
             "jax",
             _Jax(**fake),
         )
