@@ -1,29 +1,31 @@
 """GTR: the Gaussian trust region PPO adds with ``--trust-region gtr`` (arXiv 2606.03382).
 
-**The paper's words** (abstract only, spec section 3.2): GTR "reshapes the trust region using a
-Gaussian kernel"; the constraint is bounded and non-monotonic, strongly stabilising locally and
-relaxing "under sustained high-advantage updates"; a "Mixture Gaussian Anchor" adapts to recent
-policy trajectories to reduce the variance of stale references.
+**The paper's words** (Liu, Liu, Obando-Ceron, Castro, Courville, Wang, Liu, Pan, arXiv 2606.03382,
+abstract only): GTR "reshapes the trust region using a Gaussian kernel"; the constraint is bounded
+and non-monotonic, strongly stabilising locally and relaxing "under sustained high-advantage
+updates"; a "Mixture Gaussian Anchor" adapts to recent policy trajectories to reduce the variance of
+stale references.
 
-**Our reconstruction** ([INFERRED], spec section 4; to be replaced if the paper's objective becomes
-known): per state, D_k(s) = KL(pi_k(.|s) || pi_theta(.|s)) in closed form for diagonal Gaussians, a
-kernel K_mix(s) = sum_k w_k exp(-D_k(s) / (2 sigma^2)) over the last M iteration-end policies
-(``gtr_anchors``; slot 0 is the rollout policy pi_old) with recency weights w_k ∝ lambda^age
-(``gtr_weights``: ``recency``, ``uniform``, or ``ema``: one anchor that is an EMA of the rollout
-policies' parameters), and the penalty P(s) = beta (1 - K_mix(s)) added to the loss as its batch mean.
-P is bounded by beta, equals beta D / (2 sigma^2) to first order near an anchor (a KL penalty with
-coefficient beta / (2 sigma^2)) and its pull vanishes far from the anchors.  ``gtr_form=logratio`` is
-the spec's per-sample variant: D_k = (log pi_theta(a|s) - log pi_k(a|s))^2 with width
-``gtr_logratio_sigma``.  The clip stays on by default (``--no-clip`` removes it; ``--target-kl``
-gives the spec's safety early stop).  With beta = 0 GTR is plain PPO.  The anchors' per-state
-means/log-stds (or log-probs) are computed once per iteration, before the epochs.
+**Our reconstruction** (our reading: the abstract does not state the objective; to be replaced if
+the paper's objective becomes known): per state, D_k(s) = KL(pi_k(.|s) || pi_theta(.|s)) in closed
+form for diagonal Gaussians, a kernel K_mix(s) = sum_k w_k exp(-D_k(s) / (2 sigma^2)) over the last
+M iteration-end policies (``gtr_anchors``; slot 0 is the rollout policy pi_old) with recency weights
+w_k ∝ lambda^age (``gtr_weights``: ``recency``, ``uniform``, or ``ema``: one anchor that is an EMA
+of the rollout policies' parameters), and the penalty P(s) = beta (1 - K_mix(s)) added to the loss
+as its batch mean.  P is bounded by beta, equals beta D / (2 sigma^2) to first order near an anchor
+(a KL penalty with coefficient beta / (2 sigma^2)) and its pull vanishes far from the anchors.
+``gtr_form=logratio`` is our per-sample variant (also our reading): D_k = (log pi_theta(a|s) - log
+pi_k(a|s))^2 with width ``gtr_logratio_sigma``.  The clip stays on by default (``--no-clip`` removes
+it; ``--target-kl`` gives a safety early stop, our choice).  With beta = 0 GTR is plain PPO.  The
+anchors' per-state means/log-stds (or log-probs) are computed once per iteration, before the epochs.
 
 Its settings are the ``gtr_*`` fields of ``agents/ppo.py: PPOConfig`` (``cfg`` below); PPO calls
 ``init_anchors`` in ``init``, ``push_anchor`` / ``anchor_stats`` / ``anchor_weights`` at the start of
 each iteration's ``update``, ``actor_penalty`` in ``actor_loss`` and ``anchor_metrics`` after the epochs.
 
-Diagnostics per iteration (spec section 4.4): ``gtr/kl_anchor{k}`` (mean KL from anchor k to the
-updated policy), ``gtr/weight0``, ``gtr/kernel`` (K_mix), ``gtr/penalty``.
+Diagnostics per iteration (our choice, following the abstract's argument about local updates):
+``gtr/kl_anchor{k}`` (mean KL from anchor k to the updated policy), ``gtr/weight0``, ``gtr/kernel``
+(K_mix), ``gtr/penalty``.
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@ Follows the paper (architecture, losses, update schedule, LAP replay; hyperparam
 Table 3 and Appendix B) and the official code facebookresearch/MRQ (``MRQ.py``, ``models.py``,
 ``buffer.py``), except for the multi-step return, where the reference code masks terminations
 wrongly and (E4) is the corrected formula.  Equations below are numbered (E1)-(E8) in this file.
-"spec N" below names the project's implementation notes on MR.Q by topic: 1 architecture, 2 losses
-(2.1 encoder, 2.2 value, 2.3 policy), 3 update schedule, 4 replay and LAP, 5 hyperparameters (paper
-Table 3), 9 the multi-step return fix.
 
-Networks (spec section 1; every MLP layer is Linear -> LayerNorm -> act, LN without affine
+Networks (the reference's ``models.py``; every MLP layer is Linear -> LayerNorm -> act, LN without affine
 parameters, Xavier-uniform init with gain sqrt(2), zero biases):
 
   f    : s -> z_s                      state encoder, LN+ELU after every layer (incl. the last)
@@ -19,7 +16,7 @@ parameters, Xavier-uniform init with gain sqrt(2), zero biases):
 
 One training step (replay ratio 1, after ``learning_starts`` uniform-random env steps):
 
-  if updates % T_target == 0:                                           (spec section 3)
+  if updates % T_target == 0:                                           (paper Sec. 4.2)
       f', g', m', Q', pi' <- f, g, m, Q, pi                              hard target copy
       rbar' <- rbar;  rbar <- mean |r| over the whole buffer             reward scale
       repeat T_target times: one AdamW step on L_enc (E1-E3)            encoder burst
@@ -32,7 +29,7 @@ One training step (replay ratio 1, after ``learning_starts`` uniform-random env 
      each masked once an earlier step of the window terminated; the terminal term only once a
      terminal transition has been stored.  Reward targets are raw (unscaled) rewards.
 (E3) L_enc = sum_t (E2)_t,  each MSE / CE a mean over the batch (and latent units).
-(E4) R = sum_{i<H} gamma^i c_i r_{t+i},  c_0 = 1, c_i = prod_{j<i} (1 - d_{t+j})   (spec section 9)
+(E4) R = sum_{i<H} gamma^i c_i r_{t+i},  c_0 = 1, c_i = prod_{j<i} (1 - d_{t+j})   (our fix of ``buffer.py``)
 (E5) y = (R + gamma^H c_H rbar' min_k Q'_k(g'(z', a')) ) / rbar,
      z' = f'(s_{t+H}),  a' = clip(pi'(z') + clip(N(0, 0.2^2), -0.3, 0.3), -1, 1)
 (E6) L_Q = mean_k Huber_1(Q_k(g(f(s_t), a_t)) - y),  encoder under stop-gradient
@@ -71,7 +68,7 @@ Design notes.
 
 Deviations from the reference code (facebookresearch/MRQ), each deliberate:
 
-* Multi-step return: the spec's corrected formula (E4, spec section 9), not the reference's.
+* Multi-step return: our corrected formula (E4), not the reference's ``buffer.py`` (commit 8a44a7d).
 * Priority: the TD error of the *sampled* action, |Q_k(s_t, a_t) - y| (LAP's definition, and
   what the reference ``MRQ.py`` computes at its release).  A pre-release commit of the reference
   (0f0ed0e) returned the Q of the *policy* action, Q(s, pi(s)), from ``train_RL`` because the
@@ -118,7 +115,7 @@ from plasticity_zoo.plasticity.sigreg import regularized
 
 @dataclass(frozen=True)
 class MRQConfig(OffPolicyConfig):
-    """MR.Q hyperparameters; defaults are the paper's Table 3 (spec section 5), with the
+    """MR.Q hyperparameters; defaults are the paper's Table 3 (as in the reference ``MRQ.py``), with the
     inherited batch 256, buffer 1M and replay ratio 1 (``updates_per_step``).
 
     Width scaling: ``--network.width W`` multiplies every MR.Q width by W / 512 (rounded,
@@ -209,7 +206,7 @@ CONFIG = MRQConfig
 KIND = "offpolicy"
 EXPERIENCE_REVIEW = False  # LAP replay of its own
 
-# ----------------------------------------------------------------------------- two-hot reward (spec 2.1)
+# ----------------------------------------------------------------------------- two-hot reward (MRQ.py TwoHot)
 
 
 def symlog(x):
@@ -245,7 +242,7 @@ def two_hot_cross_entropy(logits, x, bins):
     return -jnp.sum(two_hot(x, bins) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
 
 
-# ----------------------------------------------------------------------------- networks (spec 1)
+# ----------------------------------------------------------------------------- networks (MRQ/models.py)
 
 
 class StateEncoder(nnx.Module):
@@ -309,13 +306,13 @@ def _keys(path) -> list:
 
 
 def _is_frozen(path) -> bool:
-    """LayerNorm scale/bias of an mlp trunk: kept at 1 / 0 (affine-free LN, spec 1)."""
+    """LayerNorm scale/bias of an mlp trunk: kept at 1 / 0 (affine-free LN, as in MRQ/models.py)."""
     return "norms" in _keys(path)
 
 
 def initializer(params, key):
     """MR.Q's initial params for a param tree (arrays or shapes): Xavier-uniform kernels with ReLU
-    gain sqrt(2), zero biases, LayerNorm gains 1 (spec section 1).
+    gain sqrt(2), zero biases, LayerNorm gains 1 (the reference's ``models.py``).
 
     The network's declared initializer (``build(..., initializer=)``), so ``Net.init`` (ReDo /
     ReGraMa resets) draws from it too.  Only shapes and dtypes are read.  Fans are a kernel's
@@ -357,7 +354,7 @@ def _build(name: str, make_module, key, ensemble: int = 0):
 
 
 def _freeze():
-    """Zero the updates of every mlp-trunk LayerNorm scale/bias (affine-free LN, spec 1)."""
+    """Zero the updates of every mlp-trunk LayerNorm scale/bias (affine-free LN, as in MRQ/models.py)."""
     frozen = lambda t: jax.tree_util.tree_map_with_path(lambda p, _: _is_frozen(p), t)  # noqa: E731
     return optax.masked(optax.set_to_zero(), frozen)
 
@@ -371,7 +368,7 @@ def _adamw(lr: float, wd: float, clip: float | None = None):
 
 
 def _optimizers(cfg: MRQConfig, plasticity: StaticPlasticity):
-    """(state encoder, state-action encoder, value, policy) optimizers (spec 2.1-2.3).
+    """(state encoder, state-action encoder, value, policy) optimizers (paper Eqs. 14, 19, 20; settings from Table 3).
 
     Each is ``chain(freeze LN, plasticity.optim.optimizer(...), freeze LN)``: the shared factory
     (so the loop can switch Kron / NE masks on) between two LayerNorm freezes.  By default the
@@ -554,7 +551,7 @@ def param_count(state: MRQState) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- acting (spec 4, exploration)
+# ----------------------------------------------------------------------------- acting (exploration noise, Table 3)
 
 
 def with_exploration_noise(state: MRQState, sigma) -> MRQState:
@@ -732,7 +729,7 @@ def sync(state: MRQState, buffer: lap.LAPBuffer) -> MRQState:
 
 
 def sync_and_train_encoder(state: MRQState, buffer: lap.LAPBuffer, key) -> MRQState:
-    """The synchronised block (spec 3): target sync, then T_target encoder steps back to back."""
+    """The synchronised block (paper Sec. 4.2): target sync, then T_target encoder steps back to back."""
     cfg = state.cfg
     state = sync(state, buffer)
     tree = buffer.weights if cfg.prioritized else buffer.counts  # priorities do not change during the burst

@@ -26,12 +26,12 @@ the critic's stay constant.  Heads are 2 x 256 (Linear, LayerNorm, leaky-ReLU); 
 layer starts at U(+-0.1 / sqrt(256)) (the reference's ``final_linear``: scale 0.01 on the fan-in
 bound's square) with a zero bias; the actor's log-std is clipped to [-5, 2].
 
-The run (section 7.2 and the reference's main loop): ``prepare`` fits or loads the world-model
-posterior and computes the truncation threshold; each epoch of ``updates_per_epoch`` steps pays
-the gradient steps its collections owe (ceil(utd x transitions) each) and collects whenever they
-are paid (``train_epoch``), tapes going into a FIFO of whole trajectories (``buffers/tapes.py``)
-sampled as one tape of ``tape_len`` positions per step.  Evaluation carries the actor's memory
-(``initial_memory`` / ``act_step``).
+The run (NeuBay, section 4, and the reference's main loop ``offline_cont.py``): ``prepare`` fits or
+loads the world-model posterior and computes the truncation threshold; each epoch of
+``updates_per_epoch`` steps pays the gradient steps its collections owe (ceil(utd x transitions)
+each) and collects whenever they are paid (``train_epoch``), tapes going into a FIFO of whole
+trajectories (``buffers/tapes.py``) sampled as one tape of ``tape_len`` positions per step.
+Evaluation carries the actor's memory (``initial_memory`` / ``act_step``).
 
 Plasticity: the metrics (``--plasticity.metrics-every``) read all four networks, the actor's and the
 critic's recurrent encoders (``actor_encoder``, ``critic_encoder``: the pre-block and every LRU
@@ -614,8 +614,9 @@ def sample_batch(state: NeuBayState, data: Data, key, batch_size: int) -> TapeBa
 
 
 def collect(state: NeuBayState, data: Data, world: World, key, cfg: NeuBayConfig, done_fn, active=True) -> Data:
-    """One collection (section 7.2): ``rollout_batch`` tapes imagined with the stochastic actor, added
-    to the buffer, and ceil(utd x their transitions) gradient steps owed.  ``active`` False: none."""
+    """One collection (the reference's ``experience/collector.py``): ``rollout_batch`` tapes imagined
+    with the stochastic actor, added to the buffer, and ceil(utd x their transitions) gradient steps
+    owed.  ``active`` False: none."""
     tape, stats = imagination.imagine(
         world.model,
         world.histories,

@@ -107,8 +107,8 @@ class NeuBayConfig(OfflineDataConfig):
     updates_per_epoch: int = 1000
     """gradient steps per jitted epoch (collections fall inside epochs, whenever the owed steps are done)"""
     dynamics: DynamicsConfig = field(default_factory=dynamics_lib.neubay_config)
-    """the world-model posterior (section 7.1), as --dynamics.<field>; its epoch cap follows the
-    dataset kind unless --dynamics.max-epochs is given"""
+    """the world-model posterior (the reference's ``offline_world/cont_ensemble.py``), as
+    --dynamics.<field>; its epoch cap follows the dataset kind unless --dynamics.max-epochs is given"""
 
     def __post_init__(self):
         if isinstance(self.dynamics, dict):  # from config.json

@@ -1,8 +1,7 @@
 """RAVL: SAC-N with EDAC's diversity term, trained on real data mixed with short model rollouts.
 
 Sims, Lu, Foerster, Teh, "The Edge-of-Reach Problem in Offline Model-Based RL", NeurIPS 2024
-(arXiv 2402.12527) and its code (anyasims/edge-of-reach); "spec N" tags below name topics of the
-project's offline notes (3.1 dynamics ensemble, 4 SAC-N/EDAC, 5.3 RAVL loop, 5.4 hyperparameters).
+(arXiv 2402.12527) and its code (anyasims/edge-of-reach).
 Rollouts truncated at k steps reach "edge-of-reach" states that are bootstrapped from but never
 updated; RAVL drops the dynamics penalty of MOPO/MOBILE and lets the pessimism of a Q-ensemble
 (min over N critics, EDAC's gradient diversity) absorb the resulting overestimation.
@@ -26,9 +25,10 @@ r = 0.05); the paper tunes N, eta, k, r per task (its table is an image; not tra
 Measured here (docs/benchmarks.md): on our Hopper-v5 medium set k = 5 collapses below the
 behaviour policy while ``--horizon 20`` beats it 2.4x (3 seeds, 150k-300k updates; on
 medium-replay 4.0x against 3.3x with k = 5).
-Networks are 3 x 256 ReLU with EDAC's initialisation (spec section 4).  ``--network.*`` flags
-change them as for every agent.  The dataset is given by ``--dataset PATH`` (D4RL HDF5
-layout, envs/datasets.py) or ``--env hopper --kind medium`` (looked up in the dataset cache).
+Networks are 3 x 256 ReLU with EDAC's initialisation (An et al., NeurIPS 2021, arXiv 2110.01548, as
+in the reference's ``agent_training/agent.py``).  ``--network.*`` flags change them as for every
+agent.  The dataset is given by ``--dataset PATH`` (D4RL HDF5 layout, envs/datasets.py) or
+``--env hopper --kind medium`` (looked up in the dataset cache).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from plasticity_zoo.plasticity.api import StaticPlasticity
 
 @dataclass(frozen=True)
 class RAVLConfig(sac.SACHyperparams, OfflineDataConfig):
-    """RAVL (spec 5.4): SAC-N/EDAC hyperparameters, the data mix and the model rollouts."""
+    """RAVL (the paper and the reference README): SAC-N/EDAC hyperparameters, the data mix and the model rollouts."""
 
     critics: int = 10
     """N: critics in the Q-ensemble (the paper tunes over {10, 50})"""
@@ -75,7 +75,7 @@ class RAVLConfig(sac.SACHyperparams, OfflineDataConfig):
     """epochs of rollouts the model FIFO keeps (capacity rollout_batch * horizon * retain_epochs)"""
     updates_per_epoch: int = 1000
     dynamics: DynamicsConfig = field(default_factory=DynamicsConfig)
-    """the dynamics ensemble (spec 3.1), as --dynamics.<field>"""
+    """the dynamics ensemble (the reference's ``dynamics_training/``), as --dynamics.<field>"""
 
     RANGES = {
         "batch_size": AT_LEAST_ONE,
@@ -110,7 +110,7 @@ def init(
     network: NetworkConfig = NetworkConfig(),
     plasticity: StaticPlasticity = StaticPlasticity(),
 ):
-    """SAC-N/EDAC state with the spec's 3 x 256 networks (unless ``--network.depth`` says otherwise); ``sac.init``
+    """SAC-N/EDAC state with the reference's 3 x 256 networks (unless ``--network.depth`` says otherwise); ``sac.init``
     checks the ranges of both tables (``RAVLConfig.RANGES`` and SAC's)."""
     network = dataclasses.replace(network, depth=3 if network.depth is None else network.depth)
     return sac.init(key, obs_dim, act_dim, cfg, network, plasticity)
@@ -137,7 +137,8 @@ def data_init(real: Transition, cfg: RAVLConfig) -> Data:
 
 
 def real_count(cfg: RAVLConfig, batch_size: int | None = None) -> int:
-    """Rows of a batch taken from the dataset: int(r * batch) (spec 5.3; 12 of 256 at r = 0.05)."""
+    """Rows of a batch taken from the dataset: int(r * batch) (the reference's ``train_ravl_agent.py``;
+    12 of 256 at r = 0.05)."""
     return int(cfg.dataset_ratio * (cfg.batch_size if batch_size is None else batch_size))
 
 
@@ -192,6 +193,7 @@ def train_epoch(state, data: Data, model, key, cfg: RAVLConfig, done_fn):
 
 
 def make_epoch(cfg: RAVLConfig, env_id: str):
-    """The loop's per-seed epoch function, with the env's termination function (spec 3.1) bound."""
+    """The loop's per-seed epoch function, with the env's termination function (as in the reference's
+    ``agent_training/rollout_generation.py``) bound."""
     done_fn = termination.termination_fn(env_id)
     return lambda state, data, model, key: train_epoch(state, data, model, key, cfg, done_fn)

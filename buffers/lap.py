@@ -23,7 +23,7 @@ Validity mask (``window_mask``)
     transitions of one env and none of its first ``H-1`` transitions is truncated: a window
     never runs past a truncation (a truncation on its last transition is fine, that
     transition's stored ``next_obs`` is the true final observation).  Windows may run past
-    a *termination*; the losses mask what follows it (``multistep_return``, spec section 9).
+    a *termination*; the losses mask what follows it (``multistep_return``).
 
 LAP (Fujimoto et al. 2020, arXiv 2007.06049)
     A window start is drawn with probability proportional to ``priority[s] * valid[s]``.
@@ -281,7 +281,7 @@ def reward_scale(buffer: LAPBuffer, eps: float = 1e-8) -> jax.Array:
 
 
 def multistep_return(reward, terminated, gamma: float):
-    """Masked H-step return of windows (spec section 9, the corrected formula) -> (R, c_H).
+    """Masked H-step return of windows (our correction of MR.Q's reference ``buffer.py``) -> (R, c_H).
 
     c_0 = 1, c_i = prod_{j<i} (1 - d_{t+j});  R = sum_{i<H} gamma^i c_i r_{t+i}.
     The terminating transition's reward counts (c_i is 1 up to and including it) and

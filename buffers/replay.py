@@ -73,7 +73,7 @@ def sample(buffer: Buffer, key, batch_size: int) -> Transition:
 
 def sample_with_review(buffer: Buffer, key, batch_size: int, p_old, old_fraction: float = 0.3) -> Transition:
     """Uniform sample where each index comes instead from the oldest ``old_fraction`` of the stored
-    transitions with probability ``p_old`` (NE's experience review, spec 3.5; a traced scalar).
+    transitions with probability ``p_old`` (NE's experience review, torressliu/neuroplastic-expansion; a traced scalar).
 
     The oldest transition sits at ``(ptr - size) % capacity`` (index 0 until the buffer wraps).
     """

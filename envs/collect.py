@@ -1,5 +1,6 @@
-"""Datasets collected by rolling a policy in a vector env (the project's offline-data notes, spec 2.3;
-used by scripts/make_dataset.py), and the reference returns of a policy (Minari's protocol, spec 2.2).
+"""Datasets collected by rolling a policy in a vector env (after D4RL's ``scripts/generation/mujoco/``
+and its wiki's Dataset Reproducibility Guide; used by scripts/make_dataset.py), and the reference
+returns of a policy (Minari's protocol, ``minari/utils.py``).
 
 ``collect`` writes whole episodes in the D4RL layout of ``envs/datasets.py`` (true successors,
 terminals and timeouts apart, actions in the env's units, ``qpos``/``qvel`` infos for MuJoCo envs);
@@ -14,8 +15,8 @@ import numpy as np
 
 from plasticity_zoo.envs.datasets import KEYS, Dataset, env_spaces, to_env_units
 
-MAX_EPISODE_STEPS = 1000  # D4RL caps episodes at 1000 steps (spec 2.1)
-REF_SEED = 123  # Minari's reference episodes reset from seed 123 (spec 2.2)
+MAX_EPISODE_STEPS = 1000  # D4RL caps episodes at 1000 steps (its scripts/generation/mujoco/)
+REF_SEED = 123  # Minari's reference episodes reset from seed 123 (minari/utils.py)
 
 
 def collect(
@@ -110,7 +111,8 @@ def evaluate_policy(
     env_id: str, policy: Callable, episodes: int, first_seed: int = REF_SEED, max_episode_steps: int = MAX_EPISODE_STEPS
 ) -> np.ndarray:
     """Returns of ``episodes`` parallel episodes reset from seeds first_seed, first_seed+1, ... (Minari's
-    reference protocol, spec 2.2).  ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1]."""
+    reference protocol, ``minari/utils.py: get_average_reference_score``).
+    ``policy(obs[E, obs_dim]) -> actions[E, act_dim]`` in [-1, 1]."""
     from plasticity_zoo.envs.make import VectorEnv
 
     venv = VectorEnv(env_id, episodes, first_seed)

@@ -1,18 +1,15 @@
 """Offline datasets in the D4RL layout: the type, validation, HDF5 I/O, the cache (D4RL, Fu et al. 2020).
 
-"spec N" tags below name topics of the project's offline-data notes: 1.1 HDF5 layout, 1.2 the
-``qlearning_dataset`` pitfall, 1.3 normalised scores, 2.1 how D4RL was generated, 2.2 Minari, 2.3 the
-regeneration procedure on Gymnasium v5.
-
-A dataset is one flat HDF5 file (spec 1.1)::
+A dataset is one flat HDF5 file (D4RL's gym-mujoco v2 layout)::
 
     observations [N, obs] float32     actions [N, act] float32 (env units)    rewards [N] float32
     terminals [N] bool                timeouts [N] bool                       next_observations [N, obs] float32
     infos/<k>    arrays with leading N (qpos, qvel, action_log_probs, ...)
     metadata/<k> scalars, strings, arrays and nested groups (e.g. metadata/policy/<layer>/<param>)
 
-``next_observations`` are the *true* successors s_{t+1}, also at episode ends (spec 1.2: never
-rebuild them from ``observations[i+1]``, which is the next episode's reset state at an end).
+``next_observations`` are the *true* successors s_{t+1}, also at episode ends (never rebuild them
+from ``observations[i+1]`` as D4RL's ``qlearning_dataset`` does: at an end that is the next
+episode's reset state).
 ``terminals`` (a real termination) and ``timeouts`` (a time-limit cut) stay separate and are
 never both set on a row.  Actions are stored in the env's own action units (D4RL's convention;
 the gym-mujoco locomotion bounds are [-1, 1], so agent units and env units coincide there).
@@ -21,8 +18,8 @@ Also here: the env's spaces and action units, the dataset cache (``find``), and 
 Minari file given as a path (refused by ``load``; ``minari_file_hint`` and ``minari_root`` stay here
 because ``envs/minari_data.py`` imports this module).  Elsewhere in ``envs/``: Minari datasets
 (``minari_data.py``: ``--dataset minari:<id>`` converted once with the ``minari`` package, and
-``load_minari``, spec 2.2), D4RL normalised scores (``scores.py``, spec 1.3) and collection
-(``collect.py``: a policy rolled in a vector env into a dataset, spec 2.3).
+``load_minari``), D4RL normalised scores (``scores.py``) and collection
+(``collect.py``: a policy rolled in a vector env into a dataset, after D4RL's generation scripts).
 """
 
 from __future__ import annotations
@@ -53,7 +50,7 @@ class DatasetError(ValueError):
 
 @dataclass
 class Dataset:
-    """The flat D4RL arrays (spec 1.1) plus ``metadata`` and ``infos``.
+    """The flat D4RL arrays (Fu et al. 2020, arXiv 2004.07219) plus ``metadata`` and ``infos``.
 
     ``metadata``: str keys; values str / int / float / bool / None / numpy arrays or scalars /
     lists (stored as JSON) / nested dicts of those.  ``infos``: arrays (or nested dicts of arrays)
@@ -309,7 +306,7 @@ _validate = validate  # ``load`` has a parameter named ``validate``
 
 
 def check_continuity(dataset: Dataset, atol: float = 1e-5) -> np.ndarray:
-    """Rows i (not an episode end, i < N-1) where next_observations[i] != observations[i+1] (spec 1.2).
+    """Rows i (not an episode end, i < N-1) where next_observations[i] != observations[i+1].
 
     An empty result means every within-episode successor is the next row's observation.  Episode
     ends are not covered here (the next row is a reset); ``check_transitions`` replays those.
@@ -325,8 +322,9 @@ def check_continuity(dataset: Dataset, atol: float = 1e-5) -> np.ndarray:
 def check_transitions(dataset: Dataset, env_id: Optional[str] = None, rows=None, atol: float = 1e-4) -> np.ndarray:
     """Replay rows in the simulator from ``infos/qpos, qvel``: the rows whose (next obs, reward, terminal) differ.
 
-    This checks spec 1.2's "(observations[i], next_observations[i]) is a real transition" on any
-    row, episode ends included.  Needs a Gymnasium MuJoCo env and the qpos/qvel infos.
+    This checks that (observations[i], next_observations[i]) is a real transition on any row,
+    episode ends included (what D4RL's ``qlearning_dataset`` breaks).  Needs a Gymnasium MuJoCo env
+    and the qpos/qvel infos.
     """
     env_id = env_id or dataset.env_id
     if env_id is None:
@@ -516,7 +514,7 @@ def load(path, env_id: Optional[str] = None, validate: bool = True, allow_missin
     """Read a D4RL-layout HDF5 file (ours or an original D4RL one).
 
     ``env_id`` (or ``metadata['env_id']``) enables the dim and action-bound checks.  A file without
-    ``next_observations`` is refused (spec 1.2 needs the true successors) unless
+    ``next_observations`` is refused (dynamics-model targets need the true successors) unless
     ``allow_missing_next``: then successors are rebuilt as ``observations[i+1]`` within episodes,
     each episode's last row (where the successor is unknown) and the file's last row are dropped,
     and the row before a dropped end is marked as a timeout (a warning says how many rows went).

@@ -27,8 +27,8 @@ final observation):
 Observation and action spaces must be flat ``Box`` spaces (what the offline agents take).
 
 ``load_minari`` reads an HDF5 Minari dataset straight into memory without the ``minari`` package
-(spec 2.2 of the project's offline-data notes; observations = obs[:-1], next_observations = obs[1:],
-terminations / truncations as terminals / timeouts as they are).
+(Minari's episode layout, ``minari/dataset/_storages/hdf5_storage.py``; observations = obs[:-1],
+next_observations = obs[1:], terminations / truncations as terminals / timeouts as they are).
 """
 
 from __future__ import annotations
@@ -430,7 +430,8 @@ def _minari_data_dir(name_or_path, root) -> Path:
 
 
 def load_minari(name_or_path, root=None) -> Dataset:
-    """Read a Minari HDF5 dataset (spec 2.2) without the ``minari`` package, as a flat D4RL dataset.
+    """Read a Minari HDF5 dataset (Farama-Foundation/Minari's HDF5 storage) without the ``minari``
+    package, as a flat D4RL dataset.
 
     ``name_or_path``: a dataset id ``<namespace>/<env>/<name>[-v<k>]`` under ``root`` (default
     ``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``), or a dataset / data directory, or the

@@ -59,16 +59,16 @@ Schedule
 --------
 The phase is ``k = count // every`` where ``count`` is the step counter below.  Phase ``k`` means:
 
-- ``chain``: task ``k mod len(ids)`` (the chain repeats after its last task; [INFERRED] reading);
+- ``chain``: task ``k mod len(ids)`` (the chain repeats after its last task: our reading, the sources do not fix it);
 - ``dynamics``: phase 0 is the nominal model; phase ``k >= 1`` scales, from a generator seeded by
   ``(seed, k)``, friction ``geom_friction[:, 0]`` by one factor ``10**U(-1, 0.5)``, gravity
   ``opt.gravity[2]`` by ``U(0.5, 1.5)`` and each body's mass by its own ``U(0.5, 2)`` (the body's
-  inertia is scaled with it; per-body draws are our reading of the spec's ``body_mass[:]``);
+  inertia is scaled with it; per-body draws are our reading of scaling ``body_mass[:]``);
 - ``obs_permute``: phase 0 is the identity; phase ``k >= 1`` a permutation (and optionally signs)
   drawn from ``(seed, k)``; the env returns ``signs * obs[perm]``.  The permutation is applied at the
   env, i.e. *before* any agent-side normaliser: the on-policy loop resets its normaliser statistics
-  at each switch (``--ns-reset-norm``, default on), which keeps them valid; spec section 6 asks for
-  the permutation *after* the normaliser, which an env-level wrapper cannot do;
+  at each switch (``--ns-reset-norm``, default on), which keeps them valid; our design called
+  for the permutation *after* the normaliser, which an env-level wrapper cannot do;
 - ``reward_flip``: odd phases flip the sign of the forward-velocity term, i.e. the reward becomes
   ``r - 2 * info["reward_forward"]`` (Gymnasium MuJoCo locomotion envs report that term, summed
   over action repeats here); ``term=all`` flips the whole reward instead (needed for ``dmc:``).

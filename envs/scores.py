@@ -1,4 +1,4 @@
-"""D4RL normalised scores (D4RL, Fu et al. 2020, Sec. 5; the project's offline-data notes, spec 1.3).
+"""D4RL normalised scores (D4RL, Fu et al. 2020, arXiv 2004.07219, Sec. 5).
 
 ``normalized_score`` is 100 * (R - min) / (max - min) against D4RL's reference returns (``D4RL_REF``,
 for halfcheetah, hopper and walker2d) or a dataset's own ``ref_min_score`` / ``ref_max_score``;
@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-# D4RL's REF_MIN_SCORE / REF_MAX_SCORE (d4rl/infos.py; the same for every dataset type, v0-v2; spec 1.3).
+# D4RL's REF_MIN_SCORE / REF_MAX_SCORE (d4rl/infos.py; the same for every dataset type, v0-v2).
 D4RL_REF = {"halfcheetah": (-280.178953, 12135.0), "hopper": (-20.272305, 3234.3), "walker2d": (1.629008, 4592.3)}
 
 
@@ -38,13 +38,13 @@ def d4rl_name(env_id) -> Optional[str]:
 
 
 def normalized_score(returns, env_id=None, metadata=None, reference: str = "d4rl"):
-    """100 * (R - min) / (max - min)  (spec 1.3).
+    """100 * (R - min) / (max - min)  (D4RL, Fu et al. 2020).
 
     ``reference="d4rl"``: D4RL's constants for ``env_id`` (or ``metadata['env_id']``);
     ``"dataset"``: the dataset's own ``ref_min_score`` / ``ref_max_score`` (uniform-random and
-    expert means, spec 2.3).  ``returns``: a number or an array.  A missing reference (absent,
-    None or NaN, e.g. a random-only dataset made without a SAC run: ``ref_max_source`` "missing")
-    raises a ValueError rather than giving NaN.
+    expert means over 100 episodes, as Minari's ``get_average_reference_score``).  ``returns``: a
+    number or an array.  A missing reference (absent, None or NaN, e.g. a random-only dataset made
+    without a SAC run: ``ref_max_source`` "missing") raises a ValueError rather than giving NaN.
     """
     metadata = metadata or {}
     if reference == "d4rl":

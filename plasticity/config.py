@@ -55,15 +55,15 @@ class PlasticityConfig:
     least_window: int = 250
     """K: episodes of Q / TD-loss history"""
     least_warmup: float = 0.1
-    """share of total steps before LEAST may stop episodes (spec: 10-20% MuJoCo, 5-15% DMC)"""
+    """share of total steps before LEAST may stop episodes (LEAST's settings: 10-20% MuJoCo, 5-15% DMC)"""
     least_max_len: int = 1000
     """longest episode the histories track"""
     least_noise_max: float = 0.0
-    """sigma-bar: raise the exploration noise toward this as more episodes stop early (0: off; spec 0.25-0.35 TD3)"""
+    """sigma-bar: raise the exploration noise toward this as more episodes stop early (0: off; LEAST: 0.25-0.35 TD3)"""
     least_coef: float = 0.5
-    """the 'omega coefficient' c scaling the TD-loss weight (spec: 0.3-0.6)"""
+    """the 'omega coefficient' c scaling the TD-loss weight (LEAST: 0.3-0.6)"""
     ne: bool = False
-    """Neuroplastic Expansion: start sparse, grow by gradient, prune dormant connections (spec 3)"""
+    """Neuroplastic Expansion: start sparse, grow by gradient, prune dormant connections (Liu et al., ICLR 2025)"""
     ne_every: int = 100
     """NE topology update period delta in updates (reference: 100 in train.py, 10000 in its README)"""
     ne_initial_sparsity: float = 0.8

@@ -1,4 +1,4 @@
-"""Neuroplastic Expansion (Liu et al., ICLR 2025, arXiv 2410.07994; spec section 3).
+"""Neuroplastic Expansion (Liu et al., ICLR 2025, arXiv 2410.07994; code torressliu/neuroplastic-expansion).
 
 A network starts sparse (Erdős–Rényi per-layer densities, overall sparsity s0 = 0.8) and every
 ``ne_every`` updates (100, the reference ``train.py``'s delta) its topology changes:
@@ -15,7 +15,7 @@ A network starts sparse (Erdős–Rényi per-layer densities, overall sparsity s
   (1 + cos(pi t / T)) with zeta = 0.5 ("cosine", dense after 2-3 events), the empty space
   ``n_total - n_ones`` ("full"), and the incoming connections of tau-dormant units first
   ("redo").  The last growth event is clipped so the network lands on the target.
-- afterwards plain dynamic sparse training (spec 3.4): prune ``int(d * n_active)`` of the
+- afterwards plain dynamic sparse training (the reference's scheduler): prune ``int(d * n_active)`` of the
   smallest-|w| connections and regrow as many by gradient, d = 0.2/2 (1 + cos(pi t'/T)), t'
   counting from the first DST event, where t' = 0 (the reference restarts its clock there).
 - layers the ER rule keeps dense (density capped at 1) never change (as in the reference).
@@ -289,7 +289,7 @@ def pooled_active_fraction(acts: dict):
 
 
 def review_probability(fau, awaken: float = AWAKEN, tamp: float = TAMP):
-    """Probability of drawing from the oldest 30% (spec 3.5): 1 - g when FAU < awaken, else 0.
+    """Probability of drawing from the oldest 30% (the reference's ``recall``): 1 - g when FAU < awaken, else 0.
 
     g = 1 / (1 + e^(awaken - FAU) * Tamp), set to 0.4 when it reaches 0.6 (reference code).
     """

@@ -1,6 +1,7 @@
-"""LEAST early episode termination (Liu et al., ICML 2025, arXiv 2506.13672; spec section 5).
+"""LEAST early episode termination (Liu et al., ICML 2025, arXiv 2506.13672).
 
-No reference code is public; the rule is the spec's reconstruction [2nd]:
+No reference code is public; the rule is our reconstruction from secondary summaries of the paper
+(check it against the paper's Algorithm 1):
 
   keep B_Q, B_G in R^{K x L}: the online Q(s_i, a_i) and the critic's TD loss at each step i of
   the last K episodes;  at step i (after a warm-up):
@@ -8,15 +9,16 @@ No reference code is public; the rule is the spec's reconstruction [2nd]:
       omega_i = median(B_G[:, i]) / G_i            (G_i: the current TD loss)
       stop if Q_i < c omega_i * eps_i   (eps_i >= 0)   or   Q_i < eps_i / (c omega_i)   (eps_i < 0)
 
-c is the spec's "omega coefficient" (works in 0.3-0.6, role unclear) [INFERRED]: we read it as
-scaling the weight, which makes the rule lenient; with c = 1 it stops about half of all
-episodes at every step (Q below its running median), which cannot be the paper's behaviour.
+c is the "omega coefficient" of the paper's settings (works in 0.3-0.6; its role is inferred, the
+summaries do not fix it): we read it as scaling the weight, which makes the rule lenient; with
+c = 1 it stops about half of all episodes at every step (Q below its running median), which cannot
+be the paper's behaviour.
 
 An early stop is a truncation, not a termination: the transition is stored with
-``truncated=True`` and bootstraps.  The optional
-exploration-noise increase of spec 5.3 is ``LEAST.noise`` (for agents with an explicit exploration
-noise, e.g. MR.Q; SAC explores through its entropy term and refuses it).  Not implemented: the
-entropy-aware window growth (the spec's [2nd] description is too vague to rebuild).
+``truncated=True`` and bootstraps.  The paper's optional exploration-noise increase is
+``LEAST.noise`` (for agents with an explicit exploration noise, e.g. MR.Q; SAC explores through its
+entropy term and refuses it).  Not implemented: the entropy-aware window growth (the secondary
+descriptions of it are too vague to rebuild).
 Off-policy agents only: the agent provides ``least_signals(state, transition, key) -> (q, td_loss)``.
 """
 
@@ -85,7 +87,8 @@ class LEAST:
 
     def noise(self, base: float, high: float, recent: int = 20, slope: float = 10.0) -> np.ndarray:
         """Per-seed exploration sigma rising from ``base`` toward ``high`` as more of the last ``recent``
-        episodes were stopped early: base + (high - base) * sigmoid(slope * (p - 0.5)) [INFERRED shape]."""
+        episodes were stopped early: base + (high - base) * sigmoid(slope * (p - 0.5)) (the shape is our
+        reading; the paper's summaries do not fix it)."""
         p = np.array([np.mean(e[-recent:]) if e else 0.0 for e in self.ended])
         return base + (high - base) / (1.0 + np.exp(-slope * (p - 0.5)))
 

@@ -5,7 +5,7 @@ Pure ``jnp`` functions, safe under ``jit``, ``grad`` and ``vmap``.  Activations 
 activation gradients come from ``networks.instrument.activation_grads``: one array per
 hidden layer ("tap"), shaped ``(batch, units)`` for a single network or
 ``(members, batch, units)`` for an ensemble (``Net.ensemble > 0``).  The output layer is
-never a tap, so every ratio below already excludes it, as the spec requires.
+never a tap, so every ratio below already excludes it, as ReDo does (Sokar et al. 2023).
 
 Conventions:
 
@@ -27,8 +27,8 @@ from plasticity_zoo.networks import instrument
 from plasticity_zoo.networks.runtime import one_call_per_matrix
 
 EPS = 1e-9
-DORMANT_TAUS = (0.0, 0.025, 0.1)  # spec section 8: log tau = 0 and 0.025 / 0.1
-GRAMA_TAUS = (0.01,)  # spec section 8: G <= 0.01
+DORMANT_TAUS = (0.0, 0.025, 0.1)  # tau = 0 and ReDo's 0.025 / 0.1 (Sokar et al. 2023; timoklein/redo)
+GRAMA_TAUS = (0.01,)  # GraMa's tau = 0.01 (Liu et al. 2025, arXiv 2505.24061, App. A)
 
 
 def _check(x):
@@ -44,7 +44,8 @@ def _normalised_mean_abs(x, eps: float = EPS):
 
 
 def neuron_scores(acts, eps: float = EPS):
-    """ReDo tau-dormant score per neuron (Sokar et al. 2023, arXiv 2302.12902, spec 1.1).
+    """ReDo tau-dormant score per neuron (Sokar et al. 2023, arXiv 2302.12902; google/dopamine
+    ``labs/redo/weight_recyclers.py``).
 
     s_i = E_x|h_i(x)| / ((1/H) sum_k E_x|h_k(x)| + eps), with h the post-activation output
     of the layer and the expectation over the batch.  ``(B, H) -> (H,)``; an ensemble
@@ -54,7 +55,7 @@ def neuron_scores(acts, eps: float = EPS):
 
 
 def dormant_ratio(acts, tau: float):
-    """Share of tau-dormant neurons, s_i <= tau (Sokar et al. 2023, spec 1.1 / 8).
+    """Share of tau-dormant neurons, s_i <= tau (Sokar et al. 2023, arXiv 2302.12902).
 
     ``<=`` makes tau = 0 count exactly the neurons whose mean |activation| is zero.
     Ensemble members' neurons are pooled.
@@ -63,7 +64,7 @@ def dormant_ratio(acts, tau: float):
 
 
 def grama_scores(grads, eps: float = EPS):
-    """GraMa score per neuron (Liu et al. 2025, arXiv 2505.24061, Eq. 2; spec 2.1).
+    """GraMa score per neuron (Liu et al. 2025, arXiv 2505.24061, Eq. 2).
 
     G_i = E_x|dL/dz_i(x)| / ((1/H) sum_k E_x|dL/dz_k(x)| + eps): the ReDo normalisation applied
     to the loss gradient at the neuron's *pre-activation* z (the output of its Linear or
@@ -77,12 +78,13 @@ def grama_scores(grads, eps: float = EPS):
 
 
 def grama_inactive_ratio(grads, tau: float = 0.01):
-    """Share of GraMa-inactive neurons, G_i <= tau (Liu et al. 2025, spec 2.1 / 8)."""
+    """Share of GraMa-inactive neurons, G_i <= tau (Liu et al. 2025, Eq. 2)."""
     return jnp.mean((grama_scores(grads) <= tau).astype(jnp.float32))
 
 
 def active_fraction(acts):
-    """Fraction of active units, FAU (spec 3.5 / 8): share of (sample, unit) entries > 0.
+    """Fraction of active units, FAU (Neuroplastic Expansion, Liu et al., ICLR 2025): share of
+    (sample, unit) entries > 0.
 
     Meaningful for ReLU-like activations; pooled over ensemble members.
     """
@@ -122,7 +124,7 @@ def _singular_values_jvp(primals, tangents):
 
 
 def srank(features, delta: float = 0.01):
-    """Effective feature rank srank_delta (Kumar et al. 2021, arXiv 2010.14498; spec 8).
+    """Effective feature rank srank_delta (Kumar et al. 2021, arXiv 2010.14498).
 
     The smallest k with sum_{i<=k} sigma_i >= (1 - delta) sum_i sigma_i, over the singular
     values (descending) of the ``(B, H)`` feature matrix.  ``(..., B, H) -> (...)``; an
@@ -139,7 +141,7 @@ def _srank(s, delta):
 
 
 def effective_rank(features):
-    """Effective rank (Roy & Vetterli 2007; RankMe, Garrido et al. 2023; spec 8).
+    """Effective rank (Roy & Vetterli 2007; RankMe, Garrido et al. 2023).
 
     exp(-sum_i p_i log p_i) with p_i = sigma_i / sum_j sigma_j (0 log 0 = 0).
     ``(..., B, H) -> (...)``; an all-zero matrix gets 0.
@@ -155,7 +157,7 @@ def _effective_rank(s):
 
 
 def feature_rank(features, eps: float = 0.01):
-    """Feature rank (Lyle et al. 2022, arXiv 2204.09560; spec 8 table).
+    """Feature rank (Lyle et al. 2022, arXiv 2204.09560).
 
     #{j : sigma_j(Phi / sqrt(B)) > eps}: the number of singular values of the ``(B, H)``
     feature matrix, scaled by 1/sqrt(batch), above eps (0.01).  The 1/sqrt(B) scaling makes
@@ -186,17 +188,17 @@ def _sq_norm(tree):
 
 
 def weight_norm(params):
-    """Global L2 norm of all parameters, sqrt(sum_leaves ||theta||^2) (spec 8)."""
+    """Global L2 norm of all parameters, sqrt(sum_leaves ||theta||^2)."""
     return jnp.sqrt(_sq_norm(params))
 
 
 def grad_norm(grads_tree):
-    """Global L2 norm of a gradient pytree (before any clipping; spec 8)."""
+    """Global L2 norm of a gradient pytree (before any clipping)."""
     return jnp.sqrt(_sq_norm(grads_tree))
 
 
 def weight_norm_ratio(params, init_params):
-    """||theta|| / ||theta_0||: the global weight norm relative to its value at init (spec 8)."""
+    """||theta|| / ||theta_0||: the global weight norm relative to its value at init."""
     return weight_norm(params) / jnp.maximum(weight_norm(init_params), EPS)
 
 
@@ -243,7 +245,7 @@ def network_metrics(
     dormant_taus=DORMANT_TAUS,
     grama_taus=GRAMA_TAUS,
 ) -> dict:
-    """Flat dict of scalar plasticity metrics of one network (spec section 8).
+    """Flat dict of scalar plasticity metrics of one network.
 
     ``acts`` / ``act_grads``: ``{tap: (B, H) or (M, B, H)}`` of this network.  Per layer:
     ``{prefix}/{tap}/dormant_{tau}``, ``grama_{tau}``, ``active_fraction``, ``srank``,
@@ -314,11 +316,11 @@ def compute(
     for name, loss in loss_fns.items():
         p = params[name]
         param_grads = jax.grad(loss)(p)
-        # GraMa scores a neuron by the gradient at its Linear/LN output (spec section 2.5)
+        # GraMa scores a neuron by the gradient at its Linear/LN output (Liu et al. 2025, arXiv 2505.24061)
         acts, grads = instrument.activation_grads(lambda: loss(p), [name], at="pre")
         init = None if init_params is None else init_params[name]
         out.update(network_metrics(acts[name], grads[name], p, init, param_grads, prefix=f"{prefix}/{name}", **kw))
-        # rank of the representation the head reads (spec section 8: penultimate features)
+        # rank of the representation the head reads (penultimate features, as in srank, Kumar et al. 2021)
         feats = instrument.features(lambda: loss(p), [name])[name]
         stats = {**rank_metrics(feats), **feature_stats(feats)}
         out.update({f"{prefix}/{name}/features/{metric}": v for metric, v in stats.items()})

@@ -6,11 +6,11 @@ agent was built with (``plasticity.api.StaticPlasticity.optim``, a static field 
 ``init`` (which fixes the optimizer-state structure) and in ``update`` (which applies it).  Being
 static configuration rather than a context, it is part of every jitted program's cache key.
 
-- ``kron``: PSGD-Kron from ``psgdax`` (spec section 6) with lr = lr / 3, for every network built
-  here.  ``pip install 'plasticity-zoo[kron]'`` (psgdax 0.1.1; psgd-jax 0.2.9 does not import
-  with optax 0.2.8: ``cannot import name 'clipping' from optax._src``).
+- ``kron``: PSGD-Kron from ``psgdax`` (Castanyer et al., NeurIPS 2025, arXiv 2506.15544) with
+  lr = lr / 3, for every network built here.  ``pip install 'plasticity-zoo[kron]'`` (psgdax 0.1.1;
+  psgd-jax 0.2.9 does not import with optax 0.2.8: ``cannot import name 'clipping' from optax._src``).
 - ``ne``: the networks listed in ``OptimSpec.ne_networks`` get a ``masked`` transformation
-  whose *state* holds their connection masks (Neuroplastic Expansion, spec section 3): the
+  whose *state* holds their connection masks (Neuroplastic Expansion, Liu et al., ICLR 2025): the
   gradients are masked, and every pruned weight is set to exactly 0 by each step.  The masks
   have static shapes and live in the optimizer state, so checkpoints carry them and growing the
   network never changes a shape or recompiles.  ``plasticity.expansion`` rewrites them.
@@ -44,7 +44,7 @@ from plasticity_zoo.plasticity import injection, regularizers
 from plasticity_zoo.plasticity import trac as trac_lib
 from plasticity_zoo.plasticity.regularizers import RegSpec
 
-KRON_LR_DIVISOR = 3.0  # spec section 6: Kron lr = Adam lr / 3
+KRON_LR_DIVISOR = 3.0  # Kron lr = Adam lr / 3 (Castanyer et al. 2025; roger-creus/stable-deep-rl-at-scale)
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,8 @@ def maskable(path, leaf) -> bool:
 
 
 def er_densities(shapes: list, sparsity: float) -> list[float]:
-    """Erdős–Rényi per-layer densities (spec 3.2) with overall sparsity ``sparsity`` over these kernels.
+    """Erdős–Rényi per-layer densities (Neuroplastic Expansion's, after RigL) with overall sparsity
+    ``sparsity`` over these kernels.
 
     density_l = eps (fan_in + fan_out) / (fan_in fan_out), with eps solving
     sum_l density_l n_l = (1 - sparsity) sum_l n_l.  A layer whose density would exceed 1 is kept

@@ -1,10 +1,10 @@
 """ReDo and ReGraMa neuron resets for any instrumented network.
 
-ReDo (Sokar et al. 2023, spec section 1): neuron i of hidden layer l is tau-dormant when its
-normalised mean |activation| s_i <= tau.  ReGraMa (Liu et al. 2025, section 2): the same score
-with the gradient magnitude at the neuron's Linear output, G_i <= tau.
+ReDo (Sokar et al., ICML 2023, arXiv 2302.12902): neuron i of hidden layer l is tau-dormant when
+its normalised mean |activation| s_i <= tau.  ReGraMa (Liu et al., NeurIPS 2025, arXiv 2505.24061,
+Eq. 2): the same score with the gradient magnitude at the neuron's Linear output, G_i <= tau.
 
-A reset of neuron i (spec 1.2 / 2.4):
+A reset of neuron i (dopamine's ``labs/redo/weight_recyclers.py``; ReGraMa's code):
   - incoming weights re-drawn from the network's own initialiser, bias set to 0;
   - outgoing weights (row i of the next Linear, or of the head) set to 0, so the network's
     output is unchanged at the moment of reset (exactly so when no LayerNorm sits inside the

@@ -1,4 +1,4 @@
-"""SIGReg: sketched isotropic-Gaussian regularisation of a representation (spec section 4).
+"""SIGReg: sketched isotropic-Gaussian regularisation of a representation (LeJEPA and its RL variant).
 
 Project the features on random unit directions and compare each 1-D projection's empirical
 characteristic function phi(t) = mean_n exp(i t y_n) with the standard normal's exp(-t^2/2).

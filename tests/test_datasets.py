@@ -1,4 +1,5 @@
-"""D4RL-format datasets (envs/datasets.py) and their generator (scripts/make_dataset.py); spec offline.md §1-2."""
+"""D4RL-format datasets (envs/datasets.py; Fu et al. 2020, arXiv 2004.07219) and their generator
+(scripts/make_dataset.py)."""
 
 import json
 import sys
@@ -419,7 +420,7 @@ def test_make_dataset_files_load_validate_and_are_real_transitions(made):
     ds = D.load(paths["medium"], env_id="Hopper-v5")
     assert len(ds) == 400 and ds.terminals.any() and ds.timeouts.any()  # falls, and the 25-step cap
     assert len(D.check_continuity(ds)) == 0
-    # spec 1.2: every (obs, next_obs) is a real transition, at episode ends too (replayed from qpos/qvel)
+    # unlike D4RL's qlearning_dataset, every (obs, next_obs) is real, at episode ends too (replayed from qpos/qvel)
     ends = ds.episode_ends()
     assert len(D.check_transitions(ds, rows=np.r_[ends, np.arange(0, 400, 7)])) == 0
     assert ds.infos["action_log_probs"].shape == (400,) and np.isfinite(ds.infos["action_log_probs"]).all()

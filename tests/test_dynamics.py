@@ -129,12 +129,12 @@ def test_bad_inputs_are_refused(data):
         dyn.train(jax.random.key(0), s, a, np.full_like(r, np.nan), s2, CFG)
     with pytest.raises(ValueError, match="weight_decay"):  # distinct per-layer values must match the depth
         dyn.DynamicsConfig(depth=2, weight_decay=(1e-4, 2e-4))
-    # the spec's default 4-layer values adapt to another depth: first hidden values, then the heads'
+    # the RAVL reference's default 4-layer values adapt to another depth: first hidden values, then the heads'
     assert dyn.DynamicsConfig(depth=2).weight_decay == (2.5e-5, 5e-5, 1e-4)
     assert dyn.DynamicsConfig(depth=5).weight_decay == (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 7.5e-5, 1e-4)
     with pytest.raises(ValueError, match="elite_sampling"):
         dyn.DynamicsConfig(elite_sampling="member")
-    # configs round-trip through JSON (lists for tuples), and the Unifloral preset (spec 3.2)
+    # configs round-trip through JSON (lists for tuples), and the Unifloral preset (its ``algorithms/dynamics.py``)
     assert dyn.DynamicsConfig(weight_decay=[2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4]) == dyn.DynamicsConfig()
     u = dyn.unifloral_config()
     assert (u.activation, u.normalize_inputs, u.min_epochs, u.max_epochs, u.elite_sampling) == (
@@ -487,7 +487,7 @@ def test_save_load_round_trip(tmp_path, data, trained):
         dyn.load(bad)
 
 
-# ----------------------------------------------------------------------------- NeuBay's world model (section 7.1)
+# ----------------------------------------------------------------------------- NeuBay's world model (cont_ensemble.py)
 
 NEUBAY_SMALL = dict(members=6, elites=4, width=16, batch_size=64, max_epochs=4)
 

@@ -208,7 +208,7 @@ def test_paper_size_parameter_count_width_scaling_and_act(tiny):
     n = mrq.param_count(jax.eval_shape(lambda k: mrq.init(k, 17, 6, mrq.MRQConfig()), jax.random.key(0)))
     assert n["state_encoder"] + n["sa_encoder"] == pytest.approx(1.75e6, rel=0.02)
     assert n["value"] == pytest.approx(1.58e6, rel=0.02) and n["policy"] == pytest.approx(0.53e6, rel=0.02)
-    assert sum(n.values()) == pytest.approx(3.9e6, rel=0.02)  # spec: ~3.9M derived (paper: 4.1M)
+    assert sum(n.values()) == pytest.approx(3.9e6, rel=0.02)  # ~3.9M counted from the reference models.py (paper: 4.1M)
     assert mrq.dims(mrq.MRQConfig(), NetworkConfig(width=64)) == {
         "zs": 64,
         "zsa": 64,

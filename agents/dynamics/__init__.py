@@ -8,9 +8,6 @@ v5's termination rules (``envs/termination.py``) and rolls out as RAVL's and Uni
 loops do.  Anything marked "our reading" is not fixed by those papers; most of it follows the RAVL
 reference code (anyasims/edge-of-reach, ``dynamics_training/{net,ensemble}.py``,
 ``train_dynamics_model.py``).
-Bare "section N" tags in this package name topics of the project's offline implementation notes: 1.2
-true next observations, 3.1 RAVL's ensemble, 3.2 Unifloral's, 3.3 the variants compared, 6.3
-Unifloral's model-based loop, 7.1 NeuBay's world model.
 
 Reading order, one module after the other (each imports only those before it):
 

@@ -1,7 +1,5 @@
 """The ensemble's hyperparameters: ``DynamicsConfig``, whose defaults are RAVL's, and the
 configurations of Unifloral (``unifloral_config``) and NeuBay (``neubay_config``).
-
-Section tags: see the package docstring (``agents/dynamics/__init__.py``).
 """
 
 from __future__ import annotations
@@ -27,21 +25,21 @@ SPEC_WEIGHT_DECAY = (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4)
 class DynamicsConfig:
     """Ensemble hyperparameters.  Defaults: the RAVL version (its reference code, anyasims/edge-of-reach).
 
-    Unifloral (section 3.2): ``unifloral_config()``; NeuBay's world-model posterior (section 7.1):
-    ``neubay_config(kind)``.
+    Unifloral (EmptyJackson/unifloral, ``algorithms/dynamics.py``): ``unifloral_config()``; NeuBay's
+    world-model posterior (twni2016/neubay, ``offline_world/``): ``neubay_config(kind)``.
     """
 
     members: int = 7
     elites: int = 5
     width: int = 200
     depth: int = 4
-    """hidden Linear layers per member (section 3.1: 4 x 200)"""
+    """hidden Linear layers per member (RAVL's ``dynamics_training/net.py``: 4 x 200)"""
     activation: str = "silu"
-    """section 3.1 SiLU; section 3.2 (Unifloral) ReLU; any name in networks.blocks.ACTIVATIONS"""
+    """SiLU (RAVL's ``net.py``); ReLU (Unifloral's ``dynamics.py``); any name in networks.blocks.ACTIVATIONS"""
     layer_norm: bool = False
-    """LayerNorm after each hidden Linear (NeuBay's blocks, section 7.1; off in RAVL / Unifloral)"""
+    """LayerNorm after each hidden Linear (NeuBay's blocks, its ``modules.py``; off in RAVL / Unifloral)"""
     normalize_inputs: bool = True
-    """standardise (s, a) with the dataset's mean / std and clip to +-10 (section 3.1); off in Unifloral"""
+    """standardise (s, a) with the dataset's mean / std and clip to +-10 (RAVL's input filter); off in Unifloral"""
     input_clip: float = 10.0
     weight_decay: tuple = SPEC_WEIGHT_DECAY
     """per hidden layer, then one value for both heads (RAVL's reference code); weights only, as
@@ -50,36 +48,36 @@ class DynamicsConfig:
     default (the reference's 4-layer values) adapts to another depth (our reading): the first
     ``depth`` hidden values, the last hidden one repeated if deeper, then the heads' 1e-4."""
     adamw_weight_decay: float = 0.0
-    """decoupled AdamW decay on every parameter (Unifloral, section 3.2: 2.5e-5); 0 = plain Adam"""
+    """decoupled AdamW decay on every parameter (Unifloral's ``dynamics.py``: 2.5e-5); 0 = plain Adam"""
     lr: float = 1e-3
     batch_size: int = 256
     holdout: float = 0.2
-    """fraction of the transitions held out for validation (section 3.1)"""
+    """fraction of the transitions held out for validation (RAVL's ``ensemble.py``)"""
     max_holdout: Optional[int] = None
-    """cap on the number of held-out transitions (NeuBay: min(20%, 1000), section 7.1)"""
+    """cap on the number of held-out transitions (NeuBay: min(20%, 1000), its ``cont_ensemble.py``)"""
     bootstrap: bool = True
-    """each member trains on a bootstrap resample of the training split (section 3.1); the M resamples are
-    dealt to the members anew each epoch, as the RAVL reference's ``train_dynamics_model.py`` does"""
+    """each member trains on a bootstrap resample of the training split (RAVL's ``ensemble.py``); the M
+    resamples are dealt to the members anew each epoch, as the RAVL reference's ``train_dynamics_model.py`` does"""
     min_epochs: int = 350
     max_epochs: int = 2000
     patience: int = 5
     improvement: float = 0.01
-    """relative val-MSE improvement of any member that counts as progress (section 3.1)"""
+    """relative val-MSE improvement of any member that counts as progress (RAVL's training script)"""
     lr_cut: float = 0.3
-    """lr multiplier applied once when progress stalls before min_epochs (section 3.1); 1 = never"""
+    """lr multiplier applied once when progress stalls before min_epochs (RAVL's reference); 1 = never"""
     max_logvar_init: float = 0.5
     min_logvar_init: float = -10.0
     logvar_range_coef: float = 0.01
     target_scaling: str = "none"
-    """"none": targets (Δs, r) in raw units (sections 3.1, 3.2); "zscore": NeuBay's (section 7.1), the
+    """"none": targets (Δs, r) in raw units (RAVL, Unifloral); "zscore": NeuBay's (``modules.py: Scaler``), the
     next state z-scored and predicted as a residual on the z-scored state, i.e. Δs / std(s), and
     (r - mean r) / std(r).  The loss, the holdout MSE (so elites and early stopping) and the
     uncertainty are in these training units; ``predict`` and ``step`` return raw units either way."""
     learn_logvar_bounds: bool = True
     """True: per-dimension log-variance bounds are parameters trained with the ``logvar_range_coef``
-    penalty (section 3.1).  False: the bounds stay at (min_logvar_init, max_logvar_init) and the same
+    penalty (RAVL's reference).  False: the bounds stay at (min_logvar_init, max_logvar_init) and the same
     soft clamp is applied to log sigma = logvar / 2, as NeuBay clamps log sigma to [-5, 0.25]
-    (section 7.1; the bounds get no gradient and no weight decay)"""
+    (``offline_world/modules.py``; the bounds get no gradient and no weight decay)"""
     head_output: str = "logvar"
     """with fixed bounds (``learn_logvar_bounds`` False), what the variance head's raw output is: "log_sigma"
     (NeuBay's reference code: log sigma, soft-clamped; ``neubay_config``) or "logvar" (2 log sigma, halved
@@ -89,9 +87,10 @@ class DynamicsConfig:
     truncated at 2 std with zero biases; "uniform" = U(+-1/sqrt(fan_in)) for weights and biases
     (PyTorch's / Equinox's default, which NeuBay's reference code keeps)"""
     elite_sampling: str = "row"
-    """which member produces each model step: "row" = a random elite per row per step (RAVL,
-    section 3.1); "step" = one random elite per step for the whole batch (Unifloral, section 6.3);
-    "trajectory" = one random elite per rollout row for the whole rollout (NeuBay-like, 7.2)"""
+    """which member produces each model step: "row" = a random elite per row per step (RAVL's
+    ``rollout_generation.py``); "step" = one random elite per step for the whole batch (Unifloral's
+    ``mopo.py``); "trajectory" = one random elite per rollout row for the whole rollout (NeuBay-like,
+    its ``experience/collector.py``)"""
 
     def __post_init__(self):
         wd = self.weight_decay
@@ -138,8 +137,9 @@ class DynamicsConfig:
 
 
 def unifloral_config(**overrides) -> DynamicsConfig:
-    """Section 3.2: 4 x 200 ReLU, no input normalisation, AdamW (1e-3, wd 2.5e-5), a fixed 400
-    epochs, elite resampled every step (section 6.3).  No coupled L2 term (our reading)."""
+    """Unifloral's ``algorithms/dynamics.py``: 4 x 200 ReLU, no input normalisation, AdamW (1e-3, wd
+    2.5e-5), a fixed 400 epochs; elite resampled every step (its ``algorithms/mopo.py``).  No coupled
+    L2 term (our reading)."""
     kw = dict(
         activation="relu",
         normalize_inputs=False,
@@ -155,11 +155,12 @@ def unifloral_config(**overrides) -> DynamicsConfig:
 
 NO_EPOCH_CAP = 1_000_000
 NEUBAY_EPOCH_CAPS = {"random": 1200, "medium": 1200, "medium-expert": 600, "medium-replay": None}
-"""Section 7.1: NeuBay's epoch caps by dataset kind (None: early stopping alone ends training)."""
+"""NeuBay's epoch caps by dataset kind (its README's ``ensemble.total_epochs``; None: early stopping alone
+ends training)."""
 
 
 def neubay_config(kind: Optional[str] = None, **overrides) -> DynamicsConfig:
-    """NeuBay's world-model posterior (Ni et al., arXiv 2512.04341; section 7.1).
+    """NeuBay's world-model posterior (Ni et al., arXiv 2512.04341; ``offline_world/cont_ensemble.py``).
 
     128 members of 4 blocks (Linear -> LayerNorm -> leaky-ReLU, 200 units); z-scored inputs (no
     clip) and z-scored residual targets; log sigma soft-clamped to [-5, 0.25]; Gaussian NLL; AdamW

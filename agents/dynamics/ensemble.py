@@ -1,7 +1,7 @@
 """The ensemble itself: the network (``GaussianDynamics``, one per member), its loss, the early-stopping
 rule and the training (``train`` -> ``DynamicsModel``, the elites chosen by holdout MSE).
 
-Reading order: network -> loss -> early stopping -> training.  Section tags: see the package docstring.
+Reading order: network -> loss -> early stopping -> training.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ _VAL_CHUNK = 8192  # holdout rows per forward pass when computing validation MSE
 
 
 def soft_clamp(logvar, max_logvar, min_logvar):
-    """Section 3.1's soft bounds: lv <- max - softplus(max - lv); lv <- min + softplus(lv - min).
+    """RAVL's soft bounds (``dynamics_training/net.py``, from PETS): lv <- max - softplus(max - lv);
+    lv <- min + softplus(lv - min).
 
     The result lies in [min, max + log(1 + exp(-(max - min)))]: the second softplus can lift a value
     pinned at ``max`` by at most log1p(exp(min - max)) (2.7e-5 at the initial 0.5 / -10 bounds).
@@ -58,7 +59,7 @@ def _init_linear(layer, cfg: "DynamicsConfig", rngs: nnx.Rngs):
 
 class GaussianDynamics(nnx.Module):
     """One member: instrumented trunk -> separate linear heads for the mean and the log-variance of
-    (Δs, r), with learned per-dimension log-variance bounds (section 3.1).
+    (Δs, r), with learned per-dimension log-variance bounds (RAVL's ``net.py``).
 
     ``__call__(x, probes) -> ((mean, logvar), taps)``; ``taps`` as every ``networks`` head (hidden
     activations + ``"features"``), so plasticity metrics can read the dynamics trunk too.  Each
@@ -163,7 +164,8 @@ def _leaf(params, name):
 
 
 def gaussian_nll(mean, logvar, target):
-    """Section 3.1: mean over batch and dimensions of logvar + err^2 e^-logvar (no constants).
+    """RAVL's ``GaussianMSELoss`` (``net.py``): mean over batch and dimensions of logvar + err^2 e^-logvar
+    (no constants).
 
     ``mean``, ``logvar``, ``target``: (..., B, D) -> (...,)."""
     return (logvar + (target - mean) ** 2 * jnp.exp(-logvar)).mean(axis=(-2, -1))
@@ -191,7 +193,8 @@ def ensemble_loss(params, net: Net, x, y, cfg: DynamicsConfig):
 
 
 class EarlyStopping:
-    """Section 3.1's rule over per-member validation MSEs (host side, one call per epoch).
+    """RAVL's rule (``train_dynamics_model.py``) over per-member validation MSEs (host side, one call per
+    epoch).
 
     ``update(epoch, val_mse) -> (improved, action)``: ``improved[m]`` when member m's MSE is more than
     ``improvement`` (relative) below its best so far; its best (and, in ``train``, its kept params) is
@@ -278,8 +281,8 @@ def _normalize(x, mean, std, cfg: DynamicsConfig):
 def _train_epoch(params, opt_state, key, x, y, boot, net: Net, cfg: DynamicsConfig):
     """One pass over the training split, then a ``lax.scan`` over minibatches; all members step
     together, each on its own batch.  With ``bootstrap``: one shuffle of the rows, each row holding
-    one bootstrap index per member (section 3.1); without: each member its own permutation of the
-    whole split (NeuBay, section 7.1).  The last partial minibatch is dropped (our reading; rows
+    one bootstrap index per member (RAVL's ``ensemble.py``); without: each member its own permutation
+    of the whole split (NeuBay's ``cont_ensemble.py``).  The last partial minibatch is dropped (our reading; rows
     move every epoch)."""
     tx = _optimizer(cfg)
     m, n = boot.shape
@@ -414,7 +417,7 @@ def init_model(
 def target_statistics(obs, rewards, cfg: DynamicsConfig):
     """(mean, std) of the (Δs, r) targets the network is trained on, (O + 1,) each.
 
-    ``"zscore"`` (section 7.1): the next state z-scored with the state's statistics and predicted as
+    ``"zscore"`` (NeuBay's ``modules.py: Scaler``): the next state z-scored with the state's statistics and predicted as
     a residual on the z-scored state, so Δs is divided by std(s) and not centred; the reward is
     z-scored.  A constant dimension keeps std 1.  ``"none"``: 0 and 1.
     """
@@ -442,9 +445,10 @@ def train(
     cfg: DynamicsConfig = DynamicsConfig(),
     log: Optional[Callable[[int, dict], None]] = None,
 ) -> tuple[DynamicsModel, dict]:
-    """Fit the ensemble to (s, a) -> (s' - s, r) and pick elites (section 3.1).
+    """Fit the ensemble to (s, a) -> (s' - s, r) and pick elites (RAVL's ``ensemble.py``).
 
-    ``next_obs`` must be the dataset's true ``next_observations`` (section 1.2), not the next row.
+    ``next_obs`` must be the dataset's true ``next_observations`` (not D4RL's ``qlearning_dataset``), not
+    the next row.
     Holdout: a random ``holdout`` fraction (capped by ``max_holdout``); input statistics come from all
     the observations and actions (our reading).  Every epoch is one jitted scan (``_train_epoch``);
     after it, each member's holdout MSE decides progress, best params and stopping

@@ -2,7 +2,6 @@
 rollout truncation threshold drawn from it, one model step (``step``) and ``rollout``.
 
 Reading order: ``predict``, ``epistemic_uncertainty``, ``uncertainty_threshold``, ``step`` -> ``rollout``.
-Section tags: see the package docstring.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def elite_params(model: DynamicsModel):
 
 @jax.jit
 def epistemic_uncertainty(model: DynamicsModel, obs, action):
-    """NeuBay's epistemic uncertainty (section 7.1) of each row -> (B,): the std across the elite
+    """NeuBay's epistemic uncertainty (its ``modules.py``) of each row -> (B,): the std across the elite
     members of the predicted mean, root-mean-square over the target dimensions, in the training
     units (z-scored with ``target_scaling="zscore"``, where every dimension weighs alike)."""
     x = _normalize(jnp.concatenate([obs, action], axis=-1), model.input_mean, model.input_std, model.cfg)
@@ -66,7 +65,7 @@ def dataset_uncertainties(model: DynamicsModel, obs, actions, chunk: int = _VAL_
 def uncertainty_threshold(
     model: DynamicsModel, obs, actions, quantile: Optional[float] = 1.0, chunk: int = _VAL_CHUNK, uncertainties=None
 ) -> float:
-    """The rollout truncation threshold (section 7.2): the ``quantile`` of ``epistemic_uncertainty``
+    """The rollout truncation threshold (NeuBay's ``unc_quantile``): the ``quantile`` of ``epistemic_uncertainty``
     over the dataset's (s, a) rows (or of ``uncertainties``, already computed); NeuBay's default 1.0
     is its maximum.  ``None``: no truncation (inf)."""
     if quantile is None:
@@ -79,7 +78,8 @@ def uncertainty_threshold(
 
 @jax.jit
 def step(model: DynamicsModel, obs, action, key, member=None):
-    """One model step (section 3.1): sample (Δs, r) from every member, keep one member per row.
+    """One model step (RAVL's ``rollout_generation.py``): sample (Δs, r) from every member, keep one member
+    per row.
 
     The member is ``member`` when given (an int array (B,) or a scalar; for "trajectory" sampling),
     else an elite drawn by ``cfg.elite_sampling``: per row ("row", and "trajectory" without
@@ -102,7 +102,8 @@ def step(model: DynamicsModel, obs, action, key, member=None):
 
 
 def rollout(model: DynamicsModel, policy: Callable, start_obs, horizon: int, key, done_fn: Callable):
-    """``horizon`` model steps from each start state (sections 3.1, 5.3, 6.3) in one ``lax.scan``.
+    """``horizon`` model steps from each start state (RAVL's ``rollout_generation.py``, Unifloral's
+    ``mopo.py``) in one ``lax.scan``.
 
     ``policy(obs (B, O), key) -> action (B, A)`` in [-1, 1] (the stochastic current policy);
     ``done_fn(next_obs) -> bool (B,)``, e.g. ``termination_fn(env_id)``.  With
