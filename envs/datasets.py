@@ -534,7 +534,7 @@ def load(path, env_id: Optional[str] = None, validate: bool = True, allow_missin
             missing = [k for k in required if k not in f]
             if missing == ["next_observations"]:
                 raise DatasetError(
-                    f"{path}: has no next_observations; the true next observations are needed (spec 1.2: "
+                    f"{path}: has no next_observations; the true next observations are needed ("
                     "observations[i+1] is the next episode's reset state at an episode end, which corrupts "
                     "dynamics-model targets). Pass allow_missing_next=True to rebuild them within episodes "
                     "and drop the rows where they are unknown."

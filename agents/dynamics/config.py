@@ -18,7 +18,8 @@ INITS = ("trunc_normal", "uniform")
 # ============================================================================ config
 
 
-SPEC_WEIGHT_DECAY = (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4)
+# per-layer weight decay of the MBPO ensemble as RAVL runs it (anyasims/edge-of-reach, dynamics_training/net.py)
+MBPO_WEIGHT_DECAY = (2.5e-5, 5e-5, 7.5e-5, 7.5e-5, 1e-4)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class DynamicsConfig:
     normalize_inputs: bool = True
     """standardise (s, a) with the dataset's mean / std and clip to +-10 (RAVL's input filter); off in Unifloral"""
     input_clip: float = 10.0
-    weight_decay: tuple = SPEC_WEIGHT_DECAY
+    weight_decay: tuple = MBPO_WEIGHT_DECAY
     """per hidden layer, then one value for both heads (RAVL's reference code); weights only, as
     0.5 * wd * ||W||^2 added to the loss (= torch Adam's coupled weight_decay, which the
     reference uses).  A single float applies to every layer.  Length must be depth + 1; the
@@ -95,7 +96,7 @@ class DynamicsConfig:
     def __post_init__(self):
         wd = self.weight_decay
         wd = (float(wd),) * (self.depth + 1) if isinstance(wd, (int, float)) else tuple(float(w) for w in wd)
-        if wd == SPEC_WEIGHT_DECAY and self.depth != len(wd) - 1:
+        if wd == MBPO_WEIGHT_DECAY and self.depth != len(wd) - 1:
             hidden = (wd[:-1] + (wd[-2],) * self.depth)[: self.depth]
             wd = hidden + (wd[-1],)
         elif len(set(wd)) == 1 and len(wd) != self.depth + 1:  # one value (or a uniform default): every layer
