@@ -64,7 +64,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from snapshot import _git, load_definitions, locals_at_return, read_snapshot
+from snapshot import _git, fixture_path, load_definitions, locals_at_return, read_snapshot
 
 REDO_FILE = "utils/ReDo.py"
 MAIN_FILE = "main.py"
@@ -328,9 +328,7 @@ def population(ref, soft_q, data, seeds):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repo", required=True, help="git dir of the fetched grad-based-plasticity-metrics snapshot")
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "grama_reference.npz")
-    )
+    ap.add_argument("--out", default=fixture_path("grama_reference.npz"))
     a = ap.parse_args()
     redo_src, commit = read_snapshot(a.repo, REDO_FILE)
     main_src, _ = read_snapshot(a.repo, MAIN_FILE)

@@ -74,7 +74,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from sac_reference import RecordingOptimizer, arr
-from snapshot import load_definitions, locals_at_return, read_snapshot
+from snapshot import fixture_path, load_definitions, locals_at_return, read_snapshot
 
 FILES = {
     "mrq": "tdmpc2/mrq.py",
@@ -246,7 +246,7 @@ def main():
     p.add_argument("--scalemrl", required=True, help="git dir of the fetched johanobandoc/ScaleMRL snapshot")
     p.add_argument(
         "--out",
-        default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "mrq_mt_reference.npz"),
+        default=fixture_path("mrq_mt_reference.npz"),
     )
     a = p.parse_args()
     torch.set_num_threads(1)

@@ -84,7 +84,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from sac_reference import RecordingOptimizer, arr, frame_locals
-from snapshot import compile_reference, load_definitions, read_snapshot
+from snapshot import compile_reference, fixture_path, load_definitions, read_snapshot
 
 FILES = {"models": "MRQ/models.py", "utils": "MRQ/utils.py", "mrq": "MRQ/MRQ.py", "buffer": "MRQ/buffer.py"}
 OBS_DIM, ACT_DIM, BATCH, WIDTH = 5, 2, 8, 16
@@ -375,9 +375,7 @@ def run_schedule(ns, weights: dict, out: dict) -> int:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mrq", required=True, help="git dir of the fetched facebookresearch/MRQ snapshot")
-    p.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "mrq_reference.npz")
-    )
+    p.add_argument("--out", default=fixture_path("mrq_reference.npz"))
     a = p.parse_args()
     torch.set_num_threads(1)
     src = {k: read_snapshot(a.mrq, f) for k, f in FILES.items()}

@@ -49,7 +49,7 @@ import sys
 
 import numpy as np
 import torch
-from snapshot import load_definitions, read_snapshot
+from snapshot import fixture_path, load_definitions, read_snapshot
 
 SCHEDULER_FILE = "NE/STL_Scheduler.py"
 UTILS_FILE = "NE/utils.py"
@@ -171,9 +171,7 @@ def distinct(x):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ne", required=True, help="git dir of the fetched torressliu/neuroplastic-expansion snapshot")
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "ne_reference.npz")
-    )
+    ap.add_argument("--out", default=fixture_path("ne_reference.npz"))
     a = ap.parse_args()
     ref, utils, actor_cls, commit = load_reference(a.ne)
     out = {}

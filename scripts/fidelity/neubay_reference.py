@@ -102,7 +102,7 @@ import numpy as np
 import optax
 import yaml
 from sklearn.model_selection import train_test_split
-from snapshot import compile_reference, load_definitions, locals_at_return, read_snapshot
+from snapshot import compile_reference, fixture_path, load_definitions, locals_at_return, read_snapshot
 
 jax.config.update("jax_platform_name", "cpu")
 
@@ -579,7 +579,7 @@ def main():
     p.add_argument("--neubay", required=True, help="git dir of the fetched twni2016/neubay snapshot")
     p.add_argument(
         "--out",
-        default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "neubay_reference.npz"),
+        default=fixture_path("neubay_reference.npz"),
     )
     a = p.parse_args()
     snap = {k: read_snapshot(a.neubay, f) for k, f in FILES.items()}

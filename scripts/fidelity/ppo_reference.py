@@ -63,7 +63,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from snapshot import compile_reference, load_definitions, read_snapshot
+from snapshot import compile_reference, fixture_path, load_definitions, read_snapshot
 
 CLEANRL_FILE = "cleanrl/ppo_continuous_action.py"
 OBS_DIM, ACT_DIM, NUM_ENVS, NUM_STEPS = 3, 2, 2, 8
@@ -310,9 +310,7 @@ def main():
         help="rerun the reference in float64 from the fixture's float32 weights and inputs and print, per "
         "output, its largest difference from the float32 run in units of the test's bound",
     )
-    p.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "ppo_reference.npz")
-    )
+    p.add_argument("--out", default=fixture_path("ppo_reference.npz"))
     a = p.parse_args()
     torch.set_num_threads(1)
     source, commit = read_snapshot(a.cleanrl, CLEANRL_FILE)

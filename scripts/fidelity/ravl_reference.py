@@ -91,7 +91,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from sac_reference import arr, fixed_normal_draws, frame_locals
-from snapshot import compile_reference, load_definitions, read_snapshot
+from snapshot import compile_reference, fixture_path, load_definitions, read_snapshot
 
 FILES = {
     "net": "dynamics_training/net.py",
@@ -706,9 +706,7 @@ def run_fit(ref, sources, dataset, out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ravl", required=True, help="git dir of the fetched anyasims/edge-of-reach snapshot")
-    p.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "ravl_reference.npz")
-    )
+    p.add_argument("--out", default=fixture_path("ravl_reference.npz"))
     a = p.parse_args()
     torch.set_num_threads(1)
     sources, commit = {}, None

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
-from snapshot import load_definitions, read_snapshot
+from snapshot import fixture_path, load_definitions, read_snapshot
 
 RECYCLERS_FILE = "dopamine/labs/redo/weight_recyclers.py"
 NETWORKS_FILE = "dopamine/labs/redo/networks.py"
@@ -113,9 +113,7 @@ def weights(rng, x):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dopamine", required=True, help="git dir of the fetched google/dopamine snapshot")
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "redo_reference.npz")
-    )
+    ap.add_argument("--out", default=fixture_path("redo_reference.npz"))
     a = ap.parse_args()
     rec_src, commit = read_snapshot(a.dopamine, RECYCLERS_FILE)
     net_src, _ = read_snapshot(a.dopamine, NETWORKS_FILE)

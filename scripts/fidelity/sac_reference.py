@@ -50,7 +50,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from snapshot import compile_reference, load_definitions, read_snapshot
+from snapshot import compile_reference, fixture_path, load_definitions, read_snapshot
 
 CLEANRL_FILE = "cleanrl/sac_continuous_action.py"
 CORL_FILE = "algorithms/offline/edac.py"
@@ -296,9 +296,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cleanrl", required=True, help="git dir of the fetched vwxyzjn/cleanrl snapshot")
     p.add_argument("--corl", required=True, help="git dir of the fetched tinkoff-ai/CORL snapshot")
-    p.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "sac_reference.npz")
-    )
+    p.add_argument("--out", default=fixture_path("sac_reference.npz"))
     a = p.parse_args()
     torch.set_num_threads(1)
     cleanrl_src, cleanrl_commit = read_snapshot(a.cleanrl, CLEANRL_FILE)

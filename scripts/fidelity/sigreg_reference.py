@@ -42,7 +42,7 @@ import types
 
 import numpy as np
 import torch
-from snapshot import read_snapshot
+from snapshot import fixture_path, read_snapshot
 
 FILES = {
     "lejepa.univariate.base": "lejepa/univariate/base.py",
@@ -120,7 +120,7 @@ def main():
     ap.add_argument("--lejepa", required=True, help="git dir of the fetched rbalestr-lab/lejepa snapshot")
     ap.add_argument(
         "--out",
-        default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "sigreg_reference.npz"),
+        default=fixture_path("sigreg_reference.npz"),
     )
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -15,6 +15,13 @@ import os
 import subprocess
 import sys
 
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures")
+
+
+def fixture_path(name: str) -> str:
+    """A generator's default output: ``tests/fixtures/<name>``, which the fixture tests read."""
+    return os.path.join(FIXTURES, name)
+
 
 def _git(git_dir: str, *args: str) -> str:
     gd = git_dir if os.path.exists(os.path.join(git_dir, "HEAD")) else os.path.join(git_dir, ".git")

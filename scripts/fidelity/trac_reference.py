@@ -41,6 +41,7 @@ import mpmath
 import numpy as np
 import torch
 import trac_optimizer.trac as trac_module
+from snapshot import fixture_path  # noqa: E402  (scripts/fidelity/snapshot.py, beside this file)
 from trac_optimizer import start_trac
 
 LR = 1e-2
@@ -97,9 +98,7 @@ def run(init: dict, grads: dict, erfi) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "trac_reference.npz")
-    )
+    ap.add_argument("--out", default=fixture_path("trac_reference.npz"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(48)
