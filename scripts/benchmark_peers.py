@@ -6,6 +6,7 @@
         --out runs/peers                                   # HalfCheetah-v5, 12000 steps per run, 3 rounds
     python scripts/benchmark_peers.py --sbx-python /tmp/sbxvenv/bin/python --rounds 5    # CleanRL skipped
     python scripts/benchmark_peers.py ... --zoo-flag=--plasticity.metrics-every=0       # extra train.py flags
+    python scripts/benchmark_peers.py ... --zoo-variant rolled:RLZOO_UNROLLED_THREEFRY=0  # a second zoo run per round
 
 What is measured: env steps per second of one SAC training run (1 seed, 1 env, 1M-row replay buffer,
 HalfCheetah-v5 unless --env), over the steps of a window after learning starts: from
@@ -322,10 +323,11 @@ def zoo_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
 
 
-def run_zoo(workdir: Path, args: argparse.Namespace) -> dict:
+def run_zoo(workdir: Path, args: argparse.Namespace, env: Optional[dict] = None, name: str = "zoo") -> dict:
+    """The zoo's run (``env``: environment variables it runs with, a ``--zoo-variant``'s)."""
     run_dir = workdir / "run"
-    rc, out, err = _call(zoo_argv(args, run_dir), workdir, args.timeout)
-    _keep_log(args, "zoo", out, err)
+    rc, out, err = _call(zoo_argv(args, run_dir), workdir, args.timeout, env)
+    _keep_log(args, name, out, err)
     if rc != 0:
         raise _failed(rc, out, err)
     config = json.loads((run_dir / "config.json").read_text())
@@ -394,18 +396,23 @@ def _keep_log(args: argparse.Namespace, name: str, out: str, err: str):
         (logs / f"round{args.current_round}_{name}.log").write_text(out + "\n--- stderr ---\n" + err)
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:VAR=VALUE[,VAR=VALUE...]`` (a ``--zoo-variant``) -> (NAME, {VAR: VALUE})."""
+    name, sep, spec = text.partition(":")
+    pairs = [p.partition("=") for p in spec.split(",") if p]
+    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise ValueError(f"--zoo-variant {text!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]")
+    return name, {k: v for k, _, v in pairs}
+
+
 def build_impls(args: argparse.Namespace) -> list[Impl]:
-    """The zoo and the peers, in the order every round runs them; a peer without its interpreter (or, for
-    CleanRL, its script) is skipped, saying so."""
-    impls = [
-        Impl(
-            "zoo",
-            "zoo (train.py sac)",
-            sys.executable,
-            ("plasticity-zoo", "jax", "jaxlib", "mujoco", "gymnasium", "numpy"),
-            run_zoo,
-        )
-    ]
+    """The zoo (then its ``--zoo-variant`` runs) and the peers, in the order every round runs them; a peer
+    without its interpreter (or, for CleanRL, its script) is skipped, saying so."""
+    packages = ("plasticity-zoo", "jax", "jaxlib", "mujoco", "gymnasium", "numpy")
+    impls = [Impl("zoo", "zoo (train.py sac)", sys.executable, packages, run_zoo)]
+    for name, env in map(parse_variant, args.zoo_variant):
+        run = lambda workdir, a, env=env, name=f"zoo-{name}": run_zoo(workdir, a, env, name)  # noqa: E731
+        impls.append(Impl(f"zoo-{name}", f"zoo {name}", sys.executable, packages, run))
     sbx = Impl(
         "sbx",
         "SBX SAC",
@@ -487,9 +494,10 @@ def summarize(impls: list[Impl], rounds: list[dict]) -> dict:
         rates = [r[impl.name]["rate"] for r in rounds if impl.name in r and "rate" in r[impl.name]]
         medians[impl.name] = statistics.median(rates) if rates else None
     ratios = {}
-    for peer in ("sbx", "cleanrl"):
-        z, p = medians.get("zoo"), medians.get(peer)
-        ratios[f"zoo/{peer}"] = z / p if z is not None and p else None
+    for zoo in [impl.name for impl in impls if impl.name.startswith("zoo")]:
+        for peer in ("sbx", "cleanrl"):
+            z, p = medians.get(zoo), medians.get(peer)
+            ratios[f"{zoo}/{peer}"] = z / p if z is not None and p else None
     return {
         "median_rate": medians,
         "ratios": ratios,
@@ -598,6 +606,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="directory for peers.json, peers.md and logs/")
     p.add_argument("--zoo-flag", action="append", default=[], help="extra train.py flag (repeatable: --zoo-flag=--x=1)")
     p.add_argument(
+        "--zoo-variant",
+        action="append",
+        default=[],
+        help="a second zoo run per round with environment variables set: NAME:VAR=VALUE[,VAR=VALUE] (repeatable)",
+    )
+    p.add_argument(
         "--cleanrl-threads",
         type=int,
         help="torch threads of CleanRL's run (OMP_NUM_THREADS, MKL_NUM_THREADS; default: torch's, one per core)",
@@ -612,6 +626,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} {path}: no such file")
     if args.cleanrl_script is not None:
         args.cleanrl_script = str(Path(args.cleanrl_script).resolve())
+    for v in args.zoo_variant:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            p.error(str(e))
     args.window_start = window_start(args.steps, args.learning_starts)
     args.current_round = 0
     return args
@@ -675,6 +694,7 @@ def main(argv=None) -> dict:
             "window_start": args.window_start,
             "rounds": args.rounds,
             "zoo_flags": args.zoo_flag,
+            "zoo_variants": args.zoo_variant,
             "cleanrl_threads": args.cleanrl_threads,
             "zoo_argv": zoo_argv(args, Path("RUN_DIR"))[1:],
             "cleanrl_argv": cleanrl_argv(args)[1:] if args.cleanrl_python and args.cleanrl_script else None,

@@ -132,3 +132,30 @@ def test_peer_commands(peers):
     zoo = peers.zoo_argv(args, Path("run"))
     assert zoo[zoo.index("--eval-every") + 1] == "1501" and zoo[zoo.index("--checkpoint-every") + 1] == "1501"
     compile(peers.sbx_driver(), "<sbx driver>", "exec")  # the driver's code (window's source + training) parses
+
+
+def test_zoo_variants_run_with_their_environment(peers, tmp_path, monkeypatch):
+    """--zoo-variant NAME:VAR=VALUE adds a zoo run per round with those environment variables, after the
+    plain one, and a ratio to each peer; a malformed one is refused."""
+    assert peers.parse_variant("unrolled:RLZOO_UNROLLED_THREEFRY=1,XLA_FLAGS=--a=b") == (
+        "unrolled",
+        {"RLZOO_UNROLLED_THREEFRY": "1", "XLA_FLAGS": "--a=b"},
+    )
+    for bad in ("unrolled", "unrolled:", ":A=1", "x:A", "x:=1"):
+        with pytest.raises(ValueError, match="expected NAME:VAR=VALUE"):
+            peers.parse_variant(bad)
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--zoo-variant", "x:A"])
+    calls = []
+
+    def fake_zoo(workdir, args, env=None, name="zoo"):
+        calls.append((name, env))
+        return {"rate": 120.0 if env else 100.0, "first": 6000, "last": 12000, "seconds": 60.0}
+
+    monkeypatch.setattr(peers, "run_zoo", fake_zoo)
+    monkeypatch.setattr(peers, "probe_versions", lambda impl: {"python": "3"})
+    report = peers.main(["--rounds", "2", "--zoo-variant", "fast:A=1", "--out", str(tmp_path)])
+    assert calls == [("zoo", None), ("zoo-fast", {"A": "1"})] * 2
+    assert report["summary"]["median_rate"]["zoo-fast"] == 120.0
+    assert set(report["summary"]["ratios"]) == {"zoo/sbx", "zoo/cleanrl", "zoo-fast/sbx", "zoo-fast/cleanrl"}
+    assert report["settings"]["zoo_variants"] == ["fast:A=1"]

