@@ -114,10 +114,23 @@ def _any_nonzero(tree) -> jax.Array:
     return jnp.any(jnp.stack([jnp.any(v != 0) for v in jax.tree.leaves(tree)]))
 
 
+@jax.custom_vjp
 def _gated(v, on):
-    """``v`` with its gradient multiplied by ``on`` (0 or 1): the same value, exactly (``v - v`` is 0)."""
-    fixed = jax.lax.stop_gradient(v)
-    return fixed + on.astype(v.dtype) * (v - fixed)
+    """``v`` itself, with its gradient multiplied by ``on`` (0 or 1).  A custom VJP: the forward pass does
+    no arithmetic (``stop_gradient(v) + on (v - stop_gradient(v))``, the same value and gradient, passed
+    over every weight of the head in each forward pass)."""
+    return v
+
+
+def _gated_fwd(v, on):
+    return v, on
+
+
+def _gated_bwd(on, g):
+    return g * on.astype(g.dtype), jnp.zeros_like(on)
+
+
+_gated.defvjp(_gated_fwd, _gated_bwd)
 
 
 @dataclass(frozen=True)
@@ -147,22 +160,25 @@ class ResidualHeadNet(Net):
         return super().module(split(params)[0])
 
     def apply(self, params, *inputs, probes=None, member_inputs: bool = False):
-        # whether any member's pair is not zero, decided once outside the members' vmap, so that it stays
-        # a branch in an ensemble (a zero pair's terms are exactly 0, so computing them for all is exact)
-        live = _any_nonzero(split(params)[1])
+        # whether any member's theta' is not zero (the injection has happened), decided once outside the
+        # members' vmap, so that it stays a branch in an ensemble (a zero pair's terms are exactly 0, so
+        # computing them for all is exact).  theta'_frozen equals theta' at the injection and never moves,
+        # and a fresh draw is never all zero, so theta' alone decides
+        live = _any_nonzero(split(params)[1]["fresh"])
         forward = lambda p, x, pr: self._forward(p, x, pr, live)  # noqa: E731
         return self._map(forward, params, inputs, probes, member_inputs)
 
     def _forward(self, params, x, probes, live=None):
         base, pair = split(params)
-        live = _any_nonzero(pair) if live is None else live
+        live = _any_nonzero(pair["fresh"]) if live is None else live
         # the injection has happened iff theta' is not zero (a fresh draw never is); gradients reach theta'
-        # only then, theta's head only before, theta'_frozen never; values pass through unchanged
-        on = _any_nonzero(pair["fresh"]).astype(jnp.float32)
+        # only then (its terms are computed only then), theta's head only before, theta'_frozen never;
+        # values pass through unchanged
+        on = live.astype(jnp.float32)
         base = override(base, jax.tree.map(lambda v: _gated(v, 1.0 - on), head_part(base, self.head)))
 
         def residual(base):
-            fresh = self._out(override(base, jax.tree.map(lambda v: _gated(v, on), pair["fresh"])), x)
+            fresh = self._out(override(base, pair["fresh"]), x)
             frozen = self._out(override(base, jax.tree.map(jax.lax.stop_gradient, pair["frozen"])), x)
             return fresh - frozen
 
