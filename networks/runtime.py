@@ -16,6 +16,7 @@ private JAX function, registered only for the JAX versions it was checked with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -23,29 +24,74 @@ import warnings
 UNROLLED_THREEFRY_JAX = ("0.10.", "0.11.")  # JAX versions whose private lowering rule this was checked with
 
 
+def _unrolled_threefry_rule(warn: bool = True):
+    """(the Threefry primitive, JAX's unrolled lowering rule), or None where JAX's version or internals are
+    not the ones checked (``warn``: say so)."""
+    import jax
+
+    if not jax.__version__.startswith(UNROLLED_THREEFRY_JAX):
+        if warn:
+            warnings.warn(
+                f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with "
+                f"{', '.join(v + 'x' for v in UNROLLED_THREEFRY_JAX)}); JAX's rolled loop is used"
+            )
+        return None
+    try:
+        from jax._src.random import threefry2x32 as threefry
+
+        return threefry.threefry2x32_p, threefry._threefry2x32_lowering_rule
+    except (ImportError, AttributeError):  # another JAX layout: keep its default lowering
+        if warn:
+            warnings.warn("RLZOO_UNROLLED_THREEFRY: JAX's Threefry lowering moved; its rolled loop is used")
+        return None
+
+
 def unroll_threefry_on_cpu() -> bool:
     """With ``RLZOO_UNROLLED_THREEFRY=1``, register the unrolled Threefry lowering for the CPU platform;
     False otherwise, and where JAX's version or internals are not the ones checked (a warning says so)."""
     if os.environ.get("RLZOO_UNROLLED_THREEFRY", "") in ("", "0"):
         return False
-    import jax
-
-    if not jax.__version__.startswith(UNROLLED_THREEFRY_JAX):
-        warnings.warn(
-            f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with "
-            f"{', '.join(v + 'x' for v in UNROLLED_THREEFRY_JAX)}); JAX's rolled loop is used"
-        )
+    found = _unrolled_threefry_rule()
+    if found is None:
         return False
+    from jax._src.interpreters import mlir
+
+    mlir.register_lowering(*found, platform="cpu")
+    return True
+
+
+@contextlib.contextmanager
+def threefry_unrolled():
+    """Programs lowered inside this block use the unrolled Threefry lowering on CPU; JAX's own rule after.
+
+    For the small programs a host loop calls once per env step, which run a few draws and little else:
+    there JAX's rolled loop (a 5-iteration ``while`` per draw, its carried values copied each iteration)
+    is a large share of the call, and the unrolled draws compile in little time.  Wrapping each call is
+    enough: only a call that lowers (the first with new shapes) reads the rule, and a call on a compiled
+    program pays two dict writes.  The same bits either way.  Nothing changes under
+    ``RLZOO_UNROLLED_THREEFRY=0`` (the rolled loop everywhere) or ``=1`` (unrolled everywhere already)."""
+    found = None
+    if os.environ.get("RLZOO_UNROLLED_THREEFRY", "") == "":
+        found = _unrolled_threefry_rule(warn=False)
     try:
         from jax._src.interpreters import mlir
-        from jax._src.random import threefry2x32 as threefry
 
-        rule, primitive = threefry._threefry2x32_lowering_rule, threefry.threefry2x32_p
-    except (ImportError, AttributeError):  # another JAX layout: keep its default lowering
-        warnings.warn("RLZOO_UNROLLED_THREEFRY: JAX's Threefry lowering moved; its rolled loop is used")
-        return False
+        table = mlir._platform_specific_lowerings["cpu"]
+    except (ImportError, AttributeError):
+        found = None
+    if found is None:
+        yield
+        return
+    primitive, rule = found
+    before = table.get(primitive)
     mlir.register_lowering(primitive, rule, platform="cpu")
-    return True
+    try:
+        yield
+    finally:
+        if before is None:
+            table.pop(primitive, None)
+        else:
+            table[primitive] = before
 
 
 THREEFRY_UNROLLED = unroll_threefry_on_cpu()

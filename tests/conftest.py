@@ -26,6 +26,10 @@ if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
 # CPUs, which the golden fingerprints' tolerances allow.  train.py keeps XLA's defaults.
 if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# The on-policy host loop lowers its step and update with the unrolled Threefry hash (networks/runtime.py:
+# threefry_unrolled), which compiles slower; the suite compiles far more than it runs, so it keeps JAX's
+# rolled loop everywhere (the same bits: tests/test_networks.py), save the tests that unset this.
+os.environ.setdefault("RLZOO_UNROLLED_THREEFRY", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as scripts/train.py: LAPACK's threads fight XLA's
 # XLA compiles dominate the suite's time, and many tests (and the training subprocesses of the CLI

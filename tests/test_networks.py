@@ -236,3 +236,53 @@ def test_lapack_calls_run_one_matrix_each_under_vmap_with_the_batched_values():
     ours = jax.jit(jax.vmap(lambda k: orthogonal(2.0)(k, (5, 64))))(keys)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(plain(keys)))
     np.testing.assert_array_equal(np.asarray(ours[1]), np.asarray(orthogonal(2.0)(keys[1], (5, 64))))
+
+
+def test_the_on_policy_host_loop_lowers_its_draws_unrolled(monkeypatch):
+    """``runtime.threefry_unrolled()`` puts the unrolled Threefry rule in place for the programs lowered inside
+    it and JAX's own back after; the on-policy host loop's step and update are lowered inside it (by
+    default; ``RLZOO_UNROLLED_THREEFRY=0``, the suite's setting, keeps the rolled loop)."""
+    import dataclasses
+
+    from plasticity_zoo import agents
+    from plasticity_zoo.networks import runtime
+    from plasticity_zoo.training.config import NetworkConfig, RunConfig
+    from plasticity_zoo.training.loops import onpolicy
+
+    prim, unrolled = runtime._unrolled_threefry_rule()
+    lowered = []
+
+    def counting(*args, **kwargs):
+        lowered.append(1)
+        return unrolled(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "_unrolled_threefry_rule", lambda warn=True: (prim, counting))
+    draw = lambda n: jax.jit(lambda k: jax.random.normal(k, (n,)))  # noqa: E731
+    monkeypatch.setenv("RLZOO_UNROLLED_THREEFRY", "0")
+    with runtime.threefry_unrolled():
+        draw(3)(jax.random.key(0))
+    assert not lowered  # 0: the rolled loop everywhere
+    monkeypatch.delenv("RLZOO_UNROLLED_THREEFRY")
+    with runtime.threefry_unrolled():
+        a = draw(4)(jax.random.key(0))
+    assert lowered and "while" in draw(5).lower(jax.random.key(0)).compile().as_text()  # JAX's rule after
+    np.testing.assert_array_equal(a, draw(4)(jax.random.key(0)))  # the same bits as the rolled loop
+
+    ppo = agents.get("ppo")
+    T = 13  # a rollout length no other test compiles
+    acfg = dataclasses.replace(ppo.PPOConfig(), num_steps=T, num_minibatches=1, update_epochs=1)
+    cfg = RunConfig(env="Pendulum-v1", agent_name="ppo", agent=acfg, network=NetworkConfig(width=4, depth=1))
+    state, loop, key = onpolicy.init_state(ppo, cfg, 3, 1)
+    start, step, iterate = onpolicy.make_fns(ppo, T)[:3]
+    state, loop, action = start(state, loop, np.zeros((1, 1, 3), np.float32), key)
+    ff, fm = step.flatten(state, loop)
+    lowered.clear()
+    z = np.zeros((1, 1), np.float32)
+    fm, action = step(
+        ff, fm, np.int32(0), z, z > 0, z > 0, np.zeros((1, 1, 3), np.float32), np.zeros((1, 1, 3), np.float32), key
+    )
+    assert lowered  # the step
+    state, loop = step.unflatten(fm)
+    lowered.clear()
+    iterate(state, loop, key)
+    assert lowered  # the update

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from plasticity_zoo.envs import make_vector_env, nonstationary
+from plasticity_zoo.networks.runtime import threefry_unrolled
 from plasticity_zoo.plasticity.hooks import Hooks, check_optimizers, static_plasticity
 from plasticity_zoo.training.config import RunConfig
 from plasticity_zoo.training.driver import Driver, StepReport
@@ -161,13 +162,28 @@ def seed_fns(agent, T: int):
     return start_all, step_all, iterate_all
 
 
+def _unrolled_draws(fn):
+    """``fn`` called inside ``networks.runtime.threefry_unrolled()``: its programs hash their random draws
+    with the unrolled Threefry lowering on CPU (the same bits).  The host loop's per-step program makes three
+    draws (the step's key, the seeds' keys, the action's noise) and little arithmetic at CleanRL's sizes, so
+    JAX's rolled loops were a large share of each call (docs/benchmarks.md, PPO throughput)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with threefry_unrolled():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 @functools.lru_cache(maxsize=16)
 def make_fns(agent, T: int):
     """(start, step, iterate, reset_norm, eval_act): ``seed_fns`` jitted for the host loop.
 
     Kron / NE masks and SIGReg are static fields of the agent state (``state.plasticity``), so
     they are part of each program's cache key.  Cached per (agent, T), so runs in one process
-    (e.g. a resumed run, tests) reuse the compilations.
+    (e.g. a resumed run, tests) reuse the compilations.  The step and the update lower their random
+    draws unrolled (``_unrolled_draws``).
     """
     start_all, step_all, iterate_all = seed_fns(agent, T)
 
@@ -178,7 +194,7 @@ def make_fns(agent, T: int):
     return (
         jax.jit(start_all, donate_argnums=(0, 1)),
         FlatStep(agent, step_all),
-        jax.jit(iterate_all, donate_argnums=(0, 1)),
+        _unrolled_draws(jax.jit(iterate_all, donate_argnums=(0, 1))),
         jax.jit(jax.vmap(reset_norm)),
         eval_act,
     )
@@ -230,7 +246,8 @@ class FlatStep:
         return self._agent.rollout_merge(state, mutable), loop
 
     def __call__(self, ff, fm, *args):
-        return self._compiled[self._current[0]](ff, fm, *args)
+        with threefry_unrolled():  # see _unrolled_draws
+            return self._compiled[self._current[0]](ff, fm, *args)
 
 
 def check(cfg: RunConfig, agent=None):
