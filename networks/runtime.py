@@ -1,17 +1,16 @@
 """Process-wide JAX settings the zoo applies when it is imported (``networks`` imports this module),
 and the persistent compilation cache the entry points switch on (``use_persistent_cache``).
 
-**Threefry on CPU: JAX's rolled loop by default, the unrolled lowering on request.**  Every
-``jax.random`` draw hashes counters with Threefry-2x32; on CPU JAX lowers the hash's 20 rounds as a
-5-iteration rolled loop, on GPU and TPU unrolled.  Both compute the same bits
-(``tests/test_networks.py`` compares them).  ``RLZOO_UNROLLED_THREEFRY=1`` registers the unrolled
-lowering for the CPU platform: a SAC update at width 32 took 1.3 ms against 2.0 ms rolled, but XLA
-compiles the unrolled hash slowly (SAC's ``learn_and_act`` at the default width: 37.5 s against 3.5 s),
-and whole runs favour the rolled loop: the README's ``train.py sac --env Pendulum-v1`` took 193.6 s
-to its end against 218.9 s unrolled on a first run, and 172.4 s against 170.3 s on a second run with
-the compiled programs in the persistent cache (docs/benchmarks.md, "Start-up").  The unrolled rule is a
-private JAX function, registered only for the JAX versions it was checked with
-(``UNROLLED_THREEFRY_JAX``).
+**Threefry on CPU: JAX's rolled loop by default, unrolled in the on-policy host loop and on request.**
+Every ``jax.random`` draw hashes counters with Threefry-2x32; on CPU JAX lowers the hash's 20 rounds as
+a 5-iteration rolled loop, on GPU and TPU unrolled.  Both compute the same bits (``tests/test_networks.py``
+compares them).  XLA compiles the unrolled hash slowly (SAC's ``learn_and_act`` at the default width:
+20 s against 5 s), and SAC's whole runs gained nothing from it (docs/benchmarks.md, SAC beside SBX), so
+the rolled loop stays the default.  ``threefry_unrolled()`` lowers the programs inside it unrolled: the
+on-policy host loop's step and update, small programs whose draws were a large share of each call
+(docs/benchmarks.md, PPO throughput).  ``RLZOO_UNROLLED_THREEFRY=1`` registers the unrolled lowering for
+every CPU program, ``=0`` keeps the rolled loop everywhere.  The unrolled rule is a private JAX function,
+used only under the JAX versions it was checked with (``UNROLLED_THREEFRY_JAX``).
 """
 
 from __future__ import annotations
