@@ -246,3 +246,30 @@ def test_an_env_step_needs_no_memory_that_grows_with_the_buffer_capacity(case):
     allowed = 0 if name == "sac" else (capacities[1] - capacities[0]) // 64
     for program, (small, large) in zip(("learn_and_act", "store"), zip(*temps)):
         assert large - small <= allowed, f"{program}'s temporaries grow with the capacity: {small} -> {large} bytes"
+
+
+def test_a_host_env_step_draws_its_keys_in_one_jitted_call(tiny_sac_config, monkeypatch):
+    """The off-policy step's keys (the run's next key, the step's, the events') come from one jitted call,
+    ``step_keys``: op by op, ``jax.random.split`` and ``fold_in`` on the host cost 0.4 ms per env step
+    (docs/benchmarks.md, SAC's profile).  After the first steps compile, a step calls neither."""
+    from plasticity_zoo.training.loops import offpolicy
+
+    cfg = tiny_sac_config(learning_starts=2, batch_size=8)
+    it = offpolicy.OffPolicyIteration(cfg, sac)
+    it.fresh()
+    for at in range(4):
+        it.step(at, 1)
+    calls = []
+    for name in ("split", "fold_in"):
+        real = getattr(jax.random, name)
+        monkeypatch.setattr(
+            jax.random, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    key = it.key
+    report = it.step(4, 1)
+    assert calls == []
+    want_key, want_k = jax.random.split(key)
+    np.testing.assert_array_equal(jax.random.key_data(it.key), jax.random.key_data(want_key))
+    np.testing.assert_array_equal(  # the events' key: fold_in(step key, 1), as before
+        jax.random.key_data(report.key), jax.random.key_data(jax.random.fold_in(want_k, 1))
+    )
