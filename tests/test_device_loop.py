@@ -66,18 +66,27 @@ def short_episodes(limit: int, name: str = "CartpoleBalance"):
     return Short(name, limit=limit)
 
 
+@pytest.fixture(scope="module")
+def short_cartpole():
+    """CartpoleBalance with episodes of 3 steps, one object for the file: the env tests below step it
+    through ``envs.playground.jitted`` (the host vector env's programs), so MuJoCo's physics compiles
+    into one reset and one step program of 2 envs that they share."""
+    return short_episodes(3)
+
+
 # ----------------------------------------------------------------------------------------------
 # The env
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @needs_playground
-def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_same_step():
-    from plasticity_zoo.envs.playground import env_keys
+def test_an_episode_limit_truncates_keeps_the_true_final_obs_and_resets_in_the_same_step(short_cartpole):
+    from plasticity_zoo.envs.playground import env_keys, jitted
 
-    env = short_episodes(3)
+    env = short_cartpole  # episodes of 3 steps
     raw = env.env
-    state = jax.jit(env.reset)(env_keys([0, 1]))
-    step, raw_step = jax.jit(env.step), jax.jit(jax.vmap(raw.step))
+    reset, step = jitted(env)  # jax.jit(env.reset), jax.jit(env.step)
+    state = reset(env_keys([0, 1]))
+    raw_step = jax.jit(jax.vmap(raw.step))
     inner, rewards = state.inner, []
     for t in range(3):
         a = jnp.array([[0.3], [-0.7]])
@@ -120,15 +129,15 @@ def test_actions_reach_the_physics_inside_the_control_range(mode):
 
 @pytest.mark.slow
 @needs_playground
-def test_the_host_vector_env_pickles_exactly_and_reports_finished_episodes():
+def test_the_host_vector_env_pickles_exactly_and_reports_finished_episodes(short_cartpole):
     import pickle
 
     from plasticity_zoo.envs import make_vector_env
 
     env = make_vector_env(ENV, 2, 7)
-    env.pg = short_episodes(4)
+    env.pg = short_cartpole  # episodes of 3 steps: they end in the steps compared below
     env.reset()
-    for _ in range(3):
+    for _ in range(2):
         env.step(np.full((2, 1), 0.2))
     copy = pickle.loads(pickle.dumps(env))
     copy.pg = env.pg
@@ -137,7 +146,7 @@ def test_the_host_vector_env_pickles_exactly_and_reports_finished_episodes():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
     finished = env.pop_finished()
-    assert sorted(i for i, _, _ in finished) == [0, 1] and all(n == 4 for _, _, n in finished)
+    assert sorted(i for i, _, _ in finished) == [0, 1] and all(n == 3 for _, _, n in finished)
 
 
 def test_without_the_extra_a_playground_id_names_the_extra(monkeypatch):

@@ -33,6 +33,12 @@ def _state(**kw):
 _update = jax.jit(mrq_mt.update)
 
 
+@pytest.fixture(scope="module")
+def state():
+    """``_state()`` (the default config's agent), initialised once for the tests that only read it."""
+    return _state()
+
+
 def _obs(rng, tasks):
     """mt: observations of the given tasks: each task's own dims random, zero padding, one-hot."""
     obs = np.zeros((len(tasks), SPEC.obs_dim), np.float32)
@@ -57,13 +63,13 @@ def _windows(tasks, h=5, seed=0, terminated=None):
     )
 
 
-def test_the_per_task_discount_follows_scalemrls_episode_length_heuristic():
+def test_the_per_task_discount_follows_scalemrls_episode_length_heuristic(state):
     # f = L / 5; gamma = clip((f - 1) / f, 0.95, 0.995)
     cfg = _cfg()
     got = mrq_mt.task_discounts(cfg, [500, 1000, 50, 200, 100_000])
     np.testing.assert_allclose(got, [99 / 100, 199 / 200, 0.95, 39 / 40, 0.995], rtol=1e-6)
     np.testing.assert_allclose(mrq_mt.task_discounts(_cfg(gamma=0.9), [500, 50]), [0.9, 0.9])
-    np.testing.assert_allclose(_state().discounts, [0.99, 0.995, 0.95], rtol=1e-6)
+    np.testing.assert_allclose(state.discounts, [0.99, 0.995, 0.95], rtol=1e-6)
 
 
 def test_the_two_hot_of_symlog_puts_its_mass_on_the_two_neighbouring_bins_and_decodes_back():
@@ -90,8 +96,7 @@ def test_running_scale_moves_towards_the_5_95_percentile_range_at_rate_tau():
 
 
 @pytest.mark.slow
-def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two_sampled_heads():
-    state = _state()
+def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two_sampled_heads(state):
     term = np.zeros((3, 5), bool)
     term[1, 2] = True  # task 1's window ends at its third transition
     win = _windows([0, 1, 2], terminated=term)
@@ -123,8 +128,7 @@ def test_the_masked_multistep_target_uses_each_tasks_discount_and_the_min_of_two
 
 
 @pytest.mark.slow
-def test_the_task_embedding_gradient_reaches_only_the_rows_of_tasks_in_the_batch():
-    state = _state()
+def test_the_task_embedding_gradient_reaches_only_the_rows_of_tasks_in_the_batch(state):
     grad = np.asarray(jax.jit(mrq_mt.task_embedding_grad)(state, _windows([0, 2, 2, 0])))
     assert grad.shape == (3, 96)
     assert np.all(grad[1] == 0.0)
@@ -154,8 +158,7 @@ def test_fixed_embeddings_from_a_file_are_used_and_never_trained(tmp_path):
 
 
 @pytest.mark.slow
-def test_actions_are_zero_on_every_padded_dimension_exploring_or_not():
-    state = _state()
+def test_actions_are_zero_on_every_padded_dimension_exploring_or_not(state):
     obs = jnp.asarray(_obs(np.random.default_rng(0), [0, 1, 2] * 20))
     for explore in (False, True):
         a = np.asarray(mrq_mt.act(state, obs, jax.random.key(3), explore))

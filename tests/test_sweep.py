@@ -152,18 +152,42 @@ def _write_spec(path: Path, variants: str, extra: str = "", flags=TINY) -> Path:
     return path
 
 
+def _cli_in_process(args, capsys, monkeypatch):
+    """scripts/sweep.py's command line called in this process (its ``cli``: the exit status, the
+    error line), as ``_cli`` runs it, without a new Python's start: (returncode, stdout, stderr)."""
+    import importlib.util
+
+    monkeypatch.setenv("RLZOO_DEBUG", "0")
+    spec = importlib.util.spec_from_file_location("sweep_script", SWEEP)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        script.cli(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
 @pytest.mark.parametrize(
-    "variants, message",
+    "variants, message, in_a_subprocess",
     [
-        ('none = {}\nbad = { "critcs" = 3 }\n', "trial Pendulum-v1__sac__bad__seed0: train.py"),
-        ('none = {}\nbad = { "gamma" = 1.5 }\n', "trial Pendulum-v1__sac__bad__seed0: "),
-        ('none = { preset = "nope" }\n', "unknown preset 'nope'"),
+        ('none = {}\nbad = { "critcs" = 3 }\n', "trial Pendulum-v1__sac__bad__seed0: train.py", True),
+        ('none = {}\nbad = { "gamma" = 1.5 }\n', "trial Pendulum-v1__sac__bad__seed0: ", False),
+        ('none = { preset = "nope" }\n', "unknown preset 'nope'", False),
     ],
 )
 @pytest.mark.slow
-def test_a_sweep_with_a_bad_trial_is_refused_before_anything_is_created(tmp_path, variants, message):
+def test_a_sweep_with_a_bad_trial_is_refused_before_anything_is_created(
+    tmp_path, variants, message, in_a_subprocess, capsys, monkeypatch
+):
+    """The first case runs scripts/sweep.py as a command; the others call its command line in this
+    process (the same refusal path, without a Python start each)."""
     spec = _write_spec(tmp_path / "s.toml", variants, 'envs = ["Pendulum-v1"]')
-    out = _cli([str(spec), "--dir", str(tmp_path / "sweep")])
+    args = [str(spec), "--dir", str(tmp_path / "sweep")]
+    if in_a_subprocess:
+        out = _cli(args)
+    else:
+        out = subprocess.CompletedProcess(args, *_cli_in_process(args, capsys, monkeypatch))
     assert out.returncode == 2, out.stderr
     assert "error: " in out.stderr and message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "sweep").exists()
