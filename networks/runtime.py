@@ -26,23 +26,29 @@ UNROLLED_THREEFRY_JAX = ("0.10.", "0.11.")  # JAX versions whose private lowerin
 def _unrolled_threefry_rule(warn: bool = True):
     """(the Threefry primitive, JAX's unrolled lowering rule), or None where JAX's version or internals are
     not the ones checked (``warn``: say so)."""
+    found, why = _threefry_lookup()
+    if found is None and warn:
+        warnings.warn(why)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _threefry_lookup():
+    """``_unrolled_threefry_rule``'s answer and, without one, why; looked up once per process."""
     import jax
 
     if not jax.__version__.startswith(UNROLLED_THREEFRY_JAX):
-        if warn:
-            warnings.warn(
-                f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with "
-                f"{', '.join(v + 'x' for v in UNROLLED_THREEFRY_JAX)}); JAX's rolled loop is used"
-            )
-        return None
+        checked = ", ".join(v + "x" for v in UNROLLED_THREEFRY_JAX)
+        return None, (
+            f"RLZOO_UNROLLED_THREEFRY: not applied under jax {jax.__version__} (checked with {checked}); "
+            "JAX's rolled loop is used"
+        )
     try:
         from jax._src.random import threefry2x32 as threefry
 
-        return threefry.threefry2x32_p, threefry._threefry2x32_lowering_rule
+        return (threefry.threefry2x32_p, threefry._threefry2x32_lowering_rule), None
     except (ImportError, AttributeError):  # another JAX layout: keep its default lowering
-        if warn:
-            warnings.warn("RLZOO_UNROLLED_THREEFRY: JAX's Threefry lowering moved; its rolled loop is used")
-        return None
+        return None, "RLZOO_UNROLLED_THREEFRY: JAX's Threefry lowering moved; its rolled loop is used"
 
 
 def unroll_threefry_on_cpu() -> bool:
@@ -69,21 +75,14 @@ def threefry_unrolled():
     enough: only a call that lowers (the first with new shapes) reads the rule, and a call on a compiled
     program pays two dict writes.  The same bits either way.  Nothing changes under
     ``RLZOO_UNROLLED_THREEFRY=0`` (the rolled loop everywhere) or ``=1`` (unrolled everywhere already)."""
-    found = None
-    if os.environ.get("RLZOO_UNROLLED_THREEFRY", "") == "":
-        found = _unrolled_threefry_rule(warn=False)
-    try:
-        from jax._src.interpreters import mlir
-
-        table = mlir._platform_specific_lowerings["cpu"]
-    except (ImportError, AttributeError):
-        found = None
-    if found is None:
+    found = _unrolled_threefry_rule(warn=False) if os.environ.get("RLZOO_UNROLLED_THREEFRY", "") == "" else None
+    lowerings = _cpu_lowerings()
+    if found is None or lowerings is None:
         yield
         return
-    primitive, rule = found
+    (primitive, rule), (table, entry) = found, lowerings
     before = table.get(primitive)
-    mlir.register_lowering(primitive, rule, platform="cpu")
+    table[primitive] = entry(rule, True)  # as mlir.register_lowering(primitive, rule, platform="cpu") does
     try:
         yield
     finally:
@@ -91,6 +90,18 @@ def threefry_unrolled():
             table.pop(primitive, None)
         else:
             table[primitive] = before
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_lowerings():
+    """(JAX's table of CPU-specific lowering rules, its entry type), looked up once (``threefry_unrolled``
+    runs on every host-loop step); None under another JAX layout."""
+    try:
+        from jax._src.interpreters import mlir
+
+        return mlir._platform_specific_lowerings["cpu"], mlir.LoweringRuleEntry
+    except (ImportError, AttributeError):
+        return None
 
 
 THREEFRY_UNROLLED = unroll_threefry_on_cpu()
