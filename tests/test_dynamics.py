@@ -656,3 +656,168 @@ def test_a_single_or_uniform_weight_decay_applies_to_every_layer_at_any_depth():
     assert dyn.DynamicsConfig(depth=1, weight_decay=0.25).weight_decay == (0.25, 0.25)
     with pytest.raises(ValueError, match="depth \\+ 1 = 3 values"):
         dyn.DynamicsConfig(depth=2, weight_decay=(0.1, 0.2))
+
+
+# ----------------------------------------------------------------------------- a resumable fit
+
+# CFG's network and data (its compiled epoch) with a stopping rule that acts within 12 epochs: the lr is
+# cut at epoch 2, stalls follow, and the fit stops at epoch 12 (min_epochs 8)
+CFG_STOPS = replace(CFG, min_epochs=8, max_epochs=30, patience=2, improvement=0.3)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_at(epoch, seen=None):
+    """A ``train(log=...)`` callback that records the epochs it hears of and raises at ``epoch``."""
+
+    def log(e, row):
+        if seen is not None:
+            seen.append(e)
+        if e == epoch:
+            raise Interrupted
+
+    return log
+
+
+def assert_same_fit(a, b):
+    (model_a, info_a), (model_b, info_b) = a, b
+    for k, v in named(model_a.params).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(named(model_b.params)[k]), err_msg=k)
+    for f in ("elites", "val_mse", "input_mean", "input_std"):
+        np.testing.assert_array_equal(np.asarray(getattr(model_a, f)), np.asarray(getattr(model_b, f)), err_msg=f)
+    for f in ("val_mse", "elites", "val_curve", "train_loss", "train_loss_members", "holdout_idx", "train_idx"):
+        np.testing.assert_array_equal(info_a[f], info_b[f], err_msg=f)
+    for f in ("epochs", "lr_cut_epoch", "stopped_early"):
+        assert info_a[f] == info_b[f], f
+
+
+def test_an_interrupted_fit_resumes_to_the_uninterrupted_result(data, tmp_path):
+    plain = dyn.train(jax.random.key(0), *data, CFG_STOPS)
+    info = plain[1]
+    # the stopper's state matters: an lr cut before the interruptions, an early stop after them
+    assert info["lr_cut_epoch"] == 2 and info["stopped_early"] and info["epochs"] == 12
+    assert info["resumed_from_epoch"] == 0
+    # after epoch 5: the lr cut, 3 epochs without progress, every member's best still its initial params;
+    # after epoch 11: a stall of 1 (the stop at 12 needs it), the bests of epochs 9 and 10
+    for stop, stall in ((5, 3), (11, 1)):
+        path = tmp_path / f"fit-{stop}.partial.npz"
+        with pytest.raises(Interrupted):
+            dyn.train(
+                jax.random.key(0), *data, CFG_STOPS, log=interrupt_at(stop), resume_path=path, checkpoint_interval_s=0
+            )
+        state = np.load(path)  # written before the log callback
+        assert int(state["epoch"]) == stop and int(state["stopper/stall"]) == stall
+        assert int(state["stopper/lr_cut_at"]) == 2
+        assert not list(tmp_path.glob("*.tmp"))
+        heard, seen = [], []
+        resumed = dyn.train(
+            jax.random.key(0),
+            *data,
+            CFG_STOPS,
+            log=interrupt_at(None, seen),
+            resume_path=path,
+            checkpoint_interval_s=0,
+            on_resume=heard.append,
+        )
+        assert heard == [stop] and resumed[1]["resumed_from_epoch"] == stop and seen == list(range(stop + 1, 13))
+        assert_same_fit(plain, resumed)
+        # the final epoch is never stored: the file holds the one before the stop
+        assert int(np.load(path)["epoch"]) == 11
+
+
+def test_a_partial_fit_of_another_fit_or_an_unreadable_one_is_refused(data, tmp_path):
+    s, a, r, s2 = data
+    path = tmp_path / "fit.partial.npz"
+    with pytest.raises(Interrupted):
+        dyn.train(jax.random.key(0), *data, CFG_STOPS, log=interrupt_at(1), resume_path=path, checkpoint_interval_s=0)
+    for key, args, cfg, what in [
+        (0, data, replace(CFG_STOPS, lr=2e-3, members=5), r"another config \(lr, members\)"),
+        (0, (s, a, r + 1, s2), CFG_STOPS, "other data"),
+        (0, (s[:-1], a[:-1], r[:-1], s2[:-1]), CFG_STOPS, "other data"),
+        (1, data, CFG_STOPS, r"another key \(seed\)"),
+    ]:
+        with pytest.raises(SystemExit, match=f"{path} holds a partial dynamics fit with {what} .*delete it"):
+            dyn.train(jax.random.key(key), *args, cfg, resume_path=path)
+    good = path.read_bytes()
+    stored = dict(np.load(path))
+    del stored["opt_state/3"]
+    for name, content in [("truncated", good[: len(good) // 2]), ("garbage", b"not an npz")]:
+        path.write_bytes(content)
+        with pytest.raises(SystemExit, match=f"{path} is not a readable partial dynamics fit .*delete it"):
+            dyn.train(jax.random.key(0), *data, CFG_STOPS, resume_path=path)
+    np.savez(path, **stored)
+    with pytest.raises(SystemExit, match="not a readable partial dynamics fit .*opt_state/3"):
+        dyn.train(jax.random.key(0), *data, CFG_STOPS, resume_path=path)
+
+
+def test_the_state_is_written_at_most_every_interval(data, tmp_path, monkeypatch):
+    written, write = [], ensemble._write_fit_state
+
+    def spy(path, fingerprint, epoch, *rest):
+        written.append(epoch)
+        return write(path, fingerprint, epoch, *rest)
+
+    monkeypatch.setattr(ensemble, "_write_fit_state", spy)
+    cfg = replace(CFG, min_epochs=7, max_epochs=7)
+    path = tmp_path / "fit.partial.npz"
+    for interval, want in [(1e9, []), (25.0, [3, 6]), (0.0, [1, 2, 3, 4, 5, 6])]:
+        ticks = iter(range(0, 1000, 10))  # 10 s a call: at the start, then once after each epoch but the last
+        written.clear()
+        path.unlink(missing_ok=True)
+        dyn.train(
+            jax.random.key(0), *data, cfg, resume_path=path, checkpoint_interval_s=interval, clock=lambda: next(ticks)
+        )
+        assert written == want, interval
+        assert path.exists() == bool(want)
+
+
+def test_epoch_progress_after_a_resume_counts_the_epochs_run_here():
+    lines, now = [], [0.0]
+    progress = dyn.epoch_progress(lines.append, max_epochs=40, every=5, clock=lambda: now[0])
+    row = {"train_loss": 1.0, "best_val_mse": np.array([0.5]), "action": "continue"}
+    for epoch in (8, 9, 10):  # a fit resumed after epoch 7
+        now[0] += 4.0
+        progress(epoch, row)
+    assert lines[0].startswith("  dynamics epoch 8 (cap 40; 4.0 s/epoch)")  # the first epoch heard of
+    assert lines[1].startswith("  dynamics epoch 10 (cap 40; 4.0 s/epoch)") and len(lines) == 2
+
+
+@pytest.mark.slow
+def test_load_or_train_resumes_a_partial_fit_and_deletes_it(tmp_path):
+    """NeuBay's posterior (AdamW with a mask, no bootstrap): a second run of the same command after an
+    interruption resumes the fit and saves what an uninterrupted run saves."""
+    from plasticity_zoo.envs.datasets import Dataset
+
+    s, a, r, s2 = linear_system(300, seed=1)
+    n = len(s)
+    meta = {"action_low": [-1.0] * ACT, "action_high": [1.0] * ACT}
+    ds = Dataset(s, a, r, np.zeros(n, bool), np.zeros(n, bool), s2, metadata=meta)
+    cfg = dyn.neubay_config(**NEUBAY_SMALL)
+    key = jax.random.key(7)
+    plain = tmp_path / "plain.npz"
+    dynamics_io.load_or_train(key, ds, cfg, plain, log=lambda _: None, checkpoint_interval_s=0)
+    assert plain.exists() and not dyn.partial_path(plain).exists()  # written every epoch, deleted at the end
+
+    cache = tmp_path / "data.hdf5.neubay-0.npz"
+    partial = dyn.partial_path(cache)
+    assert partial == tmp_path / "data.hdf5.neubay-0.partial.npz"
+
+    def interrupting(line):
+        if "dynamics epoch 1 " in line:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        dynamics_io.load_or_train(key, ds, cfg, cache, log=interrupting, checkpoint_interval_s=0)
+    assert partial.exists() and not cache.exists()
+    lines = []
+    model = dynamics_io.load_or_train(key, ds, cfg, cache, log=lines.append, checkpoint_interval_s=0)
+    assert f"resuming the dynamics fit from epoch 1 ({partial})" in lines
+    assert any(line.startswith("  dynamics epoch 2 (cap 4;") for line in lines)
+    assert cache.exists() and not partial.exists()
+    want = dyn.load(plain)
+    for k, v in named(want.params).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(named(model.params)[k]), err_msg=k)
+    np.testing.assert_array_equal(np.asarray(want.elites), np.asarray(model.elites))
+    np.testing.assert_array_equal(np.asarray(want.val_mse), np.asarray(model.val_mse))

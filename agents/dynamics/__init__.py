@@ -14,7 +14,7 @@ Reading order, one module after the other (each imports only those before it):
 - ``config``: ``DynamicsConfig`` (RAVL's defaults), ``unifloral_config``, ``neubay_config``;
 - ``ensemble``: network -> loss -> early stopping -> ``train`` -> ``DynamicsModel``;
 - ``prediction``: ``predict``, ``epistemic_uncertainty``, ``uncertainty_threshold``, ``step`` -> ``rollout``;
-- ``io``: ``save`` / ``load``, and a run's model (``load_or_train``).
+- ``io``: ``save`` / ``load``, and a run's model (``load_or_train``, resuming from ``partial_path``).
 
 Every public name is re-exported here (``from plasticity_zoo.agents import dynamics``, then
 ``dynamics.train``); private helpers stay in the module that owns them (``ensemble._train_epoch``).
@@ -61,6 +61,7 @@ from plasticity_zoo.agents.dynamics.io import (
     epoch_progress,
     load,
     load_or_train,
+    partial_path,
     save,
 )
 from plasticity_zoo.agents.dynamics.prediction import (
@@ -112,5 +113,6 @@ __all__ = [
     "epoch_progress",
     "load",
     "load_or_train",
+    "partial_path",
     "save",
 ]

@@ -1,17 +1,21 @@
 """The ensemble itself: the network (``GaussianDynamics``, one per member), its loss, the early-stopping
 rule and the training (``train`` -> ``DynamicsModel``, the elites chosen by holdout MSE).
 
-Reading order: network -> loss -> early stopping -> training.
+Reading order: network -> loss -> early stopping -> training (and its resumable state).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -436,6 +440,127 @@ def _scaled_targets(model: DynamicsModel, obs, rewards, next_obs) -> np.ndarray:
     return ((targets - np.asarray(model.target_mean)) / np.asarray(model.target_std)).astype(np.float32)
 
 
+# ============================================================================ resumable fit
+
+_RESUME_FORMAT = 1  # partial-fit file format version
+
+
+def _is_typed(key) -> bool:
+    return jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(key) -> np.ndarray:
+    """The uint32 words of a typed (``jax.random.key``) or raw (``jax.random.PRNGKey``) key."""
+    return np.asarray(jax.random.key_data(key) if _is_typed(key) else key)
+
+
+def _fit_fingerprint(key, cfg: DynamicsConfig, arrays) -> dict[str, str]:
+    """What identifies a fit, one string each: ``config`` (every field, as JSON), ``data`` (the
+    shapes and a SHA-256 of the float32 arrays ``train`` fits: ~0.3 s per 100 MB) and ``key``
+    (its implementation and words)."""
+    digest = hashlib.sha256()
+    for a in arrays:
+        digest.update(np.ascontiguousarray(a).data)
+    impl = str(jax.random.key_impl(key)) if _is_typed(key) else "raw"
+    return {
+        "config": json.dumps(asdict(cfg), sort_keys=True),
+        "data": " ".join(str(a.shape) for a in arrays) + " sha256 " + digest.hexdigest(),
+        "key": f"{impl} {_key_data(key).tolist()}",
+    }
+
+
+def _write_fit_state(path: Path, fingerprint, epoch, key, params, best, opt_state, stopper, val_curve, losses):
+    """The loop's state after ``epoch`` as one ``.npz`` (no pickles), written atomically: a
+    temporary file in the same folder, then ``os.replace``."""
+    arrays = {f"fingerprint/{k}": np.array(v) for k, v in fingerprint.items()}
+    for name, tree in (("params", params), ("best", best), ("opt_state", opt_state)):
+        arrays.update({f"{name}/{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))})
+    arrays.update(
+        {
+            "format": np.array(_RESUME_FORMAT),
+            "epoch": np.array(epoch),
+            "key": _key_data(key),
+            "stopper/best": np.asarray(stopper.best),
+            "stopper/stall": np.array(stopper.stall),
+            "stopper/lr_cut_at": np.array(-1 if stopper.lr_cut_at is None else stopper.lr_cut_at),
+            "val_curve": np.stack(val_curve),
+            "losses": np.stack(losses),
+        }
+    )
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_fit_state(path: Path, fingerprint: dict[str, str]) -> dict:
+    """The arrays of a partial fit at ``path`` whose fingerprint is ``fingerprint``; SystemExit (a
+    message naming the file) for an unreadable file or another fit's."""
+    start_over = "delete it to start the fit over"
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            data = {k: f[k] for k in f.files}
+        if int(data["format"]) != _RESUME_FORMAT:
+            raise ValueError(f"format {int(data['format'])}, expected {_RESUME_FORMAT}")
+        stored = {k: str(data[f"fingerprint/{k}"]) for k in fingerprint}
+    except Exception as e:  # a truncated zip, a missing entry, not an npz at all ...
+        raise SystemExit(
+            f"{path} is not a readable partial dynamics fit ({type(e).__name__}: {e}): {start_over}"
+        ) from None
+    differs = []
+    if stored["config"] != fingerprint["config"]:
+        old, new = json.loads(stored["config"]), json.loads(fingerprint["config"])
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        differs.append(f"another config ({', '.join(changed)})")
+    if stored["data"] != fingerprint["data"]:
+        differs.append("other data")
+    if stored["key"] != fingerprint["key"]:
+        differs.append("another key (seed)")
+    if differs:
+        raise SystemExit(f"{path} holds a partial dynamics fit with {', '.join(differs)} than this one: {start_over}")
+    return data
+
+
+def _restore_fit_state(path: Path, data: dict, key, params, opt_state, stopper: EarlyStopping):
+    """Rebuild the loop's state from ``_read_fit_state``'s arrays on the fresh ``key``, ``params``
+    and ``opt_state`` (their kind, tree structure, shapes and dtypes); sets ``stopper``'s fields.
+    -> (epoch, key, params, best, opt_state, val_curve, losses)."""
+
+    def tree(name, template):
+        leaves, treedef = jax.tree.flatten(template)
+        stored = [data[f"{name}/{i}"] for i in range(len(leaves))]
+        if f"{name}/{len(leaves)}" in data or any(
+            s.shape != t.shape or s.dtype != t.dtype for s, t in zip(stored, leaves)
+        ):
+            raise ValueError(f"{name} does not match the config's shapes")
+        return jax.tree.unflatten(treedef, [jnp.asarray(s) for s in stored])
+
+    try:
+        epoch = int(data["epoch"])
+        words = data["key"]
+        if _is_typed(key):
+            key = jax.random.wrap_key_data(jnp.asarray(words, jnp.uint32), impl=jax.random.key_impl(key))
+        else:
+            key = jnp.asarray(words, key.dtype)
+        params, best, opt_state = tree("params", params), tree("best", params), tree("opt_state", opt_state)
+        val_curve, losses = list(data["val_curve"]), list(data["losses"])
+        if len(val_curve) != epoch + 1 or len(losses) != epoch or data["stopper/best"].shape != stopper.best.shape:
+            raise ValueError(f"curves of {len(val_curve)} / {len(losses)} rows at epoch {epoch}")
+        stopper.best = data["stopper/best"]
+        stopper.stall = int(data["stopper/stall"])
+        stopper.lr_cut_at = None if int(data["stopper/lr_cut_at"]) < 0 else int(data["stopper/lr_cut_at"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(
+            f"{path} is not a readable partial dynamics fit ({type(e).__name__}: {e}): delete it to start the fit over"
+        ) from None
+    return epoch, key, params, best, opt_state, val_curve, losses
+
+
 def train(
     key,
     obs,
@@ -444,6 +569,10 @@ def train(
     next_obs,
     cfg: DynamicsConfig = DynamicsConfig(),
     log: Optional[Callable[[int, dict], None]] = None,
+    resume_path: Union[str, os.PathLike, None] = None,
+    checkpoint_interval_s: float = 60.0,
+    clock: Callable[[], float] = time.monotonic,
+    on_resume: Optional[Callable[[int], None]] = None,
 ) -> tuple[DynamicsModel, dict]:
     """Fit the ensemble to (s, a) -> (s' - s, r) and pick elites (RAVL's ``ensemble.py``).
 
@@ -455,12 +584,24 @@ def train(
     (``EarlyStopping``).  The returned model holds each member's best params; elites = the lowest
     holdout MSEs.  ``log(epoch, scalars)``, if given, is called after every epoch.
 
+    Resuming: with ``resume_path``, the loop's state is written there after an epoch (atomically:
+    a temporary file, then ``os.replace``) once ``checkpoint_interval_s`` have passed on ``clock``
+    since the last write (the first: since the loop started), never after the last epoch.  It holds
+    the epoch, the current and the kept (best) params, the optimizer state (the learning rate
+    included), the key for the next epoch, ``EarlyStopping``'s bests, stall count and lr-cut epoch,
+    the validation and loss curves, and the fit's fingerprint (config, data hash, key).  A call
+    with the same key, data and config finds the file, continues from the epoch after the stored
+    one (``on_resume(epoch)``, if given, hears which) and returns what an uninterrupted fit returns,
+    bit for bit (the holdout split, bootstrap resamples and normalisation are recomputed from the
+    key and the data).  Another fit's file, or an unreadable one: SystemExit, naming the file.
+    The caller deletes the file once the model is saved.
+
     ``info``: ``val_mse`` (M,), ``elites`` (E,), ``epochs`` run, ``train_loss`` (epochs,) mean NLL over
     members, ``train_loss_members`` (epochs, M), ``val_curve`` (epochs + 1, M) including epoch 0,
     ``lr_cut_epoch`` (or None), ``stopped_early``, ``holdout_idx`` / ``train_idx`` (row indices),
-    ``seconds``.
+    ``seconds`` (this call's), ``resumed_from_epoch`` (0 unless resumed).
     """
-    t0 = time.perf_counter()
+    t0, last_write = time.perf_counter(), clock()
     obs, actions, rewards, next_obs = _as_arrays(obs, actions, rewards, next_obs)
     n, obs_dim, act_dim = len(obs), obs.shape[1], actions.shape[1]
     n_val = int(n * cfg.holdout)
@@ -471,6 +612,13 @@ def train(
             f"{n} transitions cannot be split into training and holdout rows "
             f"(holdout={cfg.holdout}, max_holdout={cfg.max_holdout})"
         )
+    partial_file = None if resume_path is None else Path(resume_path)
+    saved: Optional[dict] = None
+    fingerprint: dict[str, str] = {}
+    if partial_file is not None:
+        fingerprint = _fit_fingerprint(key, cfg, (obs, actions, rewards, next_obs))
+        if partial_file.exists():
+            saved = _read_fit_state(partial_file, fingerprint)
     k_split, k_boot, k_init, key = jax.random.split(key, 4)
     perm = np.asarray(jax.random.permutation(k_split, n))
     val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
@@ -502,6 +650,13 @@ def train(
     best = jax.tree.map(jnp.copy, params)
     val_curve, losses = [val], []
     epoch, action = 0, "continue"
+    if saved is not None and partial_file is not None:
+        epoch, key, params, best, opt_state, val_curve, losses = _restore_fit_state(
+            partial_file, saved, key, params, opt_state, stopper
+        )
+        if on_resume is not None:
+            on_resume(epoch)
+    resumed_from = epoch
     while action != "stop":
         epoch += 1
         key, k_epoch = jax.random.split(key)
@@ -519,6 +674,13 @@ def train(
         lr = float(opt_state.hyperparams["learning_rate"])
         if action == "cut_lr":
             opt_state.hyperparams["learning_rate"] = jnp.asarray(lr * cfg.lr_cut, jnp.float32)
+        if partial_file is not None and action != "stop":
+            now = clock()
+            if now - last_write >= checkpoint_interval_s:
+                _write_fit_state(
+                    partial_file, fingerprint, epoch, key, params, best, opt_state, stopper, val_curve, losses
+                )
+                last_write = now
         if log is not None:
             log(
                 epoch,
@@ -547,6 +709,7 @@ def train(
         "holdout_idx": val_idx,
         "train_idx": train_idx,
         "seconds": time.perf_counter() - t0,
+        "resumed_from_epoch": resumed_from,
     }
     return model, info
 

@@ -1,6 +1,6 @@
 """A trained ensemble on disk (``save`` / ``load``: one ``.npz``) and the model an offline run uses
-(``load_or_train``: the given or cached model, else one trained now and cached; ``epoch_progress``
-reports the fit).
+(``load_or_train``: the given or cached model, else one trained now and cached, resuming an
+interrupted fit from its ``partial_path``; ``epoch_progress`` reports the fit).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, fields
+from pathlib import Path
 from typing import Callable, Optional
 
 import jax
@@ -105,23 +106,29 @@ def epoch_progress(
     interval_s: float = 60.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> Callable[[int, dict], None]:
-    """A ``train(log=...)`` callback that reports an epoch line to ``log``: the first epoch, every
-    ``every``-th, any epoch whose action is not "continue" (stop, lr cut), and any epoch ending
-    ``interval_s`` or more after the last line, so a slow fit (a 128-member NeuBay posterior on 40k
-    rows takes 30-40 s an epoch on a 2-core CPU) is never silent for long.  Each line gives the seconds per
-    epoch so far and the epoch cap (early stopping usually ends sooner)."""
+    """A ``train(log=...)`` callback that reports an epoch line to ``log``: the first epoch it hears
+    of (1, or the one after a resumed fit's stored epoch), every ``every``-th, any epoch whose action
+    is not "continue" (stop, lr cut), and any epoch ending ``interval_s`` or more after the last line,
+    so a slow fit (a 128-member NeuBay posterior on 40k rows takes 30-40 s an epoch on a 2-core CPU)
+    is never silent for long.  Each line gives the seconds per epoch run since the callback was
+    made (a resumed fit: over the epochs run in this process only) and the epoch cap (early
+    stopping usually ends sooner)."""
     start = last = clock()
+    before: Optional[int] = None  # the epoch before the first one heard of: 0, or a resumed fit's stored epoch
 
     def progress(epoch: int, row: dict) -> None:
-        nonlocal last
+        nonlocal last, before
         now = clock()
+        first = before is None
+        if before is None:
+            before = epoch - 1
         action = row.get("action") or ""
-        if not (epoch == 1 or epoch % every == 0 or action not in ("", "continue") or now - last >= interval_s):
+        if not (first or epoch % every == 0 or action not in ("", "continue") or now - last >= interval_s):
             return
         last = now
         cap = "no cap" if max_epochs >= NO_EPOCH_CAP else f"cap {max_epochs}"
         log(
-            f"  dynamics epoch {epoch} ({cap}; {(now - start) / epoch:.1f} s/epoch): train loss "
+            f"  dynamics epoch {epoch} ({cap}; {(now - start) / (epoch - before):.1f} s/epoch): train loss "
             f"{row['train_loss']:.4f}, best validation MSE {np.min(row['best_val_mse']):.5f}"
             + ("" if action in ("", "continue") else f" ({action})")
         )
@@ -129,16 +136,32 @@ def epoch_progress(
     return progress
 
 
+def partial_path(cache_path) -> Path:
+    """Where ``load_or_train`` keeps the state of an unfinished fit for ``cache_path``:
+    ``x.npz`` -> ``x.partial.npz`` (any other name: ``.partial.npz`` appended)."""
+    name = Path(cache_path).name
+    stem = name[: -len(".npz")] if name.endswith(".npz") else name
+    return Path(cache_path).with_name(stem + ".partial.npz")
+
+
 def load_or_train(
-    key, dataset, cfg: DynamicsConfig, cache_path, explicit_path: Optional[str] = None, log=print
+    key,
+    dataset,
+    cfg: DynamicsConfig,
+    cache_path,
+    explicit_path: Optional[str] = None,
+    log=print,
+    checkpoint_interval_s: float = 60.0,
 ) -> DynamicsModel:
     """The dynamics model an offline run uses: ``explicit_path`` (``--model``), else the model cached
     at ``cache_path`` (it must have been trained with ``cfg``), else one trained now on the dataset's
     true next observations (``dataset``: an ``envs.datasets.Dataset``, actions in [-1, 1]) and saved
     at ``cache_path``.  Raises SystemExit (a message) for a missing ``--model``, a model of other
-    dimensions, or a cached one trained with other settings."""
-    from pathlib import Path
+    dimensions, or a cached one trained with other settings.
 
+    The fit keeps its state in ``partial_path(cache_path)`` (``train(resume_path=...)``, written at
+    most every ``checkpoint_interval_s``): the same call after an interruption resumes it and gives
+    the model an uninterrupted fit gives; the file is deleted once the model is saved."""
     path = Path(explicit_path) if explicit_path else Path(cache_path)
     if path.exists():
         log(f"dynamics model: {path}")
@@ -159,9 +182,21 @@ def load_or_train(
         raise SystemExit(f"--model {path}: no such file")
     log(f"training the dynamics ensemble on {len(dataset)} transitions (cached at {path}) ...")
     t = dataset.transitions(unit_actions=True)
-
-    model, info = train(key, t.obs, t.action, t.reward, t.next_obs, cfg, log=epoch_progress(log, cfg.max_epochs))
+    partial = partial_path(path)
+    model, info = train(
+        key,
+        t.obs,
+        t.action,
+        t.reward,
+        t.next_obs,
+        cfg,
+        log=epoch_progress(log, cfg.max_epochs),
+        resume_path=partial,
+        checkpoint_interval_s=checkpoint_interval_s,
+        on_resume=lambda epoch: log(f"resuming the dynamics fit from epoch {epoch} ({partial})"),
+    )
     save(path, model)
+    partial.unlink(missing_ok=True)
     val = np.asarray(info["val_mse"])
     log(
         f"dynamics: {info['epochs']} epochs, validation MSE per member {[float(f'{v:.3g}') for v in val]}, "
