@@ -29,8 +29,9 @@ round.  So the pair is inert before an injection (an agent's global-norm clip se
 without it) and, after it, gradient norms count only what trains.  The values are untouched.
 
 The two extra terms are computed only while the pair is not zero (a ``lax.cond`` on the pair itself,
-decided over all of an ensemble's members at once), so before an injection a one-seed update costs what
-it costs without the pair; under vmap over seeds JAX turns the branch into a select and both sides run.
+decided over all of an ensemble's members at once, inside a custom VJP whose only residuals are its inputs:
+``ResidualHeadNet._residual``), so before an injection a one-seed update does little beyond what it does
+without the pair; under vmap over seeds JAX turns the branch into a select and both sides run.
 
 Hidden-layer taps (metrics, ReDo / ReGraMa scores) are those of the network's own pass; the copies are
 neither recorded nor probed.
@@ -114,6 +115,28 @@ def _any_nonzero(tree) -> jax.Array:
     return jnp.any(jnp.stack([jnp.any(v != 0) for v in jax.tree.leaves(tree)]))
 
 
+def _without(params, head: tuple) -> nnx.State:
+    """``params`` without the leaves under the prefixes in ``head``: the encoder's part (``head_part``'s complement)."""
+    raw = _raw(params)
+    for prefix in head:
+        node = raw
+        for k in prefix[:-1]:
+            node = node[k]
+        del node[prefix[-1]]
+    return nnx.State(raw)
+
+
+def _merged(a, b) -> nnx.State:
+    """Two disjoint parts of one tree (``_without`` and ``head_part``) as the whole tree."""
+
+    def merge(x, y):
+        if not isinstance(x, dict):
+            return x
+        return {k: merge(x[k], y[k]) if k in x and k in y else (x[k] if k in x else y[k]) for k in {**x, **y}}
+
+    return nnx.State(merge(_raw(a), _raw(b)))
+
+
 @jax.custom_vjp
 def _gated(v, on):
     """``v`` itself, with its gradient multiplied by ``on`` (0 or 1).  A custom VJP: the forward pass does
@@ -176,20 +199,50 @@ class ResidualHeadNet(Net):
         # values pass through unchanged
         on = live.astype(jnp.float32)
         base = override(base, jax.tree.map(lambda v: _gated(v, 1.0 - on), head_part(base, self.head)))
-
-        def residual(base):
-            fresh = self._out(override(base, pair["fresh"]), x)
-            frozen = self._out(override(base, jax.tree.map(jax.lax.stop_gradient, pair["frozen"])), x)
-            return fresh - frozen
-
-        def zero(base):
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(residual, base))
-
-        # while the pair is zero its two terms are exactly 0 (module docstring): skip them.  Unmapped (one
-        # seed) this is a branch and an update before the injection costs what it costs without the pair;
-        # under vmap over seeds JAX evaluates both sides and selects, as without the branch
-        delta = jax.lax.cond(live, residual, zero, base)
+        delta = self._residual(on, _without(base, self.head), pair["fresh"], pair["frozen"], x)
         return self._with_out(base, lambda y: y + delta)(x, probes)
+
+    def _residual(self, on, encoder, fresh, frozen, x):
+        """``out_fresh(z) - out_frozen(z)`` while ``on`` (theta' live), else exact zeros, with ``encoder`` the
+        network's params below the head.
+
+        While the pair is zero its two terms are exactly 0 (module docstring), so they are skipped: a
+        ``lax.cond``, and a custom VJP whose only residuals are its inputs.  Plain ``lax.cond`` under
+        ``grad`` would save each term's activations and make the skipping branch fill zeros of their
+        shapes on every pass; here the skipping side of the forward and of the backward pass computes
+        nothing but the zeros of the cotangents (the encoder's, theta''s and the input's), and after the
+        injection the backward pass recomputes the two terms' forward pass.  Unmapped (one seed) these
+        are branches, so an update before the injection costs about what it costs without the pair;
+        under vmap over seeds JAX evaluates both sides and selects.  theta'_frozen gets no gradient.
+        """
+
+        def terms(encoder, fresh, frozen, x):
+            return self._out(_merged(encoder, fresh), x) - self._out(_merged(encoder, frozen), x)
+
+        def skipped(encoder, fresh, frozen, x):
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(terms, encoder, fresh, frozen, x))
+
+        @jax.custom_vjp
+        def delta(on, encoder, fresh, frozen, x):
+            return jax.lax.cond(on > 0, terms, skipped, encoder, fresh, frozen, x)
+
+        def delta_fwd(on, encoder, fresh, frozen, x):
+            return delta(on, encoder, fresh, frozen, x), (on, encoder, fresh, frozen, x)
+
+        def delta_bwd(res, ct):
+            on, encoder, fresh, frozen, x = res
+
+            def grads(ct, encoder, fresh, x):
+                return jax.vjp(lambda e, f, xx: terms(e, f, frozen, xx), encoder, fresh, x)[1](ct)
+
+            def none(ct, encoder, fresh, x):
+                return jax.tree.map(jnp.zeros_like, (encoder, fresh, x))
+
+            d_encoder, d_fresh, d_x = jax.lax.cond(on > 0, grads, none, ct, encoder, fresh, x)
+            return jnp.zeros_like(on), d_encoder, d_fresh, jax.tree.map(jnp.zeros_like, frozen), d_x
+
+        delta.defvjp(delta_fwd, delta_bwd)
+        return delta(on, encoder, fresh, frozen, x)
 
     def _with_out(self, params, fn):
         """The merged module with its output layer's result passed through ``fn``."""

@@ -104,6 +104,20 @@ def _input(params, n=5):
 # ----------------------------------------------------------------------------- the residual head
 
 
+def test_a_zero_pair_keeps_no_activations_of_the_skipped_terms_for_the_backward_pass():
+    # regression guard: before the injection the two residual terms are skipped, and the backward pass keeps
+    # only their inputs, not zeros shaped like their activations (a plain lax.cond under grad keeps those)
+    net, params = _built(lambda r: MLPHead(4, 3, TrunkSpec(16, 2), rngs=r), jax.random.key(0))
+    rnet, rparams = ResidualHeadNet.wrap(net, params, (("trunk", "layers", 1), ("out",)))
+    x = jnp.ones((512, 4))
+
+    def kept(net, params):  # bytes the backward pass holds on to (the VJP's residuals)
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.vjp(lambda p: net(p, x), params)[1]))
+
+    pair_and_input = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(split(rparams)[1])) + x.size * 4
+    assert kept(rnet, rparams) <= kept(net, params) + pair_and_input + 1024
+
+
 @pytest.mark.slow
 def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_exact_while_zero():
     net, params = _built(lambda r: MLPHead(4, 3, TrunkSpec(8, 2, layer_norm=True), rngs=r), jax.random.key(0))
@@ -125,9 +139,15 @@ def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_e
             net(params, x) + (net(override(params, a), x) - net(override(params, b), x)),
             rnet(join(params, {"fresh": a, "frozen": a}), x),
             jax.grad(loss(rnet))(join(params, {"fresh": a, "frozen": b})),
+            jax.grad(explicit, argnums=(0, 1))(params, a, b),
         )
 
-    y, ry, g, rg, both, want, same, g_after = run(params, rparams, a, b)
+    def explicit(params, a, b):  # Expression (1) by hand: theta's head and theta'_frozen held
+        held = override(params, jax.lax.stop_gradient(head_part(params, head)))
+        frozen = override(params, jax.lax.stop_gradient(b))
+        return jnp.sum((net(held, x) + net(override(params, a), x) - net(frozen, x)) ** 2)
+
+    y, ry, g, rg, both, want, same, g_after, (g_encoder, g_fresh) = run(params, rparams, a, b)
     # a zero pair: the wrapped network's outputs and gradients, bit for bit, and none for the pair
     np.testing.assert_array_equal(ry, y)
     for k, v in _leaves(g).items():
@@ -140,6 +160,11 @@ def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_e
             np.testing.assert_array_equal(v, 0.0, err_msg=str(k))
         elif k[-1] == "kernel":  # theta' and the encoder
             assert np.any(v != 0), k
+    # ... and they are Expression (1)'s gradients (the residual terms' custom VJP recomputes their forward pass)
+    want_grads = {**{k: v for k, v in _leaves(g_encoder).items() if k not in heads}}
+    want_grads.update({(RESIDUAL, "fresh", *k): v for k, v in _leaves(g_fresh).items()})
+    for k, v in want_grads.items():
+        np.testing.assert_allclose(ga[k], v, rtol=1e-5, atol=1e-6, err_msg=str(k))
     # any pair: Expression (1), every head on the same encoder output (MLPHead: the output layer is the output)
     np.testing.assert_allclose(both, want, rtol=1e-6, atol=1e-6)
     assert not np.allclose(both, y)
