@@ -195,8 +195,8 @@ class ResidualHeadNet(Net):
         base, pair = split(params)
         live = _any_nonzero(pair["fresh"]) if live is None else live
         # the injection has happened iff theta' is not zero (a fresh draw never is); gradients reach theta'
-        # only then (its terms are computed only then), theta's head only before, theta'_frozen never;
-        # values pass through unchanged
+        # only then (the backward branch of ``_residual``), theta's head only before (``_gated``),
+        # theta'_frozen never; values pass through unchanged
         on = live.astype(jnp.float32)
         base = override(base, jax.tree.map(lambda v: _gated(v, 1.0 - on), head_part(base, self.head)))
         delta = self._residual(on, _without(base, self.head), pair["fresh"], pair["frozen"], x)

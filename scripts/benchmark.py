@@ -283,6 +283,20 @@ def plasticity_overhead(
             samples[label].append(one_round(label, i))
     block_time = {label: float(np.median(v)) for label, v in samples.items()}
     t_update = block_time["plain"]
+    print(
+        f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
+        f"update time from {updates}-update training blocks"
+    )
+    print(f"per update: {t_update * 1e3:.2f} ms (plain)")
+    for label in timed_labels[1:]:
+        ratios = np.array([x / p - 1 for p, x in zip(samples["plain"], samples[label])])
+        q25, q50, q75 = np.quantile(ratios, [0.25, 0.5, 0.75])
+        print(
+            f"{label} overhead: {100 * (block_time[label] / t_update - 1):.1f}% of update time "
+            f"({block_time[label] * 1e3:.2f} ms; ratio of medians over {rounds} alternated rounds; median "
+            f"per-round ratio {100 * q50:.1f}% [{100 * q25:.1f}, {100 * q75:.1f}]; per round: "
+            f"{', '.join(f'{100 * r:.1f}%' for r in ratios)})"
+        )
     if not events:
         return {"update_s": t_update, **{f"{k}_update_s": v for k, v in block_time.items()}}
 
@@ -298,18 +312,6 @@ def plasticity_overhead(
         rc = dataclasses.replace(pcfg, regrama=method == "regrama", redo=method == "redo")
         fn = jax.jit(jax.vmap(functools.partial(reset_step, agent, rc)))
         resets[method] = timed(fn, state, buffer, keys)
-    print(
-        f"agent={agent_name} env={env_id} buffer_size={acfg.buffer_size} backend={jax.default_backend()}; "
-        f"update time from {updates}-update training blocks"
-    )
-    print(f"per update: {t_update * 1e3:.2f} ms (plain)")
-    for label in timed_labels[1:]:
-        ratios = [x / p - 1 for p, x in zip(samples["plain"], samples[label])]
-        print(
-            f"{label} overhead: {100 * (block_time[label] / t_update - 1):.1f}% of update time "
-            f"({block_time[label] * 1e3:.2f} ms; ratio of medians over {rounds} alternated rounds; per round: "
-            f"{', '.join(f'{100 * r:.1f}%' for r in ratios)})"
-        )
     print(
         f"metrics event: {t_metrics * 1e3:.1f} ms = {100 * t_metrics / (10_000 * t_update):.2f}% "
         "at every 10,000 updates"
@@ -360,13 +362,25 @@ def main(argv=None):
         action="store_true",
         help="instead: overhead of plasticity metrics, ReDo/ReGraMa resets and SIGReg vs update time",
     )
-    p.add_argument("--rounds", type=int, default=7, help="with --plasticity: alternated plain / SIGReg rounds")
+    p.add_argument("--rounds", type=int, default=7, help="with --plasticity: alternated rounds of each intervention")
+    p.add_argument(
+        "--interventions",
+        default=",".join(IN_UPDATE),
+        help=f"with --plasticity: the per-update interventions timed beside plain ({', '.join(IN_UPDATE)})",
+    )
+    p.add_argument("--no-events", action="store_true", help="with --plasticity: skip the metrics and reset events")
     args = p.parse_args(argv)
+    labels = tuple(x.strip() for x in args.interventions.split(",") if x.strip())
+    unknown = sorted(set(labels) - set(IN_UPDATE))
+    if unknown:
+        p.error(f"argument --interventions: unknown {', '.join(unknown)}; choose from {', '.join(IN_UPDATE)}")
     if args.agent not in timed:
         where = " (PPO's benchmark is scripts/benchmark_ppo.py)" if args.agent == "ppo" else ""
         p.error(f"argument --agent: {args.agent!r} is not timed here{where}; choose from {', '.join(timed)}")
     if args.plasticity:
-        return plasticity_overhead(args.agent, args.env, args.width, args.buffer_size, args.rounds)
+        return plasticity_overhead(
+            args.agent, args.env, args.width, args.buffer_size, args.rounds, labels, not args.no_events
+        )
     buffer_size = args.buffer_size or agents.get(args.agent).CONFIG().buffer_size
     print(
         f"agent={args.agent} env={args.env} buffer_size={buffer_size:,} width={args.width or 'paper default'} "

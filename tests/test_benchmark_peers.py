@@ -159,3 +159,14 @@ def test_zoo_variants_run_with_their_environment(peers, tmp_path, monkeypatch):
     assert report["summary"]["median_rate"]["zoo-fast"] == 120.0
     assert set(report["summary"]["ratios"]) == {"zoo/sbx", "zoo/cleanrl", "zoo-fast/sbx", "zoo-fast/cleanrl"}
     assert report["settings"]["zoo_variants"] == ["fast:A=1"]
+
+
+def test_the_plasticity_benchmark_refuses_an_unknown_intervention(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--plasticity", "--interventions", "plain,injection,nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: argument --interventions: unknown nope; choose from " + ", ".join(module.IN_UPDATE))

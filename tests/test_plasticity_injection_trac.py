@@ -118,6 +118,41 @@ def test_a_zero_pair_keeps_no_activations_of_the_skipped_terms_for_the_backward_
     assert kept(rnet, rparams) <= kept(net, params) + pair_and_input + 1024
 
 
+def test_an_ensembles_residual_heads_give_each_members_expression_1_gradients_when_only_some_are_live():
+    # the members' vmap decides the branch once for all members (live if any member's theta' is not zero), so
+    # every member gets Expression (1)'s gradients, theta' and the shared input's, its pair zero or not
+    made = {}
+
+    def draw(k):
+        made["net"], p = build("q", lambda r: MLPHead(5, 1, TrunkSpec(8, 2), rngs=r), k, ensemble=2)
+        return p
+
+    params = jax.jit(draw)(jax.random.key(0))
+    net, head = made["net"], (("trunk", "layers", 1), ("out",))
+    rnet, rparams = ResidualHeadNet.wrap(net, params, head)
+    # member 0 injected and trained on (theta'_frozen != theta'), member 1's pair zero
+    a, b = (jax.tree.map(lambda v: v.at[1].set(0.0), head_part(net.init(jax.random.key(k)), head)) for k in (1, 4))
+    x = jax.random.normal(jax.random.key(2), (7, 5))
+    loss = lambda p, x: jnp.sum(rnet(join(params, {"fresh": p, "frozen": b}), x) ** 2)  # noqa: E731
+    g_fresh, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, x)
+
+    member = lambda tree, i: jax.tree.map(lambda v: v[i], tree)  # noqa: E731
+    one, _ = build("one", lambda r: MLPHead(5, 1, TrunkSpec(8, 2), rngs=r), jax.random.key(3))
+
+    def explicit(f, x, i):  # member i by hand, theta's head and theta'_frozen held
+        p = member(params, i)
+        held, frozen = override(p, jax.lax.stop_gradient(head_part(p, head))), override(p, member(b, i))
+        return jnp.sum((one(held, x) + one(override(p, f), x) - one(jax.lax.stop_gradient(frozen), x)) ** 2)
+
+    want_x = 0.0
+    for i in range(2):
+        gf, gx = jax.grad(explicit, argnums=(0, 1))(member(a, i), x, i)
+        for k, v in _leaves(gf).items():
+            np.testing.assert_allclose(_leaves(member(g_fresh, i))[k], v, rtol=1e-5, atol=1e-6)
+        want_x = want_x + gx
+    np.testing.assert_allclose(g_x, want_x, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_exact_while_zero():
     net, params = _built(lambda r: MLPHead(4, 3, TrunkSpec(8, 2, layer_norm=True), rngs=r), jax.random.key(0))
@@ -139,15 +174,16 @@ def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_e
             net(params, x) + (net(override(params, a), x) - net(override(params, b), x)),
             rnet(join(params, {"fresh": a, "frozen": a}), x),
             jax.grad(loss(rnet))(join(params, {"fresh": a, "frozen": b})),
-            jax.grad(explicit, argnums=(0, 1))(params, a, b),
+            jax.grad(explicit, argnums=(0, 1, 3))(params, a, b, x),
+            jax.grad(lambda x: jnp.sum(rnet(join(params, {"fresh": a, "frozen": b}), x) ** 2))(x),
         )
 
-    def explicit(params, a, b):  # Expression (1) by hand: theta's head and theta'_frozen held
+    def explicit(params, a, b, x):  # Expression (1) by hand: theta's head and theta'_frozen held
         held = override(params, jax.lax.stop_gradient(head_part(params, head)))
         frozen = override(params, jax.lax.stop_gradient(b))
         return jnp.sum((net(held, x) + net(override(params, a), x) - net(frozen, x)) ** 2)
 
-    y, ry, g, rg, both, want, same, g_after, (g_encoder, g_fresh) = run(params, rparams, a, b)
+    y, ry, g, rg, both, want, same, g_after, (g_encoder, g_fresh, g_x), rg_x = run(params, rparams, a, b)
     # a zero pair: the wrapped network's outputs and gradients, bit for bit, and none for the pair
     np.testing.assert_array_equal(ry, y)
     for k, v in _leaves(g).items():
@@ -165,6 +201,7 @@ def test_the_residual_head_computes_h_theta_plus_h_fresh_minus_h_frozen_and_is_e
     want_grads.update({(RESIDUAL, "fresh", *k): v for k, v in _leaves(g_fresh).items()})
     for k, v in want_grads.items():
         np.testing.assert_allclose(ga[k], v, rtol=1e-5, atol=1e-6, err_msg=str(k))
+    np.testing.assert_allclose(rg_x, g_x, rtol=1e-5, atol=1e-6)  # and the input's (a critic's action)
     # any pair: Expression (1), every head on the same encoder output (MLPHead: the output layer is the output)
     np.testing.assert_allclose(both, want, rtol=1e-6, atol=1e-6)
     assert not np.allclose(both, y)
