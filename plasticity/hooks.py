@@ -352,8 +352,21 @@ def _mask_params(agent, state):
 
 
 def metrics_step(agent, state, batch, init_params, key):
-    """Plasticity metrics of every plastic (or measured) network for one seed on ``batch``."""
-    return metrics_lib.compute(measured_losses(agent, state, batch, key), measured_params(agent, state), init_params)
+    """Plasticity metrics of every plastic (or measured) network for one seed on ``batch``, with TRAC's
+    played scale where a network's optimizer is TRAC (``trac_scales``)."""
+    out = metrics_lib.compute(measured_losses(agent, state, batch, key), measured_params(agent, state), init_params)
+    return {**out, **trac_scales(agent, state)}
+
+
+def trac_scales(agent, state) -> dict:
+    """``plasticity/<net>/trac_scale``: the scale S_t = max(sum_beta s_beta, 0) TRAC plays for each network
+    whose optimizer is TRAC (``plasticity.trac``; Muppidi et al. 2024, Algorithm 1); {} without TRAC."""
+    out = {}
+    for name, (_, o_field) in agent.PLASTIC.items():
+        tracked = trac_lib.find(getattr(state, o_field))
+        if tracked is not None:
+            out[f"plasticity/{name}/trac_scale"] = jnp.maximum(jnp.sum(tracked.s), 0.0)
+    return out
 
 
 @cached_per_config

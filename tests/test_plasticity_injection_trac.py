@@ -544,6 +544,29 @@ def test_trac_and_injection_are_built_into_every_agents_optimizers(name):
         assert (split(getattr(state, p_field))[1] is not None) == (n in HEADS), n
 
 
+def test_the_metrics_event_logs_tracs_played_scale_for_each_network():
+    agent, state = _state("sac", PlasticityConfig(trac=True))
+    is_trac = lambda n: isinstance(n, trac.TracState)  # noqa: E731
+
+    def with_s(opt, s):  # the tuner's scales s_beta set by hand
+        return jax.tree.map(
+            lambda n: n._replace(s=jnp.asarray(s, n.s.dtype)) if is_trac(n) else n, opt, is_leaf=is_trac
+        )
+
+    n_beta = trac.find(state.critic_opt).s.shape
+    critic_s = np.linspace(-0.1, 0.3, int(np.prod(n_beta))).reshape(n_beta)
+    state = state.replace(
+        critic_opt=with_s(state.critic_opt, critic_s), actor_opt=with_s(state.actor_opt, -np.ones(n_beta))
+    )
+    scales = jax.jit(lambda st: hooks.trac_scales(agent, st))(state)
+    assert set(scales) == {f"plasticity/{n}/trac_scale" for n in agent.PLASTIC}
+    # S_t = max(sum_beta s_beta, 0) (Muppidi et al. 2024, Algorithm 1; the package's max(s_sum, 0))
+    np.testing.assert_allclose(float(scales["plasticity/critic/trac_scale"]), critic_s.sum(), rtol=1e-6)
+    assert float(scales["plasticity/actor/trac_scale"]) == 0.0
+    plain_agent, plain = _state("sac", PlasticityConfig(), abstract=True)
+    assert jax.eval_shape(lambda s: hooks.trac_scales(plain_agent, s), plain) == {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kron", [False, True])
 def test_trac_and_injection_combine_with_kron_nap_and_l2_init(kron):
