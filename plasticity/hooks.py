@@ -362,7 +362,7 @@ def trac_scales(agent, state) -> dict:
     """``plasticity/<net>/trac_scale``: the scale S_t = max(sum_beta s_beta, 0) TRAC plays for each network
     whose optimizer is TRAC (``plasticity.trac``; Muppidi et al. 2024, Algorithm 1); {} without TRAC."""
     out = {}
-    for name, (_, o_field) in agent.PLASTIC.items():
+    for name, (_, o_field) in getattr(agent, "PLASTIC", {}).items():  # a MeasuredAgent (NeuBay) may have none
         tracked = trac_lib.find(getattr(state, o_field))
         if tracked is not None:
             out[f"plasticity/{name}/trac_scale"] = jnp.maximum(jnp.sum(tracked.s), 0.0)
