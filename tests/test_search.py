@@ -439,21 +439,23 @@ def test_the_sweep_waits_for_the_train_py_of_a_stopped_trial_to_end(tmp_path):
     script = _script()
     ledger = sw.Ledger(tmp_path)
     (tmp_path / "status").mkdir()
-    # named like a trial's process; it ends when its stdin closes (a fixed sleep raced a loaded machine)
-    child = subprocess.Popen(["bash", "-c", "read -r _; true", "train.py"], stdin=subprocess.PIPE)
+    # named like a trial's process; it ends once a file appears (a fixed sleep raced a loaded machine, and
+    # waiting for its stdin to close hung when another process of the worker held the pipe's write end)
+    stop = tmp_path / "stop"
+    child = subprocess.Popen(["bash", "-c", 'while [ ! -e "$0" ]; do sleep 0.05; done', str(stop), "train.py"])
     other = subprocess.Popen(["sleep", "30"])
     try:
         ledger.set_status("t", pid=child.pid, host=os.uname().nodename)
         assert script._alive(child.pid) and not script._alive(other.pid)  # not a train.py
         start = time.time()
-        threading.Timer(1.0, child.stdin.close).start()
+        threading.Timer(1.0, stop.touch).start()
         script._wait_for_children(ledger, ["t"], timeout=60)
         assert 0.5 < time.time() - start < 30
         assert not script._alive(child.pid)  # ended (a zombie until this test reaps it)
     finally:
-        other.kill()
-        other.wait()
-        child.wait()
+        for proc in (other, child):  # never left running, never waited on forever
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def test_the_example_search_file_is_a_valid_search():
